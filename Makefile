@@ -1,0 +1,51 @@
+# Two set-up commands, each working on a fresh machine with only python3:
+#   make demo   creates .venv, installs attnlab, runs `attnlab demo`
+#   make test   creates .venv, installs the test extras, runs the whole suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
+# torch is only a test oracle (and a dependency of sentence-transformers): pin it to the
+# CPU wheel and install it before anything that depends on it.
+TORCH  := torch==2.13.0
+
+.PHONY: demo test install install-test browser bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(PIP) $(TORCH)
+	$(PIP) -e '.[viz,pretrained]'
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e '.[viz,pretrained,word2vec,test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test browser
+
+# Debian's Chromium for the report's browser tests (never a browser download).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+	      || echo "warning: could not install chromium; browser tests will be skipped" >&2; \
+	  else echo "warning: chromium not found; browser tests will be skipped" >&2; fi; }
+
+demo: install
+	$(BIN)/attnlab demo
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+bench: install-test
+	$(BIN)/python benchmarks/attention.py
+
+lint: install-test
+	$(BIN)/python -m pip install --quiet ruff && $(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) attnlab-out build src/*.egg-info

@@ -1,0 +1,43 @@
+"""attnlab: transformer self-attention from scratch in NumPy.
+
+Exact (PyTorch's numbers), fast, trainable, real and visual. The functional core lives in
+:mod:`attnlab.core`, the layers in :mod:`attnlab.nn`.
+
+Axis legend (every docstring): ``...`` batch dims, ``Hq``/``H`` query/key-value heads,
+``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head dim.
+Boolean masks are True where a query may attend to a key.
+"""
+
+from attnlab.core import (
+    attention_weights,
+    causal_mask,
+    convert_mha_mask,
+    mask_to_bias,
+    padding_mask,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+    simple_attention,
+    softmax,
+    softmax_backward,
+)
+from attnlab.nn import Linear, Module, MultiheadAttention, Parameter, SelfAttention
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Linear",
+    "Module",
+    "MultiheadAttention",
+    "Parameter",
+    "SelfAttention",
+    "attention_weights",
+    "causal_mask",
+    "convert_mha_mask",
+    "mask_to_bias",
+    "padding_mask",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "simple_attention",
+    "softmax",
+    "softmax_backward",
+]

@@ -1,0 +1,389 @@
+"""Attention layers: one-head ``SelfAttention`` (seeds 001/004) and ``MultiheadAttention``
+(seeds 000/002/003, mirroring ``torch.nn.MultiheadAttention``).
+
+Layers own parameters and call the functional core; the attention function is a parameter
+(``attention_fn``), so a faster kernel drops in without a second copy of the math.
+Boolean masks are True where a query may attend to a key (the opposite of torch's
+MultiheadAttention; see :func:`attnlab.convert_mha_mask`). Float masks are added to the scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from attnlab._validation import (
+    float_dtype,
+    fmt_shape,
+    generator,
+    positive_int,
+    probability,
+    shape_error,
+)
+from attnlab.core.attention import (
+    attend,
+    check_attention_args,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
+from attnlab.core.masks import causal_mask, mask_to_bias
+from attnlab.nn import functional as F
+from attnlab.nn import init
+from attnlab.nn.linear import Linear, check_input
+from attnlab.nn.module import Module, Parameter
+
+
+def _replay(rng: np.random.Generator, state) -> np.random.Generator | None:
+    """A Generator in the saved ``state``: it redraws the forward pass's dropout mask."""
+    if state is None:
+        return None
+    gen = np.random.Generator(type(rng.bit_generator)())
+    gen.bit_generator.state = state
+    return gen
+
+
+class SelfAttention(Module):
+    """Single-head self-attention with trainable ``W_q``, ``W_k``, ``W_v`` (``d_in -> d_out``).
+
+    ``Q = x W_q^T, K = x W_k^T, V = x W_v^T``; ``weights = softmax(Q K^T / sqrt(d_out))``;
+    ``context = weights V``. The projections are :class:`~attnlab.Linear` layers
+    (``state_dict`` keys ``W_q.weight`` …, plus ``.bias`` with ``qkv_bias``).
+
+    Args:
+        d_in: input width.
+        d_out: width of queries, keys, values and the context.
+        qkv_bias: give the projections a bias.
+        rng: Generator for the initial weights (torch ``nn.Linear``'s initialisation).
+        dtype: ``np.float32`` or ``np.float64``.
+
+    Call with ``x`` of shape ``(T, d_in)`` or ``(B, T, d_in)`` (and optionally ``attn_mask``
+    or ``is_causal``); returns ``(context (..., T, d_out), weights (..., T, T))``.
+
+    >>> layer = SelfAttention(3, 2, rng=np.random.default_rng(123))
+    >>> context, weights = layer(np.ones((6, 3), dtype=np.float32))
+    >>> context.shape, weights.shape
+    ((6, 2), (6, 6))
+    """
+
+    def __init__(self, d_in: int, d_out: int, *, qkv_bias: bool = False, rng=None, dtype=np.float32):
+        super().__init__()
+        self.d_in = positive_int(d_in, "d_in")
+        self.d_out = positive_int(d_out, "d_out")
+        rng = generator(rng)
+        dtype = float_dtype(dtype)
+        self.W_q = Linear(d_in, d_out, qkv_bias, rng=rng, dtype=dtype)
+        self.W_k = Linear(d_in, d_out, qkv_bias, rng=rng, dtype=dtype)
+        self.W_v = Linear(d_in, d_out, qkv_bias, rng=rng, dtype=dtype)
+
+    def forward(self, x: np.ndarray, *, attn_mask=None, is_causal: bool = False):
+        x = check_input(x, "x", self.W_q.weight.dtype, self.d_in, "(T, {d}) or (B, T, {d})")
+        if x.ndim not in (2, 3):
+            raise shape_error("x", x.shape, f"(T, {self.d_in}) or (B, T, {self.d_in})")
+        q, k, v = self.W_q(x), self.W_k(x), self.W_v(x)
+        spec = check_attention_args(q, k, v, attn_mask, 0.0, is_causal)
+        context, weights = attend(spec)
+        self._save(q=q, k=k, v=v, attn_mask=attn_mask, is_causal=is_causal)
+        return context, weights
+
+    def backward(self, grad_context: np.ndarray) -> np.ndarray:
+        """Gradient of the input ``x``; parameter gradients accumulate in ``.grad``."""
+        c = self._saved()
+        gq, gk, gv = scaled_dot_product_attention_backward(
+            grad_context, c["q"], c["k"], c["v"], attn_mask=c["attn_mask"], is_causal=c["is_causal"]
+        )
+        return self.W_q.backward(gq) + self.W_k.backward(gk) + self.W_v.backward(gv)
+
+    def extra_repr(self) -> str:
+        return f"d_in={self.d_in}, d_out={self.d_out}, qkv_bias={self.W_q.bias is not None}"
+
+
+class MultiheadAttention(Module):
+    """Multi-head attention with ``torch.nn.MultiheadAttention``'s arguments, shapes and
+    parameter names, so ``state_dict``s move across unchanged.
+
+    ``output = concat_h(attention(query W_q^h, key W_k^h, value W_v^h)) W_o^T + b_o``.
+
+    Args:
+        embed_dim: model width ``E``; split into ``num_heads`` heads of ``E // num_heads``.
+        num_heads: number of heads; must divide ``embed_dim``.
+        dropout: dropout probability on the attention weights (training mode only).
+        bias: biases on the input and output projections.
+        add_bias_kv: learn an extra key and value (``bias_k``, ``bias_v``) appended to the
+            key/value sequences.
+        add_zero_attn: append an all-zero key and value after the projections.
+        kdim, vdim: widths of ``key`` and ``value`` (default ``embed_dim``); when they differ
+            the projections are ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``.
+        batch_first: inputs are ``(N, L, E)`` instead of ``(L, N, E)``.
+        rng: Generator for the initial weights (xavier-uniform projections, zero biases,
+            as torch) and for dropout.
+        dtype: ``np.float32`` or ``np.float64``.
+        attention_fn: the attention function used when weights are not returned; defaults
+            to :func:`attnlab.scaled_dot_product_attention` and takes its signature.
+
+    Call with ``(query, key, value, key_padding_mask=None, need_weights=True,
+    attn_mask=None, average_attn_weights=True, is_causal=False)``:
+
+    - ``query`` ``(L, N, E)`` (``(N, L, E)`` if batch_first, ``(L, E)`` unbatched),
+      ``key`` ``(S, N, kdim)``, ``value`` ``(S, N, vdim)``;
+    - ``key_padding_mask`` ``(N, S)`` (``(S,)`` unbatched): bool True = takes part, or float;
+    - ``attn_mask`` ``(L, S)`` or ``(N * num_heads, L, S)``: bool True = takes part, or float;
+    - ``is_causal`` alone applies a causal mask (torch needs ``attn_mask`` with it; with
+      ``attn_mask`` given it is only a hint, as in torch).
+
+    Returns ``(output, weights)``: output shaped like ``query``; weights ``(N, L, S)``
+    averaged over heads or ``(N, num_heads, L, S)`` (no ``N`` unbatched), or ``None`` when
+    ``need_weights=False``. In training mode with dropout the returned weights are the
+    dropped ones, as in torch.
+
+    Difference from torch: a query whose keys are all masked outputs zeros (weights 0);
+    torch gives NaN there.
+
+    >>> mha = MultiheadAttention(8, 2, batch_first=True, rng=np.random.default_rng(0))
+    >>> x = np.ones((1, 5, 8), dtype=np.float32)
+    >>> out, w = mha(x, x, x)
+    >>> out.shape, w.shape
+    ((1, 5, 8), (1, 5, 5))
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        *,
+        rng: np.random.Generator | None = None,
+        dtype=np.float32,
+        attention_fn: Callable[..., np.ndarray] | None = None,
+    ):
+        super().__init__()
+        E = self.embed_dim = positive_int(embed_dim, "embed_dim")
+        self.num_heads = positive_int(num_heads, "num_heads")
+        if E % self.num_heads:
+            raise ValueError(f"embed_dim={E} must be divisible by num_heads={self.num_heads}")
+        self.head_dim = E // self.num_heads
+        self.kdim = E if kdim is None else positive_int(kdim, "kdim")
+        self.vdim = E if vdim is None else positive_int(vdim, "vdim")
+        self.dropout = probability(dropout, "dropout")
+        self.batch_first = bool(batch_first)
+        self.add_zero_attn = bool(add_zero_attn)
+        self._qkv_same_embed_dim = self.kdim == E and self.vdim == E
+        self.attention_fn = attention_fn or scaled_dot_product_attention
+        dtype = float_dtype(dtype)
+        rng = generator(rng)
+        object.__setattr__(self, "_rng", rng)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = Parameter(init.xavier_uniform(rng, (3 * E, E), dtype))
+        else:
+            self.q_proj_weight = Parameter(init.xavier_uniform(rng, (E, E), dtype))
+            self.k_proj_weight = Parameter(init.xavier_uniform(rng, (E, self.kdim), dtype))
+            self.v_proj_weight = Parameter(init.xavier_uniform(rng, (E, self.vdim), dtype))
+        self.in_proj_bias = Parameter(np.zeros(3 * E, dtype)) if bias else None
+        if add_bias_kv:
+            self.bias_k = Parameter(init.xavier_normal(rng, (1, 1, E), dtype))
+            self.bias_v = Parameter(init.xavier_normal(rng, (1, 1, E), dtype))
+        else:
+            self.bias_k = self.bias_v = None
+        self.out_proj = Linear(E, E, bias, rng=rng, dtype=dtype)
+        if bias:
+            self.out_proj.bias.data[...] = 0
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.out_proj.weight.dtype
+
+    def extra_repr(self) -> str:
+        return (
+            f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
+            f"batch_first={self.batch_first}"
+        )
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _in_proj(self):
+        E = self.embed_dim
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight.data
+            ws = (w[:E], w[E : 2 * E], w[2 * E :])
+        else:
+            ws = (self.q_proj_weight.data, self.k_proj_weight.data, self.v_proj_weight.data)
+        if self.in_proj_bias is None:
+            return ws, (None, None, None)
+        b = self.in_proj_bias.data
+        return ws, (b[:E], b[E : 2 * E], b[2 * E :])
+
+    def _to_batch_first(self, x, batched):
+        if not batched:
+            return x[None]
+        return x if self.batch_first else x.transpose(1, 0, 2)
+
+    def _from_batch_first(self, x, batched):
+        if not batched:
+            return x[0]
+        return x if self.batch_first else x.transpose(1, 0, 2)
+
+    def _check_mask(self, mask, name, need_shapes):
+        if mask is None:
+            return None
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+            raise TypeError(
+                f"{name} must be boolean (True = takes part) or floating-point (added to the "
+                f"scores), got dtype {mask.dtype}"
+            )
+        if mask.shape not in need_shapes:
+            raise shape_error(name, mask.shape, " or ".join(fmt_shape(s) for s in need_shapes))
+        if mask.dtype != np.bool_:
+            mask = mask.astype(self.dtype, copy=False)
+        return mask
+
+    @staticmethod
+    def _pad_keys(mask):
+        """Append one key that takes part to a mask (for bias_kv / zero_attn)."""
+        if mask is None:
+            return None
+        pad = np.ones if mask.dtype == np.bool_ else np.zeros
+        return np.concatenate([mask, pad((*mask.shape[:-1], 1), dtype=mask.dtype)], axis=-1)
+
+    def _merge_masks(self, attn_mask, key_padding_mask):
+        if attn_mask is None or key_padding_mask is None:
+            return key_padding_mask if attn_mask is None else attn_mask
+        if attn_mask.dtype == np.bool_ and key_padding_mask.dtype == np.bool_:
+            return attn_mask & key_padding_mask
+        def as_bias(m):
+            return mask_to_bias(m, self.dtype) if m.dtype == np.bool_ else m
+        return as_bias(attn_mask) + as_bias(key_padding_mask)
+
+    # ---- forward / backward ------------------------------------------------------------
+    def forward(
+        self,
+        query: np.ndarray,
+        key: np.ndarray,
+        value: np.ndarray,
+        key_padding_mask: np.ndarray | None = None,
+        need_weights: bool = True,
+        attn_mask: np.ndarray | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        lay = "(N, {L}, {d})" if self.batch_first else "({L}, N, {d})"
+        q_in = check_input(query, "query", self.dtype, E, lay.format(L="L", d="{d}") + " or (L, {d})")
+        if q_in.ndim not in (2, 3):
+            raise shape_error("query", q_in.shape, lay.format(L="L", d=E) + f" or (L, {E})")
+        batched = q_in.ndim == 3
+        kv_lay = (lay.format(L="S", d="{d}") if batched else "(S, {d})")
+        k_in = check_input(key, "key", self.dtype, self.kdim, kv_lay)
+        v_in = check_input(value, "value", self.dtype, self.vdim, kv_lay)
+        for name, arr, d in (("key", k_in, self.kdim), ("value", v_in, self.vdim)):
+            if arr.ndim != q_in.ndim:
+                raise shape_error(name, arr.shape, kv_lay.format(d=d), "query is " + ("batched" if batched else "unbatched"))
+        q = self._to_batch_first(q_in, batched)
+        k = self._to_batch_first(k_in, batched)
+        v = self._to_batch_first(v_in, batched)
+        N, L, _ = q.shape
+        S = k.shape[1]
+        if k.shape[0] != N:
+            raise shape_error("key", k_in.shape, kv_lay.format(d=self.kdim).replace("N", str(N)), "batch size differs from query's")
+        if v.shape[:2] != (N, S):
+            raise shape_error("value", v_in.shape, f"{fmt_shape(k_in.shape[:-1] + (self.vdim,))} to match key")
+
+        kpm = self._check_mask(key_padding_mask, "key_padding_mask", [(N, S)] if batched else [(S,)])
+        am = self._check_mask(
+            attn_mask, "attn_mask", [(L, S), (N * H, L, S)] if batched else [(L, S), (H, L, S)]
+        )
+        if kpm is not None:
+            kpm = kpm.reshape(N, 1, 1, S)
+        if am is not None and am.ndim == 3:
+            am = am.reshape(N, H, L, S)
+        extra_keys = (self.bias_k is not None) + self.add_zero_attn
+        causal_flag = bool(is_causal) and am is None and kpm is None and not extra_keys
+        if is_causal and am is None and not causal_flag:
+            am = causal_mask(L, S)
+
+        (wq, wk, wv), (bq, bk, bv) = self._in_proj()
+        qp, kp, vp = F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
+        if self.bias_k is not None:
+            kp = np.concatenate([kp, np.broadcast_to(self.bias_k.data[0], (N, 1, E))], axis=1)
+            vp = np.concatenate([vp, np.broadcast_to(self.bias_v.data[0], (N, 1, E))], axis=1)
+            am, kpm = self._pad_keys(am), self._pad_keys(kpm)
+        # (N, L, E) -> (N, H, L, D)
+        qh = qp.reshape(N, L, H, D).transpose(0, 2, 1, 3)
+        kh = kp.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+        vh = vp.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+        if self.add_zero_attn:
+            zeros = np.zeros((N, H, 1, D), dtype=self.dtype)
+            kh = np.concatenate([kh, zeros], axis=2)
+            vh = np.concatenate([vh, zeros], axis=2)
+            am, kpm = self._pad_keys(am), self._pad_keys(kpm)
+        mask = self._merge_masks(am, kpm)
+
+        p = self.dropout if self.training else 0.0
+        rng_state = self._rng.bit_generator.state if p > 0 else None
+        weights = None
+        if need_weights:
+            spec = check_attention_args(qh, kh, vh, mask, p, causal_flag)
+            out_h, weights = attend(spec, rng=self._rng)
+        else:
+            out_h = self.attention_fn(
+                qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal_flag, rng=self._rng
+            )
+        # (N, H, L, D) -> (N, L, E)
+        out = self.out_proj(out_h.transpose(0, 2, 1, 3).reshape(N, L, E))
+        self._save(
+            q=q, k=k, v=v, qh=qh, kh=kh, vh=vh, mask=mask, p=p, causal=causal_flag,
+            rng_state=rng_state, batched=batched,
+        )
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(axis=1)
+            if not batched:
+                weights = weights[0]
+        return self._from_batch_first(out, batched), weights
+
+    def backward(self, grad_output: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(grad_query, grad_key, grad_value)`` in the inputs' layouts; parameter gradients
+        accumulate in ``.grad``. For self-attention (one tensor as query, key and value) its
+        gradient is the sum of the three."""
+        c = self._saved()
+        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        g = self._to_batch_first(np.asarray(grad_output), c["batched"])
+        if g.shape != c["q"].shape[:2] + (E,):
+            raise shape_error("grad_output", np.shape(grad_output), "the output's shape")
+        N, L, _ = g.shape
+        g_attn = self.out_proj.backward(g)
+        gh = g_attn.reshape(N, L, H, D).transpose(0, 2, 1, 3)
+        gqh, gkh, gvh = scaled_dot_product_attention_backward(
+            gh, c["qh"], c["kh"], c["vh"], attn_mask=c["mask"], dropout_p=c["p"],
+            is_causal=c["causal"], rng=_replay(self._rng, c["rng_state"]),
+        )
+        if self.add_zero_attn:
+            gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]
+        # (N, H, S, D) -> (N, S, E)
+        gqp = gqh.transpose(0, 2, 1, 3).reshape(N, L, E)
+        gkp = gkh.transpose(0, 2, 1, 3).reshape(N, -1, E)
+        gvp = gvh.transpose(0, 2, 1, 3).reshape(N, -1, E)
+        if self.bias_k is not None:
+            self.bias_k.accumulate(gkp[:, -1].sum(axis=0)[None, None])
+            self.bias_v.accumulate(gvp[:, -1].sum(axis=0)[None, None])
+            gkp, gvp = gkp[:, :-1], gvp[:, :-1]
+        (wq, wk, wv), _ = self._in_proj()
+        has_bias = self.in_proj_bias is not None
+        gq, gwq, gbq = F.linear_backward(gqp, c["q"], wq, has_bias=has_bias)
+        gk, gwk, gbk = F.linear_backward(gkp, c["k"], wk, has_bias=has_bias)
+        gv, gwv, gbv = F.linear_backward(gvp, c["v"], wv, has_bias=has_bias)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]))
+        else:
+            self.q_proj_weight.accumulate(gwq)
+            self.k_proj_weight.accumulate(gwk)
+            self.v_proj_weight.accumulate(gwv)
+        if has_bias:
+            self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]))
+        b = c["batched"]
+        return self._from_batch_first(gq, b), self._from_batch_first(gk, b), self._from_batch_first(gv, b)

@@ -1,0 +1,60 @@
+"""``Linear``: ``y = x @ W.T + b`` (torch's ``nn.Linear``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnlab._validation import as_float_array, float_dtype, generator, positive_int, shape_error
+from attnlab.nn import functional as F
+from attnlab.nn import init
+from attnlab.nn.module import Module, Parameter
+
+
+def check_input(x, name: str, dtype: np.dtype, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
+    """A layer's input: float, at least 1-D, last dim ``last_dim``, the layer's dtype."""
+    need = layout.format(d=last_dim)
+    x = as_float_array(x, name, min_ndim=1, layout=need)
+    if x.shape[-1] != last_dim:
+        raise shape_error(name, x.shape, need)
+    if x.dtype != dtype:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}, but the layer's parameters are {dtype} "
+            f"(cast the input or build the layer with dtype=np.{x.dtype})"
+        )
+    return x
+
+
+class Linear(Module):
+    """``(..., in_features) -> (..., out_features)``; weight ``(out, in)``, bias ``(out,)``.
+
+    Initialised as torch does (uniform in ``±1/sqrt(in_features)``) from ``rng``.
+
+    >>> layer = Linear(3, 2, rng=np.random.default_rng(0))
+    >>> layer(np.ones((4, 3), dtype=np.float32)).shape
+    (4, 2)
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, rng=None, dtype=np.float32):
+        super().__init__()
+        self.in_features = positive_int(in_features, "in_features")
+        self.out_features = positive_int(out_features, "out_features")
+        dtype = float_dtype(dtype)
+        w, b = init.linear_default(generator(rng), self.out_features, self.in_features, dtype)
+        self.weight = Parameter(w)
+        self.bias = Parameter(b) if bias else None
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x = check_input(x, "x", self.weight.dtype, self.in_features)
+        self._save(x=x)
+        return F.linear(x, self.weight.data, None if self.bias is None else self.bias.data)
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        x = self._saved()["x"]
+        gx, gw, gb = F.linear_backward(grad_output, x, self.weight.data, has_bias=self.bias is not None)
+        self.weight.accumulate(gw)
+        if self.bias is not None:
+            self.bias.accumulate(gb)
+        return gx
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
