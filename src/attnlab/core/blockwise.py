@@ -1,0 +1,562 @@
+"""Blockwise attention on the CPU: FlashAttention's tiling with an online softmax.
+
+The naive path materialises the ``(L, S)`` score matrix per head. Here queries are cut
+into tiles of ``block_q`` rows and keys into tiles of ``block_k`` rows; each query tile
+walks over the key tiles keeping, per query row, the running maximum ``m`` of the scores,
+the running sum ``l`` of ``exp(score - m)`` and an accumulator ``acc`` of
+``exp(score - m) @ value``. When a tile raises the maximum, ``l`` and ``acc`` are rescaled
+by ``exp(m_old - m_new)``. The output is ``acc / l`` and the forward pass also returns the
+log-sum-exp ``lse = m + log(l)`` of every row. The backward pass recomputes each tile's
+probabilities as ``exp(score - lse)`` from that one number per row, so neither pass ever
+holds more than one ``(block_q, block_k)`` tile per thread: extra memory is ``O(L·E)``.
+
+Axis legend (as everywhere in attnlab): ``...`` batch dims, ``Hq``/``H`` query/key-value
+heads, ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head
+dim. Boolean masks are True where a query may attend to a key; float masks are added to
+the scores.
+
+Parallelism: the work is split into independent units (a query tile of one head in the
+forward pass; a set of key tiles of one head in the backward pass) that a pool of threads
+pulls from a shared queue. NumPy releases the GIL inside matmul and the element-wise
+loops, so the threads run on separate cores; while the pool runs, BLAS is limited to one
+thread per call (with ``threadpoolctl`` when it is installed) so that the cores are not
+oversubscribed. Without ``threadpoolctl`` the kernel runs its tiles one after the other
+and lets BLAS use the cores inside each matmul.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import numpy as np
+
+from attnlab._validation import as_float_array, fmt_shape, positive_int, same_dtype, shape_error
+from attnlab.core.attention import AttentionSpec, _reduce_to, check_attention_args
+from attnlab.core.masks import ALIGNMENTS
+
+__all__ = [
+    "blockwise_attention",
+    "blockwise_attention_backward",
+    "blockwise_attention_forward",
+    "get_num_threads",
+    "set_num_threads",
+]
+
+# Defaults measured on a 2-core AVX-512 machine (benchmarks/attention.py): a 128 x 512
+# float32 score tile (256 KiB) stays in L2 next to its operands, and 128 query rows keep
+# the causal diagonal's wasted triangle small.
+DEFAULT_BLOCK_Q = 128
+DEFAULT_BLOCK_K = 512
+
+_num_threads: int | None = None
+
+
+def _available_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def get_num_threads() -> int:
+    """Threads the blockwise kernel uses by default (all usable CPUs unless set).
+
+    >>> get_num_threads() >= 1
+    True
+    """
+    return _num_threads if _num_threads is not None else _available_cpus()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the default thread count of the blockwise kernel (``None``: all usable CPUs).
+
+    Like ``torch.set_num_threads``; a ``num_threads=`` argument overrides it per call.
+
+    >>> set_num_threads(None)
+    """
+    global _num_threads
+    _num_threads = None if n is None else positive_int(n, "n")
+
+
+# --------------------------------------------------------------------------- threads
+
+
+_controller = None
+_controller_lock = threading.Lock()
+
+
+def _blas_limit(threads: int):
+    """A context that holds BLAS to one thread while ``threads`` pool threads run."""
+    global _controller
+    if threads == 1:
+        return nullcontext()
+    try:
+        from threadpoolctl import ThreadpoolController
+    except ImportError:
+        return nullcontext()
+    with _controller_lock:
+        if _controller is None:
+            _controller = ThreadpoolController()
+    return _controller.limit(limits=1, user_api="blas")
+
+
+def _have_threadpoolctl() -> bool:
+    try:
+        import threadpoolctl  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
+    """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
+
+    Each thread keeps its own ``scratch`` dict of reusable buffers and pulls the next unit
+    from a shared iterator, so long units (late causal query tiles) balance out.
+    """
+    it = iter(units)
+    lock = threading.Lock()
+
+    def loop() -> None:
+        scratch: dict = {}
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            while True:
+                with lock:
+                    unit = next(it, None)
+                if unit is None:
+                    return
+                run_unit(unit, scratch)
+
+    if threads == 1:
+        loop()
+        return
+    with _blas_limit(threads), ThreadPoolExecutor(threads, thread_name_prefix="attnlab") as ex:
+        futures = [ex.submit(loop) for _ in range(threads)]
+        for f in futures:
+            f.result()
+
+
+def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
+    """A reusable per-thread buffer of at least ``shape``, viewed as exactly ``shape``."""
+    size = int(np.prod(shape))
+    buf = scratch.get(name)
+    if buf is None or buf.size < size or buf.dtype != dtype:
+        buf = np.empty(max(size, 1), dtype=dtype)
+        scratch[name] = buf
+    return buf[:size].reshape(shape)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+class _Plan:
+    """Per-call constants: per-head 2-D views, tile sizes, mask access (internal)."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        causal_offset: int | None,
+        block_q: int | None,
+        block_k: int | None,
+        num_threads: int | None,
+    ):
+        self.spec = spec
+        self.dtype = np.result_type(spec.query.dtype, np.float32)  # float16 computes in fp32
+        self.L, self.S = spec.L, spec.S
+        self.E, self.Ev = spec.query.shape[-1], spec.value.shape[-1]
+        self.batch = spec.batch_shape
+        self.heads = list(np.ndindex(self.batch))
+        self.q = np.broadcast_to(spec.query, (*self.batch, self.L, self.E))
+        self.k = np.broadcast_to(spec.key, (*self.batch, self.S, self.E))
+        self.v = np.broadcast_to(spec.value, (*self.batch, self.S, self.Ev))
+        self.mask = None
+        if spec.attn_mask is not None:
+            self.mask = np.broadcast_to(spec.attn_mask, (*self.batch, self.L, self.S))
+        self.bool_mask = self.mask is not None and self.mask.dtype == np.bool_
+        # Causal: query i sees key j iff j <= i + offset (0: top-left, S - L: bottom-right).
+        self.offset = causal_offset
+        self.scale = self.dtype.type(spec.scale)
+        self.bq = DEFAULT_BLOCK_Q if block_q is None else positive_int(block_q, "block_q")
+        self.bk = DEFAULT_BLOCK_K if block_k is None else positive_int(block_k, "block_k")
+        threads = get_num_threads() if num_threads is None else positive_int(num_threads, "num_threads")
+        if threads > 1 and not _have_threadpoolctl():
+            threads = 1  # let BLAS parallelise each matmul instead (no oversubscription)
+        self.threads = threads
+
+    def key_end(self, i1: int) -> int:
+        """One past the last key any query row ``< i1`` may see."""
+        if self.offset is None:
+            return self.S
+        return max(0, min(self.S, i1 + self.offset))
+
+    def query_start(self, j0: int) -> int:
+        """The first query row that may see key ``j0``."""
+        if self.offset is None:
+            return 0
+        return min(self.L, max(0, j0 - self.offset))
+
+    def apply_mask(self, s: np.ndarray, h: tuple, i0: int, j0: int) -> bool:
+        """Mask the score tile ``s`` (rows ``i0..``, cols ``j0..``) in place.
+
+        Returns False when every entry of the tile is masked out (the caller skips it).
+        """
+        bq, bk = s.shape
+        if self.offset is not None:
+            # Fully visible tiles (the last key <= the first row's limit) need nothing.
+            if j0 + bk - 1 > i0 + self.offset:
+                cols = np.arange(j0, j0 + bk)
+                rows = np.arange(i0, i0 + bq) + self.offset
+                np.copyto(s, -np.inf, where=cols[None, :] > rows[:, None])
+        elif self.mask is not None:
+            tile = self.mask[h][i0 : i0 + bq, j0 : j0 + bk]
+            if self.bool_mask:
+                if not tile.any():
+                    return False
+                np.copyto(s, -np.inf, where=~tile)
+            else:
+                s += tile
+        return True
+
+
+def _plan(
+    spec: AttentionSpec, causal_align: str | None, block_q, block_k, num_threads
+) -> _Plan:
+    offset = None
+    if spec.is_causal:
+        align = "top-left" if causal_align is None else causal_align
+        offset = 0 if align == "top-left" else spec.S - spec.L
+    return _Plan(spec, offset, block_q, block_k, num_threads)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
+    """``(out (*batch, L, Ev), lse (*batch, L))`` in the plan's compute dtype."""
+    L, bq, dt = plan.L, plan.bq, plan.dtype
+    out = np.zeros((*plan.batch, L, plan.Ev), dtype=dt)
+    lse = np.full((*plan.batch, L), -np.inf, dtype=dt)
+    if out.size == 0 or plan.S == 0:
+        return out, lse
+    out_h = out.reshape(-1, L, plan.Ev)
+    lse_h = lse.reshape(-1, L)
+    # Longest query tiles first (causal: the last ones), so the threads finish together.
+    units = [(n, i0) for i0 in reversed(range(0, L, bq)) for n in range(len(plan.heads))]
+
+    def run(unit, scratch):
+        n, i0 = unit
+        i1 = min(i0 + bq, L)
+        _forward_tile(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
+
+    _run_units(units, run, plan.threads)
+    return out, lse
+
+
+def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> None:
+    h = plan.heads[n]
+    dt, rows = plan.dtype, i1 - i0
+    q = np.multiply(plan.q[h][i0:i1], plan.scale, dtype=dt)  # (rows, E), scale folded in
+    k, v = plan.k[h], plan.v[h]
+    m = np.full(rows, -np.inf, dtype=dt)  # running row max
+    l = np.zeros(rows, dtype=dt)  # running sum of exp(score - m)
+    acc = out  # (rows, Ev), zero on entry; written in place
+    kend = plan.key_end(i1)
+    for j0 in range(0, kend, plan.bk):
+        j1 = min(j0 + plan.bk, kend)
+        s = _buffer(scratch, "s", (rows, j1 - j0), dt)
+        np.matmul(q, k[j0:j1].T, out=s)  # (rows, bk) scores
+        if not plan.apply_mask(s, h, i0, j0):
+            continue
+        m_new = np.maximum(m, s.max(axis=1))
+        # A row with nothing seen yet keeps max -inf: shift by 0 so exp gives 0, not NaN.
+        shift = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
+        s -= shift[:, None]
+        np.exp(s, out=s)
+        alpha = np.exp(m - shift)  # rescales what was accumulated under the old max
+        l *= alpha
+        l += s.sum(axis=1)
+        acc *= alpha[:, None]
+        acc += s @ v[j0:j1]
+        m = m_new
+    seen = l > 0
+    np.divide(acc, l[:, None], out=acc, where=seen[:, None])
+    acc[~seen] = 0  # fully masked rows output 0 (and NaN rows stay NaN via l = NaN)
+    np.log(l, out=lse, where=seen)
+    lse += np.where(seen, m, 0).astype(dt, copy=False)
+    lse[~seen] = -np.inf
+    nan_rows = np.isnan(l)
+    if nan_rows.any():
+        acc[nan_rows] = np.nan
+        lse[nan_rows] = np.nan
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _backward(
+    plan: _Plan, grad_out: np.ndarray, out: np.ndarray, lse: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(dq, dk, dv)`` per head ``(*batch, L|S, E|Ev)`` in the compute dtype."""
+    L, S, dt = plan.L, plan.S, plan.dtype
+    dq = np.zeros((*plan.batch, L, plan.E), dtype=dt)
+    dk = np.zeros((*plan.batch, S, plan.E), dtype=dt)
+    dv = np.zeros((*plan.batch, S, plan.Ev), dtype=dt)
+    if L == 0 or S == 0 or dq.size == 0 and dv.size == 0:
+        return dq, dk, dv
+    go = np.broadcast_to(grad_out, (*plan.batch, L, plan.Ev))
+    # D_i = sum_e dO_ie O_ie = sum_j P_ij dP_ij: the softmax backward's row term.
+    D = np.einsum("...le,...le->...l", go.astype(dt, copy=False), out.astype(dt, copy=False))
+    # A fully masked row has lse = -inf and P = 0: use +inf so exp(s - lse) = 0.
+    lse = np.where(lse == -np.inf, np.inf, lse).astype(dt, copy=False)
+    H = len(plan.heads)
+    dq_h, dk_h, dv_h = (a.reshape(-1, *a.shape[-2:]) for a in (dq, dk, dv))
+    D_h, lse_h = D.reshape(-1, L), lse.reshape(-1, L)
+    # Units own key tiles (so dk, dv need no locks). With fewer heads than threads, each
+    # head's key tiles are dealt round-robin to several units with their own partial dq.
+    n_key_tiles = -(-S // plan.bk)
+    split = max(1, min(n_key_tiles, -(-2 * plan.threads // H))) if plan.threads > 1 else 1
+    partial = [
+        [np.zeros((L, plan.E), dtype=dt) for _ in range(split - 1)] for _ in range(H)
+    ]
+    units = [(n, c) for c in range(split) for n in range(H)]
+
+    def run(unit, scratch):
+        n, c = unit
+        target = dq_h[n] if c == 0 else partial[n][c - 1]
+        for j0 in range(c * plan.bk, S, split * plan.bk):
+            j1 = min(j0 + plan.bk, S)
+            _backward_key_tile(
+                plan, n, j0, j1, go, D_h[n], lse_h[n], target, dk_h[n, j0:j1], dv_h[n, j0:j1],
+                scratch,
+            )
+
+    _run_units(units, run, plan.threads)
+    for n in range(H):
+        for p in partial[n]:
+            dq_h[n] += p
+    return dq, dk, dv
+
+
+def _backward_key_tile(plan: _Plan, n, j0, j1, go, D, lse, dq, dk, dv, scratch) -> None:
+    h = plan.heads[n]
+    dt, cols = plan.dtype, j1 - j0
+    k = plan.k[h][j0:j1].astype(dt, copy=False)  # (cols, E)
+    v = plan.v[h][j0:j1].astype(dt, copy=False)  # (cols, Ev)
+    q_all, go_h = plan.q[h], go[h]
+    for i0 in range(plan.query_start(j0) // plan.bq * plan.bq, plan.L, plan.bq):
+        i1 = min(i0 + plan.bq, plan.L)
+        rows = i1 - i0
+        q = np.multiply(q_all[i0:i1], plan.scale, dtype=dt)  # (rows, E) scaled
+        s = _buffer(scratch, "s", (rows, cols), dt)
+        np.matmul(q, k.T, out=s)
+        if not plan.apply_mask(s, h, i0, j0):
+            continue
+        s -= lse[i0:i1, None]
+        p = np.exp(s, out=s)  # (rows, cols) probabilities
+        g = go_h[i0:i1].astype(dt, copy=False)  # (rows, Ev)
+        dv += p.T @ g
+        dp = _buffer(scratch, "dp", (rows, cols), dt)
+        np.matmul(g, v.T, out=dp)
+        dp -= D[i0:i1, None]
+        dp *= p  # dS / scale; the scale is folded into q (for dk) and applied for dq
+        dq[i0:i1] += np.multiply(dp @ k, plan.scale, dtype=dt)
+        dk += dp.T @ q
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def _check(
+    query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align
+) -> AttentionSpec:
+    spec = check_attention_args(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if causal_align is not None:
+        if causal_align not in ALIGNMENTS:
+            raise ValueError(f"causal_align must be one of {ALIGNMENTS} or None, got {causal_align!r}")
+        if not spec.is_causal:
+            raise ValueError("causal_align is only meaningful with is_causal=True")
+    return spec
+
+
+def blockwise_attention_forward(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blockwise attention that also returns each row's log-sum-exp, for the backward pass.
+
+    Same arguments as :func:`blockwise_attention`.
+
+    Returns:
+        ``(output (..., Hq, L, Ev), lse (..., Hq, L))`` where
+        ``lse = log(sum_j exp(scale * q·k_j + mask_j))`` over the keys a row may see
+        (``-inf`` for a row that sees none). Both in the dtype of ``query``.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 6, 4))
+    >>> out, lse = blockwise_attention_forward(q, k, v, block_q=4, block_k=4)
+    >>> out.shape, lse.shape
+    ((6, 4), (6,))
+    """
+    spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
+    plan = _plan(spec, causal_align, block_q, block_k, num_threads)
+    out, lse = _forward(plan)
+    return out.astype(spec.query.dtype, copy=False), lse.astype(spec.query.dtype, copy=False)
+
+
+def blockwise_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_align: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+) -> np.ndarray:
+    """Scaled dot-product attention in ``O(L·E)`` extra memory (online softmax over tiles).
+
+    The same result as :func:`~attnlab.scaled_dot_product_attention` (without dropout),
+    computed tile by tile so that no ``(L, S)`` array ever exists. Tiles that a causal
+    mask hides entirely are skipped, so causal attention costs about half.
+
+    Args:
+        query: ``(..., Hq, L, E)`` (or ``(L, E)``).
+        key: ``(..., H, S, E)``; ``H == Hq`` unless ``enable_gqa``.
+        value: ``(..., H, S, Ev)``.
+        attn_mask: bool (True = takes part) or float (added to the scores), broadcastable
+            to ``(..., Hq, L, S)``; applied tile by tile. Not together with ``is_causal``.
+        is_causal: query ``i`` sees keys ``j <= i`` (top-left) or ``j <= i + S - L``
+            (bottom-right, see ``causal_align``).
+        scale: factor on the scores; ``None`` means ``1 / sqrt(E)``.
+        enable_gqa: each of the ``H`` key/value heads serves ``Hq // H`` query heads.
+        causal_align: ``"top-left"`` (PyTorch's ``is_causal``; the default) or
+            ``"bottom-right"`` (KV-cache decoding); only with ``is_causal=True``.
+        block_q: query rows per tile (default 128).
+        block_k: key rows per tile (default 512). Any sizes work, also ones that divide
+            neither ``L`` nor ``S``.
+        num_threads: threads to use; ``None`` means :func:`get_num_threads`.
+
+    Returns:
+        ``(..., Hq, L, Ev)`` in the dtype of ``query``; a row with no key to attend to
+        (fully masked, or ``S == 0``) is 0.
+
+    Raises:
+        TypeError, ValueError: as :func:`~attnlab.scaled_dot_product_attention`, plus a
+            bad ``causal_align``, ``block_q``, ``block_k`` or ``num_threads``.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 10, 8))  # each (H=2, L=S=10, E=8)
+    >>> from attnlab import scaled_dot_product_attention
+    >>> out = blockwise_attention(q, k, v, is_causal=True, block_q=3, block_k=4)
+    >>> bool(np.allclose(out, scaled_dot_product_attention(q, k, v, is_causal=True)))
+    True
+    """
+    return blockwise_attention_forward(
+        query, key, value, attn_mask, is_causal, scale, enable_gqa,
+        causal_align=causal_align, block_q=block_q, block_k=block_k, num_threads=num_threads,
+    )[0]
+
+
+def blockwise_attention_backward(
+    grad_out: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    out: np.ndarray | None = None,
+    lse: np.ndarray | None = None,
+    causal_align: str | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients through :func:`blockwise_attention`, recomputed tile by tile from ``lse``.
+
+    Args:
+        grad_out: dLoss/doutput, ``(..., Hq, L, Ev)``.
+        query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align: as given
+            to the forward pass.
+        out, lse: the forward pass's ``(output, lse)`` from
+            :func:`blockwise_attention_forward`; ``None`` recomputes them (one more
+            forward pass). Pass both or neither.
+        block_q, block_k, num_threads: as for :func:`blockwise_attention`.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value)`` with the shapes of ``query``, ``key`` and
+        ``value`` (GQA and broadcast dims summed back).
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 5, 4))
+    >>> dq, dk, dv = blockwise_attention_backward(np.ones((5, 4)), q, k, v, block_k=2)
+    >>> from attnlab import scaled_dot_product_attention_backward as naive
+    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), naive(np.ones((5, 4)), q, k, v)))
+    True
+    """
+    spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
+    grad_out = as_float_array(grad_out, "grad_out")
+    out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
+    if grad_out.shape != out_shape:
+        raise shape_error("grad_out", grad_out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
+    same_dtype(grad_out=grad_out, query=spec.query)
+    if (out is None) != (lse is None):
+        raise ValueError("pass both out and lse (from blockwise_attention_forward) or neither")
+    if out is not None:
+        out = as_float_array(out, "out")
+        lse = as_float_array(lse, "lse")
+        if out.shape != out_shape:
+            raise shape_error("out", out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
+        if lse.shape != out_shape[:-1]:
+            raise shape_error("lse", lse.shape, f"{fmt_shape(out_shape[:-1])} (one per query row)")
+    plan = _plan(spec, causal_align, block_q, block_k, num_threads)
+    return backward_spec(plan, grad_out, out, lse)
+
+
+def backward_spec(plan: _Plan, grad_out, out=None, lse=None):
+    """Backward on a validated plan; sums GQA and broadcast dims back (internal)."""
+    spec = plan.spec
+    if out is None:
+        out, lse = _forward(plan)
+    dq, dk, dv = _backward(plan, grad_out, out, lse)
+    dtype = spec.query.dtype
+    return (
+        _reduce_to(dq, spec.query.shape, 1).astype(dtype, copy=False),
+        _reduce_to(dk, spec.key_shape, spec.gqa_groups).astype(dtype, copy=False),
+        _reduce_to(dv, spec.value_shape, spec.gqa_groups).astype(dtype, copy=False),
+    )
+
+
+def forward_spec(
+    spec: AttentionSpec, *, block_q=None, block_k=None, num_threads=None
+) -> np.ndarray:
+    """Forward on a validated spec (``is_causal`` top-left), for the dispatcher (internal)."""
+    out, _ = _forward(_plan(spec, None, block_q, block_k, num_threads))
+    return out.astype(spec.query.dtype, copy=False)
+
+
+def backward_from_spec(
+    spec: AttentionSpec, grad_out, *, block_q=None, block_k=None, num_threads=None
+):
+    """Backward on a validated spec, recomputing the forward pass (internal)."""
+    return backward_spec(_plan(spec, None, block_q, block_k, num_threads), grad_out)
