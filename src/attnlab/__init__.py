@@ -41,3 +41,12 @@ __all__ = [
     "softmax",
     "softmax_backward",
 ]
+
+# Fast attention (blockwise online softmax, O(L·E) memory).
+from attnlab.core.blockwise import (  # noqa: E402
+    blockwise_attention,
+    blockwise_attention_backward,
+    blockwise_attention_forward,
+)
+
+__all__ += ["blockwise_attention", "blockwise_attention_backward", "blockwise_attention_forward"]

@@ -246,7 +246,28 @@ def scaled_dot_product_attention(
     return _dispatch_forward(spec, rng)
 
 
+# Blockwise beats materialising the scores from about this many scores per head (or
+# this many in the whole batch), measured with benchmarks/attention.py on 2 cores.
+BLOCKWISE_MIN_SCORES_PER_HEAD = 512 * 512
+BLOCKWISE_MIN_SCORES_TOTAL = 2**21
+
+
+def _use_blockwise(spec: AttentionSpec) -> bool:
+    """The blockwise kernel is exact for everything but dropout; pick it where it is faster."""
+    if spec.dropout_p > 0 or spec.query.dtype not in (np.float32, np.float64):
+        return False
+    per_head = spec.L * spec.S
+    total = per_head * math.prod(spec.batch_shape)
+    return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD or (
+        total >= BLOCKWISE_MIN_SCORES_TOTAL and per_head >= 128 * 128
+    )
+
+
 def _dispatch_forward(spec: AttentionSpec, rng) -> np.ndarray:
+    if _use_blockwise(spec):
+        from attnlab.core.blockwise import forward_spec
+
+        return forward_spec(spec)
     return attend(spec, rng=rng)[0]
 
 
@@ -321,6 +342,10 @@ def scaled_dot_product_attention_backward(
 
 
 def _dispatch_backward(spec: AttentionSpec, grad_out: np.ndarray, rng):
+    if _use_blockwise(spec):
+        from attnlab.core.blockwise import backward_from_spec
+
+        return backward_from_spec(spec, grad_out)
     return attend_backward(spec, grad_out, rng=rng)
 
 

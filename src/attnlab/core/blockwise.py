@@ -52,6 +52,9 @@ __all__ = [
 DEFAULT_BLOCK_Q = 128
 DEFAULT_BLOCK_K = 512
 
+# Below this many scores in a call, starting threads costs more than it saves.
+MIN_SCORES_PER_THREAD = 2**18
+
 _num_threads: int | None = None
 
 
@@ -187,6 +190,12 @@ class _Plan:
             threads = 1  # let BLAS parallelise each matmul instead (no oversubscription)
         self.threads = threads
 
+    def threads_for(self, n_units: int) -> int:
+        """Threads worth starting: none beyond the units, one for small problems."""
+        if len(self.heads) * self.L * self.S < MIN_SCORES_PER_THREAD:
+            return 1
+        return max(1, min(self.threads, n_units))
+
     def key_end(self, i1: int) -> int:
         """One past the last key any query row ``< i1`` may see."""
         if self.offset is None:
@@ -252,7 +261,7 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
         i1 = min(i0 + bq, L)
         _forward_tile(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
 
-    _run_units(units, run, plan.threads)
+    _run_units(units, run, plan.threads_for(len(units)))
     return out, lse
 
 
@@ -334,7 +343,7 @@ def _backward(
                 scratch,
             )
 
-    _run_units(units, run, plan.threads)
+    _run_units(units, run, plan.threads_for(len(units)))
     for n in range(H):
         for p in partial[n]:
             dq_h[n] += p
