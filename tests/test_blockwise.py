@@ -1,0 +1,311 @@
+"""The blockwise (online-softmax) kernel against the naive path and torch's autograd."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attnlab
+from attnlab import (
+    blockwise_attention,
+    blockwise_attention_backward,
+    blockwise_attention_forward,
+    causal_mask,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
+from attnlab.core import attention as attention_mod
+from attnlab.core import blockwise as bw
+
+TOL = {np.float32: 1e-5, np.float64: 1e-12}
+
+
+def rel_err(got: np.ndarray, want: np.ndarray, floor: float = 1e-30) -> float:
+    """Largest absolute difference relative to the reference's largest entry (or ``floor``)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.size == 0:
+        return 0.0
+    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), floor))
+
+
+def grad_err(got: np.ndarray, want: np.ndarray) -> float:
+    """:func:`rel_err` for gradients, relative to at least 1: the inputs are standard normal,
+    so a gradient that is exactly 0 in theory (``L == S == 1``) is ``O(eps)`` in practice."""
+    return rel_err(got, want, floor=1.0)
+
+
+def inputs(rng, batch, hq, h, L, S, E, Ev, dtype):
+    q = rng.standard_normal((*batch, hq, L, E)).astype(dtype)
+    k = rng.standard_normal((*batch, h, S, E)).astype(dtype)
+    v = rng.standard_normal((*batch, h, S, Ev)).astype(dtype)
+    g = rng.standard_normal((*batch, hq, L, Ev)).astype(dtype)
+    return q, k, v, g
+
+
+def naive_mask(kind, L, S, rng, dtype):
+    """(mask for the naive path, kwargs for the blockwise path)."""
+    if kind == "none":
+        return None, {}
+    if kind == "causal":
+        return causal_mask(L, S), {"is_causal": True}
+    if kind == "bottom-right":
+        return causal_mask(L, S, align="bottom-right"), {
+            "is_causal": True,
+            "causal_align": "bottom-right",
+        }
+    if kind == "bool":
+        m = rng.random((L, S)) < 0.7
+        if L:
+            m[0] = False  # a fully masked row
+        return m, {"attn_mask": m}
+    m = rng.standard_normal((L, S)).astype(dtype)
+    if S:
+        m[:, 0] = -np.inf
+    return m, {"attn_mask": m}
+
+
+def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, **blocks):
+    dtype = q.dtype.type
+    mask, kw = naive_mask(kind, q.shape[-2], k.shape[-2], rng, dtype)
+    want = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    want_g = scaled_dot_product_attention_backward(g, q, k, v, attn_mask=mask, enable_gqa=gqa)
+    out, lse = blockwise_attention_forward(q, k, v, enable_gqa=gqa, **kw, **blocks)
+    assert out.dtype == q.dtype and not np.isnan(out).any()
+    assert rel_err(out, want) <= TOL[dtype]
+    got_g = blockwise_attention_backward(g, q, k, v, enable_gqa=gqa, out=out, lse=lse, **kw, **blocks)
+    for name, a, b in zip("qkv", got_g, want_g, strict=True):
+        assert grad_err(a, b) <= TOL[dtype], name
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    L=st.integers(0, 37),
+    S=st.integers(0, 37),
+    E=st.integers(1, 9),
+    Ev=st.integers(1, 9),
+    block_q=st.integers(1, 40),
+    block_k=st.integers(1, 40),
+    kind=st.sampled_from(["none", "causal", "bottom-right", "bool", "float"]),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    threads=st.sampled_from([1, 2]),
+)
+def test_equals_naive_for_any_blocks(seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads):
+    rng = np.random.default_rng(seed)
+    q, k, v, g = inputs(rng, (2,), 3, 3, L, S, E, Ev, dtype)
+    check_against_naive(
+        q, k, v, g, kind, rng, block_q=block_q, block_k=block_k, num_threads=threads
+    )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["none", "causal", "bottom-right", "bool", "float"])
+@pytest.mark.parametrize("L,S", [(100, 77), (77, 100), (130, 130)])
+def test_blocks_dividing_neither_L_nor_S(dtype, kind, L, S):
+    rng = np.random.default_rng(L * S)
+    q, k, v, g = inputs(rng, (), 2, 2, L, S, 16, 12, dtype)
+    check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["none", "causal", "bool"])
+def test_gqa(dtype, kind):
+    rng = np.random.default_rng(1)
+    q, k, v, g = inputs(rng, (2,), 6, 2, 21, 19, 8, 5, dtype)
+    check_against_naive(q, k, v, g, kind, rng, gqa=True, block_q=4, block_k=7)
+
+
+def test_broadcast_batch_dims_and_mask_per_head():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((3, 2, 10, 4))
+    k = rng.standard_normal((1, 2, 12, 4))  # broadcast over the batch
+    v = rng.standard_normal((1, 2, 12, 3))
+    g = rng.standard_normal((3, 2, 10, 3))
+    mask = rng.random((3, 1, 10, 12)) < 0.5
+    want = scaled_dot_product_attention(q, k, v, mask)
+    assert rel_err(blockwise_attention(q, k, v, mask, block_q=3, block_k=5), want) <= 1e-12
+    for a, b in zip(
+        blockwise_attention_backward(g, q, k, v, mask, block_k=5),
+        scaled_dot_product_attention_backward(g, q, k, v, mask),
+        strict=True,
+    ):
+        assert a.shape == b.shape and grad_err(a, b) <= 1e-12
+
+
+def test_scale_and_large_scores_stay_finite():
+    rng = np.random.default_rng(3)
+    q, k, v, g = inputs(rng, (), 1, 1, 40, 50, 8, 8, np.float32)
+    q *= 30  # scores in the hundreds: exp would overflow without the running max
+    for scale in (None, 0.5, 3.0):
+        want = scaled_dot_product_attention(q, k, v, scale=scale)
+        got = blockwise_attention(q, k, v, scale=scale, block_q=7, block_k=9)
+        assert np.isfinite(got).all() and rel_err(got, want) <= 1e-5
+
+
+def test_fully_masked_rows_and_empty_sizes_give_zeros():
+    rng = np.random.default_rng(4)
+    q, k, v, g = (a[0] for a in inputs(rng, (), 1, 1, 6, 5, 4, 3, np.float64))  # (L|S, E)
+    mask = np.ones((6, 5), dtype=bool)
+    mask[2] = False
+    out = blockwise_attention(q, k, v, mask, block_k=2)
+    assert (out[2] == 0).all() and np.isfinite(out).all()
+    # L > S bottom-right: the first L - S queries see nothing.
+    out = blockwise_attention(q, k, v, is_causal=True, causal_align="bottom-right", block_q=4)
+    assert (out[:1] == 0).all() and np.isfinite(out).all()
+    empty_k = np.zeros((0, 4))
+    out, lse = blockwise_attention_forward(q, empty_k, np.zeros((0, 3)))
+    assert out.shape == (6, 3) and (out == 0).all() and (lse == -np.inf).all()
+    dq, dk, dv = blockwise_attention_backward(np.ones((6, 3)), q, empty_k, np.zeros((0, 3)))
+    assert (dq == 0).all() and dk.shape == (0, 4) and dv.shape == (0, 3)
+    assert blockwise_attention(q[:0], k, v).shape == (0, 3)
+
+
+def test_nan_propagates_like_naive():
+    rng = np.random.default_rng(5)
+    q, k, v, _ = (a[0] for a in inputs(rng, (), 1, 1, 5, 6, 4, 4, np.float64))
+    q[1, 0] = np.nan
+    want = scaled_dot_product_attention(q, k, v)
+    got = blockwise_attention(q, k, v, block_k=4)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert rel_err(got[[0, 2, 3, 4]], want[[0, 2, 3, 4]]) <= 1e-12
+
+
+def test_float16_computes_in_float32_and_returns_float16():
+    rng = np.random.default_rng(6)
+    q, k, v, _ = inputs(rng, (), 2, 2, 9, 11, 8, 8, np.float16)
+    got = blockwise_attention(q, k, v, is_causal=True, block_q=4, block_k=4)
+    want = scaled_dot_product_attention(*(a.astype(np.float32) for a in (q, k, v)), is_causal=True)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), want, atol=2e-3, rtol=2e-3)
+
+
+def test_threads_give_the_same_numbers():
+    rng = np.random.default_rng(7)
+    q, k, v, g = inputs(rng, (2,), 2, 2, 300, 260, 16, 16, np.float64)
+    one = blockwise_attention_backward(g, q, k, v, is_causal=True, block_q=32, num_threads=1)
+    two = blockwise_attention_backward(g, q, k, v, is_causal=True, block_q=32, num_threads=2)
+    for a, b in zip(one, two, strict=True):
+        assert grad_err(a, b) <= 1e-13
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("kind", ["none", "causal", "bottom-right", "float"])
+def test_backward_equals_torch_autograd(dtype, kind):
+    torch = pytest.importorskip("torch", reason="torch is the test oracle (test extra)")
+    rng = np.random.default_rng(8)
+    q, k, v, g = inputs(rng, (2,), 4, 2, 33, 45, 16, 8, dtype)
+    mask, kw = naive_mask(kind, 33, 45, rng, dtype)
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    tmask = None if mask is None else torch.tensor(mask)
+    tout = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=tmask, enable_gqa=True
+    )
+    tout.backward(torch.tensor(g))
+    out = blockwise_attention(q, k, v, enable_gqa=True, block_q=8, block_k=16, **kw)
+    grads = blockwise_attention_backward(g, q, k, v, enable_gqa=True, block_q=8, block_k=16, **kw)
+    assert rel_err(out, tout.detach().numpy()) <= TOL[dtype]
+    for a, t in zip(grads, (tq, tk, tv), strict=True):
+        assert grad_err(a, t.grad.numpy()) <= TOL[dtype]
+
+
+def test_memory_stays_linear_at_16k_tokens():
+    L = S = 16384
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((1, L, 8)).astype(np.float32) for _ in range(3))
+    score_matrix = L * S * 4  # 1 GiB: what one naive score matrix would take
+    tracemalloc.start()
+    try:
+        out = blockwise_attention(q, k, v, is_causal=True, block_q=256, block_k=1024)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.shape == (1, L, 8) and np.isfinite(out).all()
+    assert peak < score_matrix / 64, f"peak {peak / 2**20:.1f} MiB"  # 16 MiB
+    ref_rows = scaled_dot_product_attention(q[:, -3:], k, v)  # the last rows see every key
+    assert rel_err(out[:, -1:], ref_rows[:, -1:]) <= 1e-5
+
+
+def test_sdpa_dispatches_to_blockwise_by_shape(monkeypatch):
+    calls = []
+    real = bw.forward_spec
+
+    def spy(spec, **kw):
+        calls.append((spec.L, spec.S))
+        return real(spec, **kw)
+
+    monkeypatch.setattr(bw, "forward_spec", spy)
+    rng = np.random.default_rng(10)
+    big = rng.standard_normal((3, 600, 8)).astype(np.float32)
+    small = big[:, :20]
+    scaled_dot_product_attention(big, big, big, is_causal=True)
+    assert calls == [(600, 600)]
+    scaled_dot_product_attention(small, small, small)  # small: naive
+    scaled_dot_product_attention(big, big, big, dropout_p=0.1, rng=rng)  # dropout: naive
+    assert calls == [(600, 600)]
+    # attention_weights still gives the weights (naive path).
+    assert attnlab.attention_weights(big, big).shape == (3, 600, 600)
+
+
+def test_sdpa_backward_dispatch_matches_naive():
+    rng = np.random.default_rng(11)
+    q, k, v, g = inputs(rng, (), 1, 1, 520, 530, 8, 8, np.float64)
+    spec = attention_mod.check_attention_args(q, k, v, is_causal=True)
+    assert attention_mod._use_blockwise(spec)
+    got = scaled_dot_product_attention_backward(g, q, k, v, is_causal=True)
+    want = attention_mod.attend_backward(spec, g)
+    for a, b in zip(got, want, strict=True):
+        assert grad_err(a, b) <= 1e-12
+
+
+def test_multihead_attention_without_weights_uses_blockwise(monkeypatch):
+    calls = []
+    real = bw.forward_spec
+    monkeypatch.setattr(bw, "forward_spec", lambda spec, **kw: calls.append(1) or real(spec, **kw))
+    mha = attnlab.MultiheadAttention(16, 2, batch_first=True, rng=np.random.default_rng(0))
+    x = np.random.default_rng(1).standard_normal((1, 600, 16)).astype(np.float32)
+    fast, _ = mha(x, x, x, need_weights=False, is_causal=True, attn_mask=causal_mask(600))
+    slow, w = mha(x, x, x, need_weights=True, is_causal=True, attn_mask=causal_mask(600))
+    assert calls and w is not None
+    assert rel_err(fast, slow) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"causal_align": "bottom-right"}, ValueError, "only meaningful with is_causal"),
+        ({"is_causal": True, "causal_align": "left"}, ValueError, "causal_align must be one of"),
+        ({"block_q": 0}, ValueError, "block_q must be a positive int"),
+        ({"block_k": 2.0}, TypeError, "block_k must be an int"),
+        ({"num_threads": 0}, ValueError, "num_threads must be a positive int"),
+        ({"attn_mask": np.ones((3, 3), bool), "is_causal": True}, ValueError, "not both"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    x = np.ones((4, 2))
+    with pytest.raises(error, match=match):
+        blockwise_attention(x, x, x, **kwargs)
+
+
+def test_backward_bad_saved_state():
+    x = np.ones((4, 2))
+    out, lse = blockwise_attention_forward(x, x, x)
+    with pytest.raises(ValueError, match="both out and lse"):
+        blockwise_attention_backward(x, x, x, x, out=out)
+    with pytest.raises(ValueError, match=r"lse has shape \(3,\), but should be \(4,\)"):
+        blockwise_attention_backward(x, x, x, x, out=out, lse=lse[:3])
+    with pytest.raises(ValueError, match="grad_out has shape"):
+        blockwise_attention_backward(x[:3], x, x, x)
+
+
+def test_set_num_threads():
+    bw.set_num_threads(1)
+    try:
+        assert bw.get_num_threads() == 1
+    finally:
+        bw.set_num_threads(None)
+    with pytest.raises(ValueError, match="n must be a positive int"):
+        bw.set_num_threads(0)
