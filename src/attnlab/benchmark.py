@@ -1,0 +1,263 @@
+"""Timing attention: naive NumPy, attnlab's dispatcher and ``torch`` SDPA, side by side.
+
+The library part of ``attnlab bench`` and ``benchmarks/attention.py``: it measures and
+returns numbers; the command line formats and prints them. Nothing here is a test.
+
+FLOPs follow the FlashAttention papers' convention: a forward pass is the two matmuls,
+``4·B·H·L·S·E`` (``S·E`` replaced by the average ``S·E / 2`` under a causal mask, the work
+that is not masked away), a backward pass ``2.5x`` the forward (five matmuls instead of
+two), so forward+backward is ``3.5x``. Recomputation is not counted as useful work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from attnlab._validation import positive_int
+
+# The issue's configuration: fp32, B=1, H=8, E=64, L = S.
+BATCH, HEADS, HEAD_DIM = 1, 8, 64
+FULL_SIZES = (512, 1024, 2048, 4096, 8192)
+QUICK_SIZES = (512, 1024, 2048)
+
+
+@dataclass
+class Row:
+    """One line of the table: a size, causal or not, a pass, and a time per implementation."""
+
+    L: int
+    causal: bool
+    passes: str  # "fwd" or "fwd+bwd"
+    flops: float
+    seconds: dict[str, float | None] = field(default_factory=dict)  # None: skipped
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def gflops(self, impl: str) -> float | None:
+        s = self.seconds.get(impl)
+        return None if s is None else self.flops / s / 1e9
+
+    def ratio(self, impl: str, to: str = "torch") -> float | None:
+        a, b = self.seconds.get(impl), self.seconds.get(to)
+        return None if a is None or b is None else a / b
+
+
+def attention_flops(L: int, S: int, *, causal: bool, passes: str) -> float:
+    """Useful FLOPs of one call at the benchmark's ``B, H, E`` (see the module docstring)."""
+    fwd = 4.0 * BATCH * HEADS * L * S * HEAD_DIM
+    if causal:
+        fwd /= 2
+    return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def blas_threads(n: int):
+    """A context limiting NumPy's BLAS to ``n`` threads (no-op without threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return nullcontext()
+    return threadpool_limits(limits=n, user_api="blas")
+
+
+def sgemm_gflops(threads: int, *, n: int = 2048, repeats: int = 5) -> float:
+    """The machine's float32 matmul rate (GFLOP/s) at ``threads`` BLAS threads: the ceiling."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    out = np.empty((n, n), dtype=np.float32)
+    with blas_threads(threads):
+        t = median_time(lambda: np.matmul(a, b, out=out), repeats)
+    return 2.0 * n**3 / t / 1e9
+
+
+def naive_bytes(L: int, S: int, passes: str) -> int:
+    """Rough peak memory of the naive path: a few ``(B, H, L, S)`` float32 arrays."""
+    return (3 if passes == "fwd" else 6) * BATCH * HEADS * L * S * 4
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def run_benchmark(
+    sizes=QUICK_SIZES,
+    *,
+    repeats: int = 5,
+    threads: int | None = None,
+    naive_max: int = 4096,
+    passes=("fwd", "fwd+bwd"),
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Time the three implementations for every size, causal flag and pass.
+
+    Args:
+        sizes: the ``L = S`` to run.
+        repeats: timed runs per cell (the median is kept), after one warm-up.
+        threads: threads for all three (torch, attnlab, BLAS); ``None``: all usable CPUs.
+        naive_max: largest ``L`` for the naive path (it needs ``O(H·L·S)`` memory).
+        passes: ``"fwd"`` and/or ``"fwd+bwd"``.
+        progress: called with a short message before each cell (e.g. ``print``).
+
+    Returns:
+        One :class:`Row` per (size, causal, pass); ``seconds[impl]`` is None when skipped,
+        with the reason in ``notes[impl]``.
+    """
+    from attnlab.core import blockwise as bw
+    from attnlab.core.attention import attend, attend_backward, check_attention_args
+
+    threads = bw.get_num_threads() if threads is None else positive_int(threads, "threads")
+    repeats = positive_int(repeats, "repeats")
+    torch = _torch()
+    if torch is not None:
+        torch.set_num_threads(threads)
+    rng = np.random.default_rng(0)
+    rows = []
+    for L in sizes:
+        shape = (BATCH, HEADS, L, HEAD_DIM)
+        q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
+        for causal in (False, True):
+            for p in passes:
+                row = Row(L, causal, p, attention_flops(L, L, causal=causal, passes=p))
+                say = progress or (lambda _msg: None)
+
+                def attnlab_fwd(causal=causal):
+                    return bw.blockwise_attention_forward(
+                        q, k, v, is_causal=causal, num_threads=threads
+                    )
+
+                def attnlab_both(causal=causal):
+                    out, lse = attnlab_fwd()
+                    return bw.blockwise_attention_backward(
+                        g, q, k, v, is_causal=causal, out=out, lse=lse, num_threads=threads
+                    )
+
+                say(f"L={L} causal={causal} {p}: attnlab")
+                with blas_threads(threads):
+                    row.seconds["attnlab"] = median_time(
+                        attnlab_fwd if p == "fwd" else attnlab_both, repeats
+                    )
+                if L > naive_max:
+                    row.seconds["naive"] = None
+                    row.notes["naive"] = (
+                        f"skipped (L > naive_max; it would need ~"
+                        f"{naive_bytes(L, L, p) / 2**30:.1f} GiB of scores)"
+                    )
+                else:
+                    spec = check_attention_args(q, k, v, is_causal=causal)
+                    say(f"L={L} causal={causal} {p}: naive")
+
+                    def fn(spec=spec, p=p):
+                        out = attend(spec)
+                        return out if p == "fwd" else attend_backward(spec, g)
+
+                    with blas_threads(threads):
+                        row.seconds["naive"] = median_time(fn, repeats)
+                if torch is None:
+                    row.seconds["torch"] = None
+                    row.notes["torch"] = "not installed"
+                else:
+                    say(f"L={L} causal={causal} {p}: torch")
+                    row.seconds["torch"] = median_time(
+                        _torch_fn(torch, q, k, v, g, causal, p), repeats
+                    )
+                rows.append(row)
+    return rows
+
+
+def _torch_fn(torch, q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:
+    tq, tk, tv, tg = (torch.from_numpy(a) for a in (q, k, v, g))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if passes == "fwd":
+
+        def fwd():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, is_causal=causal)
+
+        return fwd
+    tq, tk, tv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+
+    def both():
+        for t in (tq, tk, tv):
+            t.grad = None
+        sdpa(tq, tk, tv, is_causal=causal).backward(tg)
+
+    return both
+
+
+_MEMORY_SCRIPT = """
+import json, sys, time
+import numpy as np
+from attnlab import blockwise_attention
+
+def hwm_kib():  # this process's peak RSS (VmHWM; ru_maxrss would include the parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+n, E, threads = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, n, E), dtype=np.float32) for _ in range(3))
+before = hwm_kib()
+t0 = time.perf_counter()
+out = blockwise_attention(q, k, v, num_threads=threads)
+seconds = time.perf_counter() - t0
+peak = hwm_kib()
+print(json.dumps({"before_kib": before, "peak_kib": peak, "seconds": seconds,
+                  "finite": bool(np.isfinite(out).all())}))
+"""
+
+
+def peak_memory(tokens: int, *, threads: int | None = None, head_dim: int = HEAD_DIM) -> dict:
+    """Peak RSS of a fresh process running one single-head float32 forward pass (Linux).
+
+    Returns a dict with ``tokens``, ``peak_bytes`` (the process's peak resident set, Python
+    and NumPy included), ``inputs_bytes`` (q, k, v), ``before_bytes`` (peak RSS before the
+    call, inputs included), ``score_matrix_bytes`` (what the naive path would allocate
+    for the scores alone) and ``seconds``.
+    """
+    from attnlab.core import blockwise as bw
+
+    tokens = positive_int(tokens, "tokens")
+    threads = bw.get_num_threads() if threads is None else positive_int(threads, "threads")
+    env = dict(os.environ)
+    if threads == 1 or not bw._have_threadpoolctl():
+        env.setdefault("OPENBLAS_NUM_THREADS", str(threads))
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SCRIPT, str(tokens), str(head_dim), str(threads)],
+        capture_output=True, text=True, env=env, check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory run failed: {proc.stderr.strip().splitlines()[-1:]}")
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {
+        "tokens": tokens,
+        "peak_bytes": res["peak_kib"] * 1024,
+        "before_bytes": res["before_kib"] * 1024,
+        "inputs_bytes": 3 * tokens * head_dim * 4,
+        "score_matrix_bytes": tokens * tokens * 4,
+        "seconds": res["seconds"],
+        "finite": res["finite"],
+    }

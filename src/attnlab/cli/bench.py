@@ -1,0 +1,155 @@
+"""``attnlab bench``: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
+
+fp32, B=1, H=8, E=64, L = S, causal and not, forward and forward+backward, side by side
+in one run with the same thread count: the median of ``--repeats`` runs, GFLOP/s, the
+ratio to torch and the share of the machine's measured SGEMM rate; then the peak memory
+(RSS, in a fresh process) of a single-head forward pass over ``--memory-tokens`` tokens.
+
+The default is a quick run (L up to 2048, about a minute on 2 cores); ``--full`` runs the
+issue's sizes (L up to 8192 and a 65536-token memory run, several minutes).
+"""
+
+from __future__ import annotations
+
+from attnlab.cli._common import CLIError
+
+IMPLS = ("naive", "attnlab", "torch")
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise CLIError(f"--sizes must be comma-separated integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise CLIError(f"--sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark attention: naive NumPy vs attnlab vs torch",
+        description=__doc__,
+    )
+    p.add_argument("--full", action="store_true",
+                   help="the issue's sizes 512..8192 and a 65536-token memory run")
+    p.add_argument("--sizes", type=str, default=None,
+                   help="comma-separated L = S values (default 512,1024,2048; --full: "
+                        "512,1024,2048,4096,8192)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, median kept "
+                   "(default 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="threads for torch, attnlab and BLAS alike (default: all usable CPUs)")
+    p.add_argument("--naive-max", type=int, default=4096,
+                   help="largest L for the naive path, which needs O(H*L*S) memory "
+                        "(default 4096)")
+    p.add_argument("--passes", choices=["fwd", "fwd+bwd", "both"], default="both",
+                   help="forward, forward+backward, or both (default)")
+    p.add_argument("--memory-tokens", type=int, default=None,
+                   help="tokens of the single-head peak-memory run; 0 skips it "
+                        "(default 16384; --full: 65536)")
+    p.set_defaults(run=run)
+
+
+def _fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def format_rows(rows, sgemm: float) -> str:
+    """The side-by-side table (plain text)."""
+    head = ["L=S", "causal", "pass"]
+    head += [f"{i} ms" for i in IMPLS] + [f"{i} GF/s" for i in IMPLS]
+    head += ["attnlab/torch", "naive/torch", "attnlab %SGEMM"]
+    lines = []
+    for r in rows:
+        cells = [str(r.L), "yes" if r.causal else "no", r.passes]
+        cells += [_fmt(None if r.seconds.get(i) is None else 1e3 * r.seconds[i], ".1f")
+                  for i in IMPLS]
+        cells += [_fmt(r.gflops(i), ".0f") for i in IMPLS]
+        cells += [_fmt(r.ratio("attnlab"), ".2f"), _fmt(r.ratio("naive"), ".2f")]
+        gf = r.gflops("attnlab")
+        cells += [_fmt(None if gf is None else 100 * gf / sgemm, ".0f") + "%"]
+        lines.append(cells)
+    widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    import platform
+    import sys
+
+    import numpy as np
+
+    from attnlab import benchmark as bm
+    from attnlab.core import blockwise as bw
+
+    sizes = _sizes(args.sizes) if args.sizes else list(bm.FULL_SIZES if args.full else bm.QUICK_SIZES)
+    if args.repeats < 1:
+        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        raise CLIError(f"--threads must be >= 1, got {args.threads}")
+    mem_tokens = args.memory_tokens
+    if mem_tokens is None:
+        mem_tokens = 65536 if args.full else 16384
+    if mem_tokens < 0:
+        raise CLIError(f"--memory-tokens must be >= 0, got {mem_tokens}")
+    passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
+    threads = args.threads or bw.get_num_threads()
+
+    torch = bm._torch()
+    print(f"attnlab bench: fp32, B={bm.BATCH}, H={bm.HEADS}, E={bm.HEAD_DIM}, L=S in {sizes}, "
+          f"{threads} thread(s), median of {args.repeats}")
+    print(f"python {platform.python_version()}, numpy {np.__version__}, "
+          f"torch {torch.__version__ if torch else 'not installed'}, "
+          f"threadpoolctl {'yes' if bw._have_threadpoolctl() else 'no (BLAS threads only)'}, "
+          f"{platform.processor() or platform.machine()}")
+    sgemm = bm.sgemm_gflops(threads)
+    print(f"SGEMM ceiling (2048^3 float32 matmul, {threads} thread(s)): {sgemm:.0f} GFLOP/s")
+    sys.stdout.flush()
+
+    def progress(msg: str) -> None:
+        if ": attnlab" in msg or "memory" in msg:
+            print(f"  ... {msg.replace(': attnlab', '')}", file=sys.stderr, flush=True)
+
+    rows = bm.run_benchmark(
+        sizes, repeats=args.repeats, threads=threads, naive_max=args.naive_max,
+        passes=passes, progress=progress,
+    )
+    print()
+    print(format_rows(rows, sgemm))
+    notes = []
+    for r in rows:
+        for impl, note in r.notes.items():
+            text = f"{impl} L={r.L} {r.passes}: {note}" if impl == "naive" else f"{impl}: {note}"
+            if text not in notes:
+                notes.append(text)
+    if notes:
+        print("notes: " + "; ".join(notes))
+    print("GFLOP/s count useful work: 4*B*H*L*S*E per forward (halved when causal), "
+          "x3.5 for forward+backward.")
+    by_key = {(r.L, r.causal, r.passes): r for r in rows}
+    halves = []
+    for (L, causal, p), r in by_key.items():
+        full = by_key.get((L, False, p))
+        if causal and full and full.seconds.get("attnlab") and r.seconds.get("attnlab"):
+            halves.append(f"L={L} {p}: {r.seconds['attnlab'] / full.seconds['attnlab']:.2f}")
+    if halves:
+        print("attnlab causal / non-causal time: " + ", ".join(halves))
+
+    if mem_tokens:
+        print()
+        progress(f"peak memory of a {mem_tokens}-token forward pass")
+        try:
+            m = bm.peak_memory(mem_tokens, threads=threads)
+        except RuntimeError as exc:
+            raise CLIError(str(exc)) from None
+        mib = 2**20
+        print(f"peak memory, {mem_tokens} tokens, one head, E={bm.HEAD_DIM}, fp32 forward "
+              f"(fresh process): peak RSS {m['peak_bytes'] / mib:.0f} MiB "
+              f"(before the call {m['before_bytes'] / mib:.0f} MiB, q/k/v "
+              f"{m['inputs_bytes'] / mib:.0f} MiB); the naive score matrix alone would be "
+              f"{m['score_matrix_bytes'] / mib:.0f} MiB; took {m['seconds']:.1f} s")
+    return 0
