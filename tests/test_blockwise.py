@@ -146,6 +146,47 @@ def test_scale_and_large_scores_stay_finite():
         assert np.isfinite(got).all() and rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("profile", ["jump", "ramp", "drop", "big-values"])
+def test_score_jumps_between_key_tiles(dtype, profile):
+    """The forward pass lets its shift lag behind the row max between tiles: scores that
+    later jump far above it (overflow, redone exactly), creep up (rescaled) or fall far
+    below it must all give the naive result."""
+    rng = np.random.default_rng(12)
+    L, S, E = 9, 96, 4
+    q = np.abs(rng.standard_normal((L, E))).astype(dtype) + 0.5
+    k = np.abs(rng.standard_normal((S, E))).astype(dtype)
+    v = rng.standard_normal((S, 3)).astype(dtype)
+    ramp = np.linspace(0, 1, S, dtype=dtype)[:, None]
+    if profile == "jump":
+        k[S // 2 :] *= 200  # scores jump by hundreds in the second half
+    elif profile == "ramp":
+        k *= 1 + 60 * ramp  # scores grow tile after tile
+    elif profile == "drop":
+        k[8:] *= -100  # later scores far below the first tile's
+    else:
+        k *= 1 + 40 * ramp
+        v *= 1e30  # exp(score - shift) * v overflows before exp alone does
+    g = rng.standard_normal((L, 3)).astype(dtype)
+    want = scaled_dot_product_attention(q, k, v, scale=1.0)
+    out, lse = blockwise_attention_forward(q, k, v, scale=1.0, block_q=4, block_k=8)
+    assert np.isfinite(out).all() and rel_err(out, want) <= TOL[dtype]
+    scores = q.astype(np.float64) @ k.T.astype(np.float64)
+    top = scores.max(-1)
+    want_lse = (top + np.log(np.exp(scores - top[:, None]).sum(-1))).astype(dtype)
+    assert rel_err(lse, want_lse) <= TOL[dtype]
+    if profile != "big-values":
+        want_g = scaled_dot_product_attention_backward(g, q, k, v, scale=1.0)
+        got_g = blockwise_attention_backward(
+            g, q, k, v, scale=1.0, out=out, lse=lse, block_q=4, block_k=8
+        )
+        # Backward recomputes p = exp(score - lse): with scores in the thousands ("jump")
+        # float32 rounds score - lse to eps * |score|, so compare at that scale there.
+        floor = float(np.abs(scores).max()) if profile == "jump" else 1.0
+        for a, b in zip(got_g, want_g, strict=True):
+            assert rel_err(a, b, floor=floor) <= TOL[dtype]
+
+
 def test_fully_masked_rows_and_empty_sizes_give_zeros():
     rng = np.random.default_rng(4)
     q, k, v, g = (a[0] for a in inputs(rng, (), 1, 1, 6, 5, 4, 3, np.float64))  # (L|S, E)

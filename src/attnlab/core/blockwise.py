@@ -189,6 +189,28 @@ class _Plan:
         if threads > 1 and not _have_threadpoolctl():
             threads = 1  # let BLAS parallelise each matmul instead (no oversubscription)
         self.threads = threads
+        self._aug: dict = {}
+        self._aug_lock = threading.Lock()
+
+    def augmented(self, which: str, n: int) -> np.ndarray:
+        """Head ``n``'s keys (``which="k"``) or values (``"v"``) with a column of ones
+        appended, ``(S, E + 1)``, in the compute dtype; built once per call and head.
+
+        A query row ``[q, -c]`` times ``[k, 1]`` gives ``q·k - c``: the shift of the
+        online softmax (and in the backward pass ``-lse`` and ``-D``) rides along in the
+        matmul instead of costing a pass over the tile.
+        """
+        key = (which, n)
+        with self._aug_lock:
+            arr = self._aug.get(key)
+        if arr is None:
+            src = (self.k if which == "k" else self.v)[self.heads[n]]
+            arr = np.empty((src.shape[0], src.shape[1] + 1), dtype=self.dtype)
+            arr[:, :-1] = src
+            arr[:, -1] = 1
+            with self._aug_lock:
+                arr = self._aug.setdefault(key, arr)
+        return arr
 
     def threads_for(self, n_units: int) -> int:
         """Threads worth starting: none beyond the units, one for small problems."""
@@ -265,37 +287,79 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
     return out, lse
 
 
+# The fast path lets exp(score - shift) grow up to this before moving the shift up.
+_RESCALE_ABOVE = 2.0**20
+
+
 def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> None:
+    """One query tile of one head: rows ``i0:i1`` of ``out`` and ``lse``.
+
+    Each row keeps a shift ``c`` (the running maximum of FlashAttention, but allowed to lag
+    behind it), ``l = sum exp(score - c)`` and ``acc = sum exp(score - c) v``. The shift
+    is folded into the score matmul (:meth:`_Plan.augmented`). A tile takes the exact
+    path (row max, subtract, exp) while some row has no shift yet or when the fast path
+    overflowed; otherwise the fast path is just ``exp`` of the matmul's output: scores may
+    then exceed ``c`` (exp up to ``e^88`` stays finite in float32; beyond, the tile is
+    redone exactly), and ``c`` moves up by ``log(l)`` once ``l`` passes
+    ``_RESCALE_ABOVE``, which keeps ``c`` within ``log(S)`` above the true maximum, so
+    nothing that matters underflows.
+    """
     h = plan.heads[n]
-    dt, rows = plan.dtype, i1 - i0
-    q = np.multiply(plan.q[h][i0:i1], plan.scale, dtype=dt)  # (rows, E), scale folded in
-    k, v = plan.k[h], plan.v[h]
-    m = np.full(rows, -np.inf, dtype=dt)  # running row max
-    l = np.zeros(rows, dtype=dt)  # running sum of exp(score - m)
+    dt, rows, E = plan.dtype, i1 - i0, plan.E
+    qa = _buffer(scratch, "qa", (rows, E + 1), dt)  # [q * scale, -c]
+    np.multiply(plan.q[h][i0:i1], plan.scale, out=qa[:, :E], casting="unsafe")
+    qa[:, E] = 0
+    ka = plan.augmented("k", n)  # (S, E + 1): [k, 1]
+    v = plan.v[h]
+    c = np.zeros(rows, dtype=dt)  # the shift, valid where `have`
+    have = np.zeros(rows, dtype=bool)
+    settled = False  # every row has a shift: the fast path may run
+    l = np.zeros(rows, dtype=dt)
     acc = out  # (rows, Ev), zero on entry; written in place
     kend = plan.key_end(i1)
     for j0 in range(0, kend, plan.bk):
         j1 = min(j0 + plan.bk, kend)
         s = _buffer(scratch, "s", (rows, j1 - j0), dt)
-        np.matmul(q, k[j0:j1].T, out=s)  # (rows, bk) scores
+        np.matmul(qa, ka[j0:j1].T, out=s)  # (rows, bk): scores - c
         if not plan.apply_mask(s, h, i0, j0):
             continue
-        m_new = np.maximum(m, s.max(axis=1))
-        # A row with nothing seen yet keeps max -inf: shift by 0 so exp gives 0, not NaN.
-        shift = np.where(m_new == -np.inf, 0, m_new).astype(dt, copy=False)
-        s -= shift[:, None]
+        if settled:
+            np.exp(s, out=s)
+            rs = s.sum(axis=1)
+            pv = s @ v[j0:j1]
+            if np.isfinite(rs).all() and np.isfinite(pv).all():
+                l += rs
+                acc += pv
+                big = l > _RESCALE_ABOVE
+                if big.any():
+                    grow = np.where(big, l, 1).astype(dt, copy=False)
+                    acc /= grow[:, None]
+                    l /= grow
+                    c += np.log(grow)
+                    qa[:, E] = -c
+                continue
+            np.matmul(qa, ka[j0:j1].T, out=s)  # overflow or NaN: redo the tile exactly
+            plan.apply_mask(s, h, i0, j0)
+        # Exact path: move each row's shift up to the tile's maximum where that is higher.
+        mt = s.max(axis=1)
+        up = np.where(have, np.maximum(mt, 0), mt)
+        up = np.where(up == -np.inf, 0, up).astype(dt, copy=False)  # nothing seen: keep
+        s -= up[:, None]
         np.exp(s, out=s)
-        alpha = np.exp(m - shift)  # rescales what was accumulated under the old max
+        alpha = np.exp(-up)
         l *= alpha
         l += s.sum(axis=1)
         acc *= alpha[:, None]
         acc += s @ v[j0:j1]
-        m = m_new
+        c += up
+        have |= mt > -np.inf
+        qa[:, E] = -c
+        settled = bool(have.all())
     seen = l > 0
     np.divide(acc, l[:, None], out=acc, where=seen[:, None])
     acc[~seen] = 0  # fully masked rows output 0 (and NaN rows stay NaN via l = NaN)
     np.log(l, out=lse, where=seen)
-    lse += np.where(seen, m, 0).astype(dt, copy=False)
+    lse += np.where(seen, c, 0).astype(dt, copy=False)
     lse[~seen] = -np.inf
     nan_rows = np.isnan(l)
     if nan_rows.any():
