@@ -383,8 +383,8 @@ def _backward(
     go = np.broadcast_to(grad_out, (*plan.batch, L, plan.Ev))
     # D_i = sum_e dO_ie O_ie = sum_j P_ij dP_ij: the softmax backward's row term.
     D = np.einsum("...le,...le->...l", go.astype(dt, copy=False), out.astype(dt, copy=False))
-    # A fully masked row has lse = -inf and P = 0: use +inf so exp(s - lse) = 0.
-    lse = np.where(lse == -np.inf, np.inf, lse).astype(dt, copy=False)
+    # A fully masked row (lse = -inf) has every score at -inf already: shift it by 0.
+    lse = np.where(lse == -np.inf, 0, lse).astype(dt, copy=False)
     H = len(plan.heads)
     dq_h, dk_h, dv_h = (a.reshape(-1, *a.shape[-2:]) for a in (dq, dk, dv))
     D_h, lse_h = D.reshape(-1, L), lse.reshape(-1, L)
@@ -399,45 +399,54 @@ def _backward(
 
     def run(unit, scratch):
         n, c = unit
+        h = plan.heads[n]
+        # [q * scale, -lse] and [dO, -D]: times [k, 1] and [v, 1] they give
+        # score - lse and dP - D straight out of the matmuls.
+        qa = np.empty((L, plan.E + 1), dtype=dt)
+        np.multiply(plan.q[h], plan.scale, out=qa[:, :-1], casting="unsafe")
+        qa[:, -1] = -lse_h[n]
+        ga = np.empty((L, plan.Ev + 1), dtype=dt)
+        ga[:, :-1] = go[h]
+        ga[:, -1] = -D_h[n]
         target = dq_h[n] if c == 0 else partial[n][c - 1]
         for j0 in range(c * plan.bk, S, split * plan.bk):
             j1 = min(j0 + plan.bk, S)
-            _backward_key_tile(
-                plan, n, j0, j1, go, D_h[n], lse_h[n], target, dk_h[n, j0:j1], dv_h[n, j0:j1],
-                scratch,
-            )
+            _backward_key_tile(plan, n, j0, j1, qa, ga, target, dk_h[n, j0:j1], dv_h[n, j0:j1],
+                               scratch)
 
     _run_units(units, run, plan.threads_for(len(units)))
     for n in range(H):
         for p in partial[n]:
             dq_h[n] += p
+    dq *= plan.scale
     return dq, dk, dv
 
 
-def _backward_key_tile(plan: _Plan, n, j0, j1, go, D, lse, dq, dk, dv, scratch) -> None:
+def _backward_key_tile(plan: _Plan, n, j0, j1, qa, ga, dq, dk, dv, scratch) -> None:
+    """Key tile ``j0:j1`` of head ``n`` against every query tile that sees it.
+
+    ``qa = [q * scale, -lse]`` and ``ga = [dO, -D]`` are ``(L, E + 1)`` and
+    ``(L, Ev + 1)``; ``dq`` (all ``L`` rows, without the factor ``scale``), ``dk`` and
+    ``dv`` (this tile's rows) are accumulated in place.
+    """
     h = plan.heads[n]
     dt, cols = plan.dtype, j1 - j0
-    k = plan.k[h][j0:j1].astype(dt, copy=False)  # (cols, E)
-    v = plan.v[h][j0:j1].astype(dt, copy=False)  # (cols, Ev)
-    q_all, go_h = plan.q[h], go[h]
+    ka = plan.augmented("k", n)[j0:j1]  # (cols, E + 1): [k, 1]
+    va = plan.augmented("v", n)[j0:j1]  # (cols, Ev + 1): [v, 1]
     for i0 in range(plan.query_start(j0) // plan.bq * plan.bq, plan.L, plan.bq):
         i1 = min(i0 + plan.bq, plan.L)
         rows = i1 - i0
-        q = np.multiply(q_all[i0:i1], plan.scale, dtype=dt)  # (rows, E) scaled
         s = _buffer(scratch, "s", (rows, cols), dt)
-        np.matmul(q, k.T, out=s)
+        np.matmul(qa[i0:i1], ka.T, out=s)  # scale * q·k - lse
         if not plan.apply_mask(s, h, i0, j0):
             continue
-        s -= lse[i0:i1, None]
         p = np.exp(s, out=s)  # (rows, cols) probabilities
-        g = go_h[i0:i1].astype(dt, copy=False)  # (rows, Ev)
-        dv += p.T @ g
+        dv += p.T @ ga[i0:i1, :-1]
         dp = _buffer(scratch, "dp", (rows, cols), dt)
-        np.matmul(g, v.T, out=dp)
-        dp -= D[i0:i1, None]
-        dp *= p  # dS / scale; the scale is folded into q (for dk) and applied for dq
-        dq[i0:i1] += np.multiply(dp @ k, plan.scale, dtype=dt)
-        dk += dp.T @ q
+        np.matmul(ga[i0:i1], va.T, out=dp)  # dP - D
+        dp *= p  # dScores / scale
+        dq[i0:i1] += dp @ ka[:, :-1]
+        dk += dp.T @ qa[i0:i1, :-1]
 
 
 # --------------------------------------------------------------------------- public API
