@@ -382,3 +382,17 @@ def test_bench_command_bad_arguments(argv, match, capsys):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err
+
+
+def test_without_threadpoolctl_gives_the_same_numbers(monkeypatch):
+    rng = np.random.default_rng(13)
+    q, k, v, g = inputs(rng, (), 2, 2, 700, 650, 8, 8, np.float64)
+    want = blockwise_attention_backward(g, q, k, v, is_causal=True, num_threads=2)
+    monkeypatch.setattr(bw, "_have_threadpoolctl", lambda: False)
+    for env in ("1", "2"):  # BLAS held to one thread by the environment: pool; else: BLAS
+        monkeypatch.setenv("OPENBLAS_NUM_THREADS", env)
+        plan = bw._plan(attention_mod.check_attention_args(q, k, v), None, None, None, 2)
+        assert plan.threads == (2 if env == "1" else 1)
+        got = blockwise_attention_backward(g, q, k, v, is_causal=True, num_threads=2)
+        for a, b in zip(got, want, strict=True):
+            assert grad_err(a, b) <= 1e-13

@@ -20,8 +20,10 @@ forward pass; a set of key tiles of one head in the backward pass) that a pool o
 pulls from a shared queue. NumPy releases the GIL inside matmul and the element-wise
 loops, so the threads run on separate cores; while the pool runs, BLAS is limited to one
 thread per call (with ``threadpoolctl`` when it is installed) so that the cores are not
-oversubscribed. Without ``threadpoolctl`` the kernel runs its tiles one after the other
-and lets BLAS use the cores inside each matmul.
+oversubscribed. Without ``threadpoolctl`` (the ``fast`` extra) the pool runs only if the
+environment already holds BLAS to one thread (``OPENBLAS_NUM_THREADS=1``); otherwise the
+tiles run one after the other and BLAS uses the cores inside each matmul, which measured
+several times slower on 2 shared cores (benchmarks/attention.py).
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ __all__ = [
     "set_num_threads",
 ]
 
-# Defaults measured on a 2-core AVX-512 machine (benchmarks/attention.py): a 128 x 512
-# float32 score tile (256 KiB) stays in L2 next to its operands, and 128 query rows keep
-# the causal diagonal's wasted triangle small.
-DEFAULT_BLOCK_Q = 128
+# Defaults measured on a 2-core AVX-512 machine (1 MiB L2 per core): a 256 x 512 float32
+# score tile (512 KiB) stays in L2 next to its operands; 64- or 128-row tiles were 5-25%
+# slower, bigger ones no faster. The causal diagonal wastes about block_q / 2 keys per row.
+DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 512
 
 # Below this many scores in a call, starting threads costs more than it saves.
@@ -113,6 +115,14 @@ def _have_threadpoolctl() -> bool:
     except ImportError:
         return False
     return True
+
+
+def _blas_single_threaded_by_env() -> bool:
+    """True when the environment already holds BLAS to one thread (no threadpoolctl needed)."""
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        if var in os.environ:
+            return os.environ[var].strip() == "1"
+    return False
 
 
 def _run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
@@ -186,7 +196,7 @@ class _Plan:
         self.bq = DEFAULT_BLOCK_Q if block_q is None else positive_int(block_q, "block_q")
         self.bk = DEFAULT_BLOCK_K if block_k is None else positive_int(block_k, "block_k")
         threads = get_num_threads() if num_threads is None else positive_int(num_threads, "num_threads")
-        if threads > 1 and not _have_threadpoolctl():
+        if threads > 1 and not (_have_threadpoolctl() or _blas_single_threaded_by_env()):
             threads = 1  # let BLAS parallelise each matmul instead (no oversubscription)
         self.threads = threads
         self._aug: dict = {}
@@ -311,6 +321,7 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
     qa[:, E] = 0
     ka = plan.augmented("k", n)  # (S, E + 1): [k, 1]
     v = plan.v[h]
+    va = plan.augmented("v", n)  # (S, Ev + 1): [v, 1], so p @ va also sums p's rows
     c = np.zeros(rows, dtype=dt)  # the shift, valid where `have`
     have = np.zeros(rows, dtype=bool)
     settled = False  # every row has a shift: the fast path may run
@@ -325,11 +336,10 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
             continue
         if settled:
             np.exp(s, out=s)
-            rs = s.sum(axis=1)
-            pv = s @ v[j0:j1]
-            if np.isfinite(rs).all() and np.isfinite(pv).all():
-                l += rs
-                acc += pv
+            pv = s @ va[j0:j1]  # (rows, Ev + 1): [p @ v, row sums of p]
+            if np.isfinite(pv).all():
+                l += pv[:, -1]
+                acc += pv[:, :-1]
                 big = l > _RESCALE_ABOVE
                 if big.any():
                     grow = np.where(big, l, 1).astype(dt, copy=False)
@@ -531,7 +541,7 @@ def blockwise_attention(
         enable_gqa: each of the ``H`` key/value heads serves ``Hq // H`` query heads.
         causal_align: ``"top-left"`` (PyTorch's ``is_causal``; the default) or
             ``"bottom-right"`` (KV-cache decoding); only with ``is_causal=True``.
-        block_q: query rows per tile (default 128).
+        block_q: query rows per tile (default 256).
         block_k: key rows per tile (default 512). Any sizes work, also ones that divide
             neither ``L`` nor ``S``.
         num_threads: threads to use; ``None`` means :func:`get_num_threads`.
