@@ -2,7 +2,7 @@
  *
  * Starts every `.attnlab-report` element on the page that has not started yet (a Jupyter
  * notebook may hold several). Each one carries its data in a
- * <script type="application/json" class="al-data"> child. User text (tokens, text, model
+ * JSON script element (class al-data) inside it. User text (tokens, text, model
  * name, notes) is only ever written with textContent; no markup is built from it and no
  * inline event handler exists. Nothing is fetched: the numbers are inflated from the
  * embedded base64 block with the browser's DecompressionStream.
