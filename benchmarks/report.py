@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from report_data import random_explanation  # noqa: E402
-
 from attnlab.viz import report as rep  # noqa: E402
+from report_data import random_explanation  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -107,7 +106,8 @@ def main() -> None:
         pw.stop()
 
     shape = f"{args.layers} layers x {args.heads} heads"
-    print(f"HTML report, random maps of T tokens x {shape}; times in ms (browser: to the 2nd frame)")
+    print(f"HTML report, random maps of T tokens x {shape}; "
+          "times in ms (browser: to the 2nd frame)")
     cols = list(rows[0])
     width = {c: max(len(c), 7) for c in cols}
     print("  ".join(c.rjust(width[c]) for c in cols))
@@ -115,7 +115,12 @@ def main() -> None:
         cells = []
         for c in cols:
             v = r[c]
-            s = str(v) if isinstance(v, int) else f"{v:.2f}" if c in ("MiB", "JSON MiB", "ratio") else f"{v:.0f}" if c != "sharp" else f"{v:g}"
+            if isinstance(v, int):
+                s = str(v)
+            elif c in ("MiB", "JSON MiB", "ratio"):
+                s = f"{v:.2f}"
+            else:
+                s = f"{v:g}" if c == "sharp" else f"{v:.0f}"
             cells.append(s.rjust(width[c]))
         print("  ".join(cells))
     print("ratio = size of the weights alone as 4-decimal JSON / size of the whole report file")

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 import attnlab.viz
 from attnlab.explain import Explanation
 from attnlab.viz import report as rep
+from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 EVIL_TOKENS = ["hello", XSS_IMG, XSS_SCRIPT, "a&amp;b", '"quoted"', "\u2028line"]
 
@@ -33,7 +33,8 @@ def _arrays(data: dict) -> dict[str, np.ndarray]:
     for name, ref in data["arrays"].items():
         dtype = {"u8": np.uint8, "f32": np.float32}[ref["dtype"]]
         n = int(np.prod(ref["shape"]))
-        out[name] = np.frombuffer(raw, dtype=dtype, count=n, offset=ref["offset"]).reshape(ref["shape"])
+        flat = np.frombuffer(raw, dtype=dtype, count=n, offset=ref["offset"])
+        out[name] = flat.reshape(ref["shape"])
     return out
 
 

@@ -10,18 +10,16 @@ from __future__ import annotations
 import io
 import json
 import re
-import shutil
 import struct
 import time
 import xml.etree.ElementTree as ET
-import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 from attnlab.viz import report as rep
+from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -52,7 +50,9 @@ class Session:
     """A page with everything it did recorded."""
 
     def __init__(self, browser, tmp_path: Path):
-        self.context = browser.new_context(accept_downloads=True, viewport={"width": 1280, "height": 900})
+        self.context = browser.new_context(
+            accept_downloads=True, viewport={"width": 1280, "height": 900}
+        )
         self.page = self.context.new_page()
         self.tmp = tmp_path
         self.requests: list[str] = []
@@ -91,7 +91,9 @@ class Session:
     def check_clean(self):
         """No network, no dialog, no error: the file is all there is."""
         self.page.wait_for_timeout(200)  # let late events (image errors, timers) arrive
-        others = [u for u in self.requests if u != self.url and not u.startswith(("data:", "blob:"))]
+        others = [
+            u for u in self.requests if u != self.url and not u.startswith(("data:", "blob:"))
+        ]
         assert others == [], f"network requests: {others}"
         assert self.dialogs == [], f"dialogs: {self.dialogs}"
         assert self.errors == [], f"console/page errors: {self.errors}"
@@ -121,9 +123,8 @@ def _lines(page) -> str:
 
 
 def test_head_model_heatmap_export(session, tmp_path):
-    e = random_explanation(12, 3, 4, text="the quick brown fox jumps over the lazy dog again and again",
-                           tokens="the quick brown fox jumps over the lazy dog again and again".split(),
-                           model="random test model")
+    text = "the quick brown fox jumps over the lazy dog again and again"
+    e = random_explanation(12, 3, 4, text=text, tokens=text.split(), model="random test model")
     page = session.open(rep.write_report(e, tmp_path / "report.html"))
 
     header = page.inner_text(".al-head")
@@ -160,16 +161,18 @@ def test_head_model_heatmap_export(session, tmp_path):
     page.click('.al-thumb[data-layer="1"][data-head="2"]')
     assert page.get_attribute(".attnlab-report", "data-view") == "head"
     assert page.input_value(".al-layer") == "1"
-    pressed = page.eval_on_selector_all(".al-chip", "cs => cs.map(c => c.getAttribute('aria-pressed'))")
+    pressed = page.eval_on_selector_all(".al-chip", "cs => cs.map(c => c.ariaPressed)")
     assert pressed == ["false", "false", "true", "false"]
-    assert {p for p in page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.dataset.head)")} == {"2"}
+    drawn = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.dataset.head)")
+    assert set(drawn) == {"2"}
 
     # heatmap: the value under the pointer
     page.click('.al-tab[data-view="heatmap"]')
     page.click('.al-chip[data-head="3"]')
     box = page.locator(".al-stage .al-hit").bounding_box()
     i, j, T = 4, 7, 12
-    page.mouse.move(box["x"] + (j + 0.5) * box["width"] / T, box["y"] + (i + 0.5) * box["height"] / T)
+    cw, ch = box["width"] / T, box["height"] / T
+    page.mouse.move(box["x"] + (j + 0.5) * cw, box["y"] + (i + 0.5) * ch)
     tip = page.inner_text(".al-tip")
     assert f"query {i}" in tip and f"key {j}" in tip
     shown = float(re.search(r"weight ([\d.]+)", tip).group(1))

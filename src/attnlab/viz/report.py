@@ -260,7 +260,8 @@ def trace_steps(trace: object) -> list[dict]:
             arr = arr[None, :]  # (n,) -> (1, n): a bias drawn as one row
         if arr.ndim != 2:
             raise ValueError(
-                f"explanation.trace step {i} ({name!r}) has shape {arr.shape}, but should be 1-D or 2-D"
+                f"explanation.trace step {i} ({name!r}) has shape {arr.shape}, "
+                "but should be 1-D or 2-D"
             )
         head = _field(rec, "head")
         steps.append(
@@ -319,7 +320,8 @@ def _header(data: dict) -> str:
     created = data["created"] or "unknown date"
     return (
         '<header class="al-head">'
-        f'<h1 class="al-title">Attention report <span class="al-model">{e(data["model"])}</span></h1>'
+        '<h1 class="al-title">Attention report '
+        f'<span class="al-model">{e(data["model"])}</span></h1>'
         f'<p class="al-meta">{data["T"]} tokens, {data["layers"]} layer(s) × {data["heads"]} '
         f'head(s), created <time>{e(created)}</time> by attnlab</p>'
         f'<p class="al-text"><span class="al-label">Text:</span> <q>{e(data["text"])}</q></p>'
