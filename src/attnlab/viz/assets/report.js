@@ -581,13 +581,17 @@
     var maxW = 1120, x = 0, y = 40, rowH = 0, cards = [];
     chosen.forEach(function (st) {
       var ref = self.data.arrays[st.array], rows = ref.shape[0], cols = ref.shape[1];
-      var cell = clamp(Math.floor(300 / Math.max(rows, cols)), 1, 28);
-      if (rows * cell > 360) cell = Math.max(1, Math.floor(360 / rows));
-      var rowLabels = rows === self.T && cell >= 10;
+      // square cells that fit 320 x 320, stretched to at least 48 px each way
+      var fitW = clamp(Math.floor(320 / cols), 1, 28), fitH = clamp(Math.floor(320 / rows), 1, 28);
+      var sq = Math.min(fitW, fitH);
+      var cw = cols * sq < 48 ? Math.min(fitW, Math.ceil(48 / cols)) : sq;
+      var minH = rows === self.T && rows <= 32 ? rows * 10 : 48;  // room for token labels
+      var ch = rows * sq < minH ? Math.min(fitH, Math.ceil(minH / rows)) : sq;
+      var rowLabels = rows === self.T && ch >= 10;
       var lw = rowLabels ? 70 : 0;
-      var w = Math.max(210, lw + cols * cell + 16), h = 46 + rows * cell + 12;
+      var w = Math.max(210, lw + cols * cw + 16), h = 46 + rows * ch + 12;
       if (x + w > maxW && x > 0) { x = 0; y += rowH + 14; rowH = 0; }
-      cards.push({ st: st, x: x, y: y, w: w, h: h, cell: cell, rows: rows, cols: cols, lw: lw });
+      cards.push({ st: st, x: x, y: y, w: w, h: h, cw: cw, ch: ch, rows: rows, cols: cols, lw: lw });
       x += w + 14; rowH = Math.max(rowH, h);
     });
     var W = maxW + 20, Hh = y + rowH + 20;
@@ -605,7 +609,7 @@
       g.appendChild(title);
       g.appendChild(sv("text", { x: 8, y: 33, "font-size": 10.5, fill: "#5b6475" }, shortDesc(c.st.description, c.w)));
       if (c.st.description) g.appendChild(sv("title", null, c.st.description));
-      self.matrix(g, c.st, 8 + c.lw, 42, c.cell, c.rows, c.cols, c.lw ? tokens : null);
+      self.matrix(g, c.st, 8 + c.lw, 42, c.cw, c.ch, c.rows, c.cols, c.lw ? tokens : null);
       svg.appendChild(g);
     });
     return svg;
@@ -616,7 +620,7 @@
     return d.length > n ? d.slice(0, n - 1) + "\u2026" : d;
   }
 
-  Report.prototype.matrix = function (g, st, x0, y0, cell, rows, cols, rowTokens) {
+  Report.prototype.matrix = function (g, st, x0, y0, cw, ch, rows, cols, rowTokens) {
     var vals = this.arrays[st.array], self = this;
     var weights = st.name === "weights";
     var mx = 0;
@@ -629,22 +633,22 @@
       if (weights) return Math.round(clamp(v * inv, 0, 1) * 255);
       return Math.round((clamp(v * inv, -1, 1) + 1) / 2 * 255);
     };
-    var W = cols * cell, H = rows * cell;
+    var W = cols * cw, H = rows * ch;
     g.appendChild(sv("image", { x: x0, y: y0, width: W, height: H, preserveAspectRatio: "none",
       "image-rendering": "pixelated", style: "image-rendering:pixelated", href: matrixImage(rows, cols, table, levelOf) }));
-    if (cell >= 24) {
+    if (cw >= 24 && ch >= 24) {
       var t = sv("g", { "font-size": 8.5, "text-anchor": "middle", "pointer-events": "none" });
       for (var i = 0; i < rows; i++) for (var j = 0; j < cols; j++) {
         var v = vals[i * cols + j], o = levelOf(i, j) * 3;
         var dark = o >= 0 && (table[o] * 0.3 + table[o + 1] * 0.59 + table[o + 2] * 0.11) < 120;
-        t.appendChild(sv("text", { x: x0 + (j + 0.5) * cell, y: y0 + (i + 0.5) * cell, "dominant-baseline": "central",
+        t.appendChild(sv("text", { x: x0 + (j + 0.5) * cw, y: y0 + (i + 0.5) * ch, "dominant-baseline": "central",
           fill: dark ? "#fff" : "#1d2330" }, isFinite(v) ? v.toFixed(2) : fmt(v)));
       }
       g.appendChild(t);
     }
     if (rowTokens) {
-      var rl = sv("g", { "font-size": clamp(cell - 3, 8, 11), fill: "#1d2330", "text-anchor": "end" });
-      for (i = 0; i < rows; i++) rl.appendChild(sv("text", { x: x0 - 4, y: y0 + (i + 0.5) * cell, "dominant-baseline": "central" }, short(rowTokens[i], 10)));
+      var rl = sv("g", { "font-size": clamp(ch - 3, 8, 11), fill: "#1d2330", "text-anchor": "end" });
+      for (i = 0; i < rows; i++) rl.appendChild(sv("text", { x: x0 - 4, y: y0 + (i + 0.5) * ch, "dominant-baseline": "central" }, short(rowTokens[i], 10)));
       g.appendChild(rl);
     }
     g.appendChild(sv("rect", { x: x0, y: y0, width: W, height: H, fill: "none", stroke: "#c4c9d3" }));
