@@ -1,8 +1,11 @@
 """Move layers between attnlab and PyTorch (torch is imported here, only when called).
 
->>> import numpy as np, attnlab                                   # doctest: +SKIP
->>> torch_mha = to_torch(attnlab.MultiheadAttention(8, 2))        # doctest: +SKIP
->>> back = from_torch(torch_mha)                                  # doctest: +SKIP
+>>> import numpy as np, attnlab
+>>> layer = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
+>>> torch_mha = to_torch(layer)                 # a torch.nn.MultiheadAttention
+>>> back = from_torch(torch_mha)
+>>> all(np.array_equal(a, b) for a, b in zip(layer.state_dict().values(), back.state_dict().values()))
+True
 """
 
 from __future__ import annotations
