@@ -312,3 +312,23 @@ def test_256_tokens_6_layers_12_heads(session, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n256x6x12 report: {size / 2**20:.2f} MiB, open-to-ready {wall * 1000:.0f} ms "
               f"(script {render:.0f} ms), views (ms): {json.dumps(times)}")
+
+
+@pytest.mark.parametrize("tokens", [["only"], ["", " ", "\n", "a"]], ids=["one-token", "blank-tokens"])
+def test_small_and_odd_inputs_render_every_view(session, tmp_path, tokens):
+    e = random_explanation(0, 1, 1, tokens=tokens, dim=3)
+    page = session.open(rep.write_report(e, tmp_path / "r.html"))
+    for view in ("head", "model", "heatmap", "embedding"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.locator(".al-stage svg").count() == 1
+    page.click('.al-tab[data-view="model"]')
+    _, png = session.download(".al-export-png")
+    pixels = _png_pixels(png)
+    assert pixels[..., :3].min() < 0.5  # the thumbnail (an embedded image) is in the PNG
+    page.click('.al-tab[data-view="head"]')
+    # hovering a key token isolates the lines that reach it
+    page.hover(f'.al-tok[data-side="1"][data-idx="{len(tokens) - 1}"]')
+    ds = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.getAttribute('d'))")
+    ends = {m for d in ds for m in re.findall(r"L([\d.]+ [\d.]+)", d)}
+    assert len(ends) == 1
+    session.check_clean()

@@ -470,7 +470,7 @@
     var cell = clamp(Math.floor(1040 / H) - 8, 34, 88);
     var n = Math.min(T, cell);
     var left = 64, top = 44, gapc = 8;
-    var W = left + H * (cell + gapc) + 12, Hh = top + L * (cell + gapc) + 12;
+    var W = Math.max(240, left + H * (cell + gapc) + 12), Hh = top + L * (cell + gapc) + 12;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     svg.appendChild(sv("text", { x: left, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
       L + " layer(s) \u00d7 " + H + " head(s)"));
@@ -517,7 +517,7 @@
     tokens.forEach(function (t) { longest = Math.max(longest, Math.min(14, show(t).length)); });
     var lab = clamp(longest * fs * 0.62 + (labels ? 10 : 34), 40, 140);
     var left = lab + 8, top = lab + 30, barW = 14;
-    var W = left + size + 80, Hh = top + size + 16;
+    var W = Math.max(380, left + size + 80), Hh = top + size + 16;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
       "layer " + l + ", head " + h + " (rows: queries, columns: keys)"));
