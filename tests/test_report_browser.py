@@ -144,6 +144,9 @@ def test_head_model_heatmap_export(session, tmp_path):
     assert _lines(page) != after_layer
     page.click(".al-none")
     assert page.locator(".al-lines path").count() == 0
+    page.dblclick('.al-chip[data-head="1"]')  # that head alone
+    drawn = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.dataset.head)")
+    assert set(drawn) == {"1"}
     page.click(".al-all")
     # hovering a query token isolates its lines: every segment starts at that token's row
     page.hover('.al-tok[data-side="0"][data-idx="3"]')

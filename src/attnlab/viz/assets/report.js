@@ -216,7 +216,7 @@
     c.replaceChildren();
     var hints = {
       head: "Lines join each token on the left (the query) to the tokens it attends to on the right; " +
-        "stronger weights draw darker. Hover a token to see only its lines. Click a colour to show or hide a head.",
+        "stronger weights draw darker. Hover a token to see only its lines. Click a colour to show or hide a head, double-click it to see that head alone.",
       model: "Every layer and head at a glance (each thumbnail scaled to its own maximum). Click one to open it in the head view.",
       heatmap: "Rows: queries, columns: keys. Point at a cell for its weight. Click a colour to pick the head.",
       steps: "One attention call step by step, as the tutorial model computed it. Point at a cell for its value. Click a colour to pick the head.",
@@ -258,6 +258,11 @@
           "aria-pressed": String(pressed(h)), title: "head " + h }, String(h));
         b.style.setProperty("--c", headColor(h));
         b.addEventListener("click", function () { onChip(h); });
+        if (s.view === "head") {
+          b.addEventListener("dblclick", function () {
+            self.set({ head: h, heads: heads.map(function (k) { return k === h; }) });
+          });
+        }
         chips.appendChild(b);
       });
       wrap.appendChild(chips);
