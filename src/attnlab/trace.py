@@ -60,7 +60,7 @@ _DESCRIPTIONS = {
     "K": "keys: what each token offers to be found by",
     "V": "values: what each token passes on",
     "scores": "raw scores Q K^T: row i compares token i's query with every key",
-    "scaled_scores": "scores times 1/sqrt(d), so the softmax does not saturate",
+    "scaled_scores": "scores times 1/sqrt({D}) = {scale:.4g}, so the softmax does not saturate",
     "masked_scores": "scaled scores with -inf where a token may not look",
     "weights": "softmax over each row: how much each token attends to each other; rows sum to 1",
     "head_output": "weights V: each token's weighted mix of the values",
@@ -242,9 +242,11 @@ def trace(
     mask = _mask_for(attn_mask, is_causal, T, dtype)
 
     steps: list[TraceStep] = []
+    D = layer.d_out if isinstance(layer, SelfAttention) else layer.head_dim
 
     def add(name, values, head=None):
-        steps.append(TraceStep(name, np.array(values, copy=True), head, _DESCRIPTIONS[name]))
+        desc = _DESCRIPTIONS[name].format(D=D, scale=1.0 / math.sqrt(D))
+        steps.append(TraceStep(name, np.array(values, copy=True), head, desc))
 
     add("X", x)
     if isinstance(layer, SelfAttention):

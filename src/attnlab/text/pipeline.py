@@ -86,7 +86,8 @@ def check_sizes(T: int, dim: int, heads: int, vocab_size: int) -> None:
     need = estimate_bytes(T, dim, heads, vocab_size)
     if need > MAX_BYTES:
         raise ValueError(
-            f"dim={dim}, heads={heads} on {T} tokens needs about {need / 2**30:.1f} GiB, "
+            f"dim={dim}, heads={heads} on {T} token{'s' if T != 1 else ''} needs about "
+            f"{need / 2**30:,.1f} GiB, "
             f"more than the tutorial model's limit of {MAX_BYTES / 2**30:.0f} GiB; "
             "use a smaller --dim or a shorter text"
         )
