@@ -333,13 +333,14 @@ def draw(expl, layer: int, head: int) -> dict:
     return {
         "heatmap.png": plots.plot_attention(
             expl.attentions[layer, head], expl.tokens,
-            title=f"Attention weights, {where} ({short})\n\u201c{text}\u201d"),
+            title=f"Attention weights, {where} \u00b7 {short}\n\u201c{text}\u201d"),
         "heads.png": plots.plot_heads(
             expl.attentions[layer], expl.tokens,
-            title=f"All {H} heads" + (f" of layer {layer}" if L > 1 else "") + f" ({short})"),
+            title=f"All {H} heads" + (f" of layer {layer}" if L > 1 else "") + f" \u00b7 {short}"
+                  + f"\n\u201c{text}\u201d"),
         "embeddings.png": plots.plot_embeddings(
             expl.static, expl.contextual, expl.tokens,
-            title=f"Static \u2192 contextual token vectors ({short})\n\u201c{text}\u201d"),
+            title=f"Static \u2192 contextual token vectors \u00b7 {short}\n\u201c{text}\u201d"),
     }
 
 

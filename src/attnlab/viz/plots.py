@@ -175,10 +175,12 @@ def plot_heads(
             continue
         im = _draw_heatmap(ax, w[h], rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
         ax.set_title(titles[h], fontsize=11)
-        if h % ncols:
+        if h % ncols:  # token labels on the outer edges only
             ax.set_ylabel("")
-        if h // ncols != nrows - 1 and h + ncols < H:
+            ax.set_yticklabels([])
+        if h + ncols < H:
             ax.set_xlabel("")
+            ax.set_xticklabels([])
     cbar = fig.colorbar(im, ax=axes, shrink=0.6)
     cbar.set_label("attention weight")
     fig.suptitle(title or f"Attention weights of {H} heads", fontsize=13)
@@ -258,27 +260,33 @@ def plot_embeddings(
     labels = _labels(tokens, s.shape[0], "tokens")
     s2, c2 = pca_2d(s, c)
 
-    fig = Figure(figsize=(9, 7.5), layout="constrained")
-    ax = fig.add_subplot()
     pts = np.concatenate([s2, c2])
     lo, hi = pts.min(axis=0), pts.max(axis=0)
     span = float((hi - lo).max()) or 1.0
+    c_span = float(np.ptp(c2, axis=0).max())
+    # Attention averages the value vectors, so the contextual points often huddle together;
+    # then a second panel shows them magnified (same projection, same directions).
+    zoom = len(labels) > 1 and c_span < 0.25 * span
+    title = title or "Static vs contextual token vectors"
+    if zoom:
+        fig = Figure(figsize=(16, 7.5), layout="constrained")
+        ax, zax = fig.subplots(1, 2, width_ratios=[1.25, 1])
+        fig.suptitle(title, fontsize=13)
+        ax.set_title("static and contextual points (seed 000's view)", fontsize=11)
+    else:
+        fig = Figure(figsize=(9, 7.5), layout="constrained")
+        ax = fig.add_subplot()
+        ax.set_title(title, fontsize=13)
     pad = 0.1 * span
     ax.set_xlim(lo[0] - pad, hi[0] + pad)
     ax.set_ylim(lo[1] - pad, hi[1] + pad)
-    c_span = float(np.ptp(c2, axis=0).max())
-    zoom = len(labels) > 1 and c_span < 0.25 * span
     _draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)
     ax.set_xlabel("PCA component 1 (fitted on the static vectors)")
     ax.set_ylabel("PCA component 2")
-    ax.set_title(title or "Static vs contextual token vectors", fontsize=13)
     ax.grid(True, alpha=0.3)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False)
-
-    # Attention averages the value vectors, so the contextual points often huddle together;
-    # then an inset shows them magnified (same projection, same axes directions).
     if zoom:
-        _zoom_inset(ax, s2, c2, labels, c_span)
+        _zoom_panel(ax, zax, s2, c2, labels, c_span)
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -326,28 +334,21 @@ def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: flo
                 zorder=4)
 
 
-def _zoom_inset(ax, s2, c2, labels, c_span):
-    """Magnify the contextual points in the emptiest corner of ``ax``."""
-    x0, x1 = ax.get_xlim()
-    y0, y1 = ax.get_ylim()
-    pts = np.concatenate([s2, c2])
-    frac = (pts - [x0, y0]) / [x1 - x0, y1 - y0]  # axes-fraction coordinates
-    size = 0.36
-    corners = [(0.04, 0.56), (0.6, 0.56), (0.04, 0.06), (0.6, 0.06)]
-    def crowd(c):
-        inside = ((frac >= np.array(c) - 0.04) & (frac <= np.array(c) + size + 0.04)).all(axis=1)
-        return int(inside.sum())
-    corner = min(corners, key=crowd)
-    inset = ax.inset_axes([*corner, size, size])
+def _zoom_panel(ax, zax, s2, c2, labels, c_span):
+    """Mark the contextual cluster on ``ax`` with a box and draw it magnified on ``zax``."""
+    from matplotlib.patches import Rectangle
+
     c_span = c_span or 1.0
-    _draw_points(inset, s2, c2, labels, c_span, arrows=False, fontsize=9, only_contextual=True)
     lo, hi = c2.min(axis=0), c2.max(axis=0)
-    mid, half = (lo + hi) / 2, 0.65 * c_span
-    inset.set_xlim(mid[0] - half, mid[0] + half)
-    inset.set_ylim(mid[1] - half, mid[1] + half)
-    inset.set_xticks([])
-    inset.set_yticks([])
-    inset.text(0.03, 0.97, "contextual points, magnified", transform=inset.transAxes,
-               fontsize=9, va="top", color="0.3")
-    inset.set_facecolor("#fbfbfb")
-    ax.indicate_inset_zoom(inset, edgecolor="0.5")
+    mid, half = (lo + hi) / 2, 0.6 * c_span
+    ax.add_patch(Rectangle(tuple(mid - half), 2 * half, 2 * half, fill=False, ec="0.35",
+                           ls="--", lw=1.0, zorder=5, gid="zoom-box"))
+    _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
+    zax.set_xlim(mid[0] - half, mid[0] + half)
+    zax.set_ylim(mid[1] - half, mid[1] + half)
+    zax.set_title("contextual points, magnified (dashed box on the left)", fontsize=11)
+    zax.set_xlabel("PCA component 1 (same projection)")
+    zax.grid(True, alpha=0.3)
+    for side in zax.spines.values():
+        side.set_linestyle("--")
+        side.set_edgecolor("0.35")
