@@ -87,7 +87,8 @@ def test_demo_default_out_dir_and_model_named(tmp_path):
 def test_demo_seed_changes_weights(tmp_path):
     a = run("demo", "--model", "random", "--seed", "1", "--out", str(tmp_path / "a"), check_rc=0)
     b = run("demo", "--model", "random", "--seed", "2", "--out", str(tmp_path / "b"), check_rc=0)
-    assert a.stdout.split("attention weights, head")[1] != b.stdout.split("attention weights, head")[1]
+    marker = "attention weights, head"
+    assert a.stdout.split(marker)[1] != b.stdout.split(marker)[1]
 
 
 def test_explain_steps_walk_through():

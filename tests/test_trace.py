@@ -61,7 +61,6 @@ def test_trace_steps_follow_the_core():
     for h in range(4):
         q = X @ t.get("W_q", h) + t.get("b_q", h)
         k = X @ t.get("W_k", h) + t.get("b_k", h)
-        v = X @ t.get("W_v", h) + t.get("b_v", h)
         np.testing.assert_allclose(t.get("Q", h), q, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(t.get("scores", h), q @ k.T, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(t.get("scaled_scores", h), t.get("scores", h) * 0.5, rtol=1e-6)

@@ -251,7 +251,8 @@ def trace(
     add("X", x)
     if isinstance(layer, SelfAttention):
         ws = [layer.W_q.weight.data, layer.W_k.weight.data, layer.W_v.weight.data]  # (D, E)
-        bs = [None if lin.bias is None else lin.bias.data for lin in (layer.W_q, layer.W_k, layer.W_v)]
+        lins = (layer.W_q, layer.W_k, layer.W_v)
+        bs = [None if lin.bias is None else lin.bias.data for lin in lins]
         D = layer.d_out
     else:
         (wq, wk, wv), (bq, bk, bv) = layer._in_proj()

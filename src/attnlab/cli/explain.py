@@ -64,7 +64,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="which model: 'random' is the tutorial model (random weights), 'minilm' "
                    "the pretrained MiniLM, 'checkpoint' a trained checkpoint "
                    "(default: minilm when installed, else random)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the tutorial model (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the tutorial model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
 
 
@@ -84,7 +85,8 @@ def register(sub) -> None:
     p.add_argument("--dim", type=int, default=None,
                    help=f"embedding width of the tutorial model (default {DEFAULT_DIM})")
     p.add_argument("--heads", type=int, default=None,
-                   help=f"attention heads of the tutorial model; must divide --dim (default {DEFAULT_HEADS})")
+                   help="attention heads of the tutorial model; must divide --dim "
+                   f"(default {DEFAULT_HEADS})")
     p.add_argument("--positions", action="store_true",
                    help="tutorial model: add sinusoidal position codes (without them equal "
                    "words get equal contextual vectors)")
@@ -121,6 +123,10 @@ def choose_model(args) -> str:
     return model or default_model()
 
 
+def _not_available(model: str) -> str:
+    return f"model {model} is not available: {_HINTS.get(model, 'install it')}"
+
+
 def load_backend(model: str):
     from attnlab.explain import MODELS
 
@@ -128,7 +134,7 @@ def load_backend(model: str):
     try:
         return getattr(importlib.import_module(module), func)
     except (ImportError, AttributeError):
-        raise CLIError(f"model {model} is not available: {_HINTS.get(model, 'install it')}") from None
+        raise CLIError(_not_available(model)) from None
 
 
 def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | None,
@@ -170,11 +176,12 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
         except FileNotFoundError as exc:
             raise CLIError(f"file not found: {exc.filename or exc}") from None
         except ImportError:
-            raise CLIError(f"model {model} is not available: {_HINTS.get(model, 'install it')}") from None
+            raise CLIError(_not_available(model)) from None
         except MemoryError:
             raise CLIError("not enough memory for this model and text; use smaller sizes") from None
         except OSError as exc:
-            raise CLIError(f"cannot read {exc.filename or 'a file'}: {exc.strerror or exc}") from None
+            what = exc.filename or "a file"
+            raise CLIError(f"cannot read {what}: {exc.strerror or exc}") from None
     for w in caught:
         print(f"attnlab: warning: {str(w.message).splitlines()[0]}", file=warn_stream)
     return expl
@@ -215,7 +222,8 @@ def print_summary(expl, model: str, layer: int, head: int, *, out=None) -> None:
     print("", file=out)
     print(bold("shapes"), file=out)
     D = expl.static.shape[-1]
-    rows = [("token vectors (static)", f"(1, {T}, {D})" if expl.trace is not None else _shape(expl.static.shape))]
+    static = f"(1, {T}, {D})" if expl.trace is not None else _shape(expl.static.shape)
+    rows = [("token vectors (static)", static)]
     tr = expl.trace
     if tr is not None:
         q = tr.get("Q", 0)
@@ -224,7 +232,7 @@ def print_summary(expl, model: str, layer: int, head: int, *, out=None) -> None:
         rows.append(("contextual vectors", f"(1, {T}, {expl.contextual.shape[-1]})"))
     else:
         rows.append(("contextual vectors", _shape(expl.contextual.shape)))
-    rows.append((f"attention weights (layers, heads, T, T)", _shape(expl.attentions.shape)))
+    rows.append(("attention weights (layers, heads, T, T)", _shape(expl.attentions.shape)))
     w = max(len(r[0]) for r in rows)
     for name, shape in rows:
         print(f"  {name.ljust(w)}  {shape}", file=out)
@@ -255,7 +263,6 @@ def print_steps(expl, head: int, *, out=None) -> None:
     if tr is None:
         raise CLIError("--steps needs the tutorial model's trace: use --model random")
     color = use_color(out)
-    T = len(tr.tokens)
     tok = _trim(list(tr.tokens))
     steps = [s for s in tr.steps if s.head in (None, head)]
     print("", file=out)
@@ -426,7 +433,8 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         width = max(len(str(p)) for p in written)
         for p in written:
             what = {
-                "heatmap.png": f"attention of head {head}" + (f", layer {layer}" if expl.attentions.shape[0] > 1 else ""),
+                "heatmap.png": f"attention of head {head}"
+                + (f", layer {layer}" if expl.attentions.shape[0] > 1 else ""),
                 "heads.png": "every head side by side",
                 "embeddings.png": "static -> contextual token vectors (PCA)",
                 "explanation.json": "the explanation as JSON",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -16,6 +17,9 @@ from attnlab._validation import positive_int
 from attnlab.text.embedding import Embedding, sinusoidal_positions
 from attnlab.text.tokenizer import Tokenizer
 from attnlab.text.vocab import Vocabulary
+
+if TYPE_CHECKING:
+    from attnlab.explain import Explanation
 
 #: The tutorial model refuses sizes whose arrays would need more memory than this.
 MAX_BYTES = 1 << 30
@@ -103,7 +107,7 @@ def explain_random(
     positions: bool = False,
     vocab: Vocabulary | str | os.PathLike | None = None,
     **_,
-):
+) -> Explanation:
     """Seed 000's tutorial model on ``text``, as an :class:`~attnlab.explain.Explanation`.
 
     The vocabulary comes from the text (or ``vocab``), the embedding table and the

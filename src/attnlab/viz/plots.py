@@ -114,8 +114,8 @@ def plot_attention(
     fig = Figure(figsize=(side + 1.2, side), layout="constrained")
     ax = fig.add_subplot()
     fontsize = 11 if max(L, S) <= 20 else max(5, 11 - (max(L, S) - 20) // 8)
-    im = _draw_heatmap(ax, w, rows, cols, annotate=annotate, vmax=max(float(w.max(initial=0)), 1e-9),
-                       fontsize=fontsize)
+    vmax = max(float(w.max(initial=0)), 1e-9)
+    im = _draw_heatmap(ax, w, rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
     cbar = fig.colorbar(im, ax=ax, shrink=0.8)
     cbar.set_label("attention weight")
     ax.set_title(title or "Attention weights", fontsize=13)
@@ -246,7 +246,8 @@ def plot_embeddings(
         The ``Figure``: one axes with two scatter sets, ``T`` arrows and ``2T`` labels.
 
     >>> rng = np.random.default_rng(0)
-    >>> fig = plot_embeddings(rng.standard_normal((3, 8)), rng.standard_normal((3, 8)), ["a", "b", "c"])
+    >>> s, c = rng.standard_normal((2, 3, 8))
+    >>> fig = plot_embeddings(s, c, ["a", "b", "c"])
     >>> sum(p.get_gid() == "token-arrow" for p in fig.axes[0].patches)   # one per token
     3
     """
@@ -292,7 +293,7 @@ def plot_embeddings(
     return fig
 
 
-def _group_labels(points: np.ndarray, labels: list[str], tol: float) -> list[tuple[np.ndarray, str]]:
+def _group_labels(points: np.ndarray, labels: list[str], tol: float) -> list[tuple]:
     """Points that coincide (equal words without positions) share one label: "the ×2"."""
     groups: list[tuple[np.ndarray, list[str]]] = []
     for p, lab in zip(points, labels, strict=True):
