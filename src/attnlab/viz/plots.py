@@ -40,7 +40,7 @@ def save_figure(fig, path: str | os.PathLike, *, dpi: int = 150) -> Path:
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
-    fig.savefig(path, format=fmt, dpi=dpi, bbox_inches="tight")
+    fig.savefig(path, format=fmt, dpi=dpi)  # constrained layout already fits the labels
     return path
 
 
