@@ -14,7 +14,7 @@ import sys
 from attnlab.cli._common import CLIError
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo"]
+COMMANDS = ["demo", "explain"]
 
 
 def build_parser() -> argparse.ArgumentParser:
