@@ -15,7 +15,7 @@ DEFAULT_OUT = "attnlab-out"
 
 
 def register(sub) -> None:
-    from attnlab.cli.explain import _one_line_errors, add_model_options
+    from attnlab.cli.explain import add_model_options
 
     p = sub.add_parser(
         "demo",
@@ -28,7 +28,6 @@ def register(sub) -> None:
     for action in p._actions:
         if action.dest == "out":
             action.help = f"write the pictures to DIR (default ./{DEFAULT_OUT})"
-    _one_line_errors(p)
 
 
 def run(args) -> int:

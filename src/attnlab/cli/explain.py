@@ -50,15 +50,6 @@ def default_model() -> str:
     return "random"
 
 
-def _one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """Bad options: one line on stderr and exit code 2 (argparse adds a usage block)."""
-
-    def error(message: str):
-        parser.exit(2, f"{parser.prog}: error: {message} (see {parser.prog} --help)\n")
-
-    parser.error = error
-
-
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=model_names(), default=None,
                    help="which model: 'random' is the tutorial model (random weights), 'minilm' "
@@ -104,7 +95,6 @@ def register(sub) -> None:
                    help="explain with a trained checkpoint (implies --model checkpoint)")
     p.add_argument("--html", metavar="PATH", default=None,
                    help="also write the interactive HTML report to PATH")
-    _one_line_errors(p)
     p.set_defaults(run=run)
 
 
