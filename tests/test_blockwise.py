@@ -93,12 +93,16 @@ def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, **blocks):
     kind=st.sampled_from(["none", "causal", "bottom-right", "bool", "float"]),
     dtype=st.sampled_from([np.float32, np.float64]),
     threads=st.sampled_from([1, 2]),
+    kv_heads=st.sampled_from([1, 3]),  # 1: GQA, 3 query heads share one key/value head
 )
-def test_equals_naive_for_any_blocks(seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads):
+def test_equals_naive_for_any_blocks(
+    seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads, kv_heads
+):
     rng = np.random.default_rng(seed)
-    q, k, v, g = inputs(rng, (2,), 3, 3, L, S, E, Ev, dtype)
+    q, k, v, g = inputs(rng, (2,), 3, kv_heads, L, S, E, Ev, dtype)
     check_against_naive(
-        q, k, v, g, kind, rng, block_q=block_q, block_k=block_k, num_threads=threads
+        q, k, v, g, kind, rng, gqa=kv_heads != 3, block_q=block_q, block_k=block_k,
+        num_threads=threads,
     )
 
 

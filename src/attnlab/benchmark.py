@@ -79,15 +79,23 @@ def blas_threads(n: int):
     return threadpool_limits(limits=n, user_api="blas")
 
 
-def sgemm_gflops(threads: int, *, n: int = 2048, repeats: int = 5) -> float:
-    """The machine's float32 matmul rate (GFLOP/s) at ``threads`` BLAS threads: the ceiling."""
+def sgemm_gflops(threads: int, *, n: int = 2048, repeats: int = 10) -> float:
+    """The machine's float32 matmul rate (GFLOP/s) at ``threads`` BLAS threads: the ceiling.
+
+    The best of ``repeats`` runs (a ceiling, so the least disturbed run counts).
+    """
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     out = np.empty((n, n), dtype=np.float32)
+    times = []
     with blas_threads(threads):
-        t = median_time(lambda: np.matmul(a, b, out=out), repeats)
-    return 2.0 * n**3 / t / 1e9
+        np.matmul(a, b, out=out)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.matmul(a, b, out=out)
+            times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / min(times) / 1e9
 
 
 def naive_bytes(L: int, S: int, passes: str) -> int:
@@ -127,13 +135,13 @@ def run_benchmark(
         with the reason in ``notes[impl]``.
     """
     from attnlab.core import blockwise as bw
-    from attnlab.core.attention import attend, attend_backward, check_attention_args
 
     threads = bw.get_num_threads() if threads is None else positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
     torch = _torch()
     if torch is not None:
         torch.set_num_threads(threads)
+    say = progress or (lambda _msg: None)
     rng = np.random.default_rng(0)
     rows = []
     for L in sizes:
@@ -142,50 +150,72 @@ def run_benchmark(
         for causal in (False, True):
             for p in passes:
                 row = Row(L, causal, p, attention_flops(L, L, causal=causal, passes=p))
-                say = progress or (lambda _msg: None)
-
-                def attnlab_fwd(causal=causal):
-                    return bw.blockwise_attention_forward(
-                        q, k, v, is_causal=causal, num_threads=threads
-                    )
-
-                def attnlab_both(causal=causal):
-                    out, lse = attnlab_fwd()
-                    return bw.blockwise_attention_backward(
-                        g, q, k, v, is_causal=causal, out=out, lse=lse, num_threads=threads
-                    )
-
-                say(f"L={L} causal={causal} {p}: attnlab")
-                with blas_threads(threads):
-                    row.seconds["attnlab"] = median_time(
-                        attnlab_fwd if p == "fwd" else attnlab_both, repeats
-                    )
+                fns = {"attnlab": _attnlab_fn(q, k, v, g, causal, p, threads)}
                 if L > naive_max:
-                    row.seconds["naive"] = None
                     row.notes["naive"] = (
                         f"skipped (L > naive_max; it would need ~"
                         f"{naive_bytes(L, L, p) / 2**30:.1f} GiB of scores)"
                     )
                 else:
-                    spec = check_attention_args(q, k, v, is_causal=causal)
-                    say(f"L={L} causal={causal} {p}: naive")
-
-                    def fn(spec=spec, p=p):
-                        out = attend(spec)
-                        return out if p == "fwd" else attend_backward(spec, g)
-
-                    with blas_threads(threads):
-                        row.seconds["naive"] = median_time(fn, repeats)
+                    fns["naive"] = _naive_fn(q, k, v, g, causal, p)
                 if torch is None:
-                    row.seconds["torch"] = None
                     row.notes["torch"] = "not installed"
                 else:
-                    say(f"L={L} causal={causal} {p}: torch")
-                    row.seconds["torch"] = median_time(
-                        _torch_fn(torch, q, k, v, g, causal, p), repeats
-                    )
+                    fns["torch"] = _torch_fn(torch, q, k, v, g, causal, p)
+                say(f"L={L} causal={causal} {p}")
+                with blas_threads(threads):
+                    row.seconds.update(interleaved_medians(fns, repeats))
+                for impl in ("naive", "attnlab", "torch"):
+                    row.seconds.setdefault(impl, None)
                 rows.append(row)
     return rows
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
+
+    Taking turns spreads a busy machine's noise over all of them alike, so the ratios
+    stay fair even when the absolute times wobble. One untimed warm-up call each first.
+    """
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _attnlab_fn(q, k, v, g, causal: bool, passes: str, threads: int) -> Callable[[], object]:
+    from attnlab.core import blockwise as bw
+
+    def fwd():
+        return bw.blockwise_attention_forward(q, k, v, is_causal=causal, num_threads=threads)
+
+    def both():
+        out, lse = fwd()
+        return bw.blockwise_attention_backward(
+            g, q, k, v, is_causal=causal, out=out, lse=lse, num_threads=threads
+        )
+
+    return fwd if passes == "fwd" else both
+
+
+def _naive_fn(q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:
+    from attnlab.core.attention import attend, attend_backward, check_attention_args
+
+    spec = check_attention_args(q, k, v, is_causal=causal)
+
+    def fwd():
+        return attend(spec)
+
+    def both():
+        attend(spec)
+        return attend_backward(spec, g)
+
+    return fwd if passes == "fwd" else both
 
 
 def _torch_fn(torch, q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:

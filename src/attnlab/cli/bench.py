@@ -101,18 +101,18 @@ def run(args) -> int:
 
     torch = bm._torch()
     print(f"attnlab bench: fp32, B={bm.BATCH}, H={bm.HEADS}, E={bm.HEAD_DIM}, L=S in {sizes}, "
-          f"{threads} thread(s), median of {args.repeats}")
+          f"{threads} thread(s), median of {args.repeats} runs taken in turns")
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
           f"threadpoolctl {'yes' if bw._have_threadpoolctl() else 'no (BLAS threads only)'}, "
           f"{platform.processor() or platform.machine()}")
     sgemm = bm.sgemm_gflops(threads)
-    print(f"SGEMM ceiling (2048^3 float32 matmul, {threads} thread(s)): {sgemm:.0f} GFLOP/s")
+    print(f"SGEMM ceiling (2048^3 float32 matmul, best of 10, {threads} thread(s)): "
+          f"{sgemm:.0f} GFLOP/s")
     sys.stdout.flush()
 
     def progress(msg: str) -> None:
-        if ": attnlab" in msg or "memory" in msg:
-            print(f"  ... {msg.replace(': attnlab', '')}", file=sys.stderr, flush=True)
+        print(f"  ... {msg}", file=sys.stderr, flush=True)
 
     rows = bm.run_benchmark(
         sizes, repeats=args.repeats, threads=threads, naive_max=args.naive_max,
