@@ -204,7 +204,8 @@ class _Plan:
 
     def augmented(self, which: str, n: int) -> np.ndarray:
         """Head ``n``'s keys (``which="k"``) or values (``"v"``) with a column of ones
-        appended, ``(S, E + 1)``, in the compute dtype; built once per call and head.
+        appended, ``(S, E + 1)``, in the compute dtype; built once per head and pass,
+        dropped after the head's last unit (:meth:`unit_done`).
 
         A query row ``[q, -c]`` times ``[k, 1]`` gives ``q·k - c``: the shift of the
         online softmax (and in the backward pass ``-lse`` and ``-D``) rides along in the
@@ -221,6 +222,17 @@ class _Plan:
             with self._aug_lock:
                 arr = self._aug.setdefault(key, arr)
         return arr
+
+    def expect_units(self, per_head: int) -> None:
+        """Each head will run ``per_head`` units; its augmented arrays go after the last."""
+        self._left = [per_head] * len(self.heads)
+
+    def unit_done(self, n: int) -> None:
+        with self._aug_lock:
+            self._left[n] -= 1
+            if self._left[n] == 0:
+                self._aug.pop(("k", n), None)
+                self._aug.pop(("v", n), None)
 
     def threads_for(self, n_units: int) -> int:
         """Threads worth starting: none beyond the units, one for small problems."""
@@ -285,13 +297,17 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
         return out, lse
     out_h = out.reshape(-1, L, plan.Ev)
     lse_h = lse.reshape(-1, L)
-    # Longest query tiles first (causal: the last ones), so the threads finish together.
-    units = [(n, i0) for i0 in reversed(range(0, L, bq)) for n in range(len(plan.heads))]
+    # Head after head (so only a few heads' augmented keys/values live at a time), the
+    # longest query tiles first (causal: the last ones), so the threads finish together.
+    tiles = list(reversed(range(0, L, bq)))
+    units = [(n, i0) for n in range(len(plan.heads)) for i0 in tiles]
+    plan.expect_units(len(tiles))
 
     def run(unit, scratch):
         n, i0 = unit
         i1 = min(i0 + bq, L)
         _forward_tile(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
+        plan.unit_done(n)
 
     _run_units(units, run, plan.threads_for(len(units)))
     return out, lse
@@ -405,7 +421,8 @@ def _backward(
     partial = [
         [np.zeros((L, plan.E), dtype=dt) for _ in range(split - 1)] for _ in range(H)
     ]
-    units = [(n, c) for c in range(split) for n in range(H)]
+    units = [(n, c) for n in range(H) for c in range(split)]
+    plan.expect_units(split)
 
     def run(unit, scratch):
         n, c = unit
@@ -423,6 +440,7 @@ def _backward(
             j1 = min(j0 + plan.bk, S)
             _backward_key_tile(plan, n, j0, j1, qa, ga, target, dk_h[n, j0:j1], dv_h[n, j0:j1],
                                scratch)
+        plan.unit_done(n)
 
     _run_units(units, run, plan.threads_for(len(units)))
     for n in range(H):
