@@ -1,7 +1,8 @@
 """``attnlab bench``: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
 
 fp32, B=1, H=8, E=64, L = S, causal and not, forward and forward+backward, side by side
-in one run with the same thread count: the median of ``--repeats`` runs, GFLOP/s, the
+in one run with the same thread count: the median of ``--repeats`` runs (the three take
+turns, so a busy machine slows them alike), GFLOP/s, the
 ratio to torch and the share of the machine's measured SGEMM rate; then the peak memory
 (RSS, in a fresh process) of a single-head forward pass over ``--memory-tokens`` tokens.
 
