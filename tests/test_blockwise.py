@@ -209,6 +209,26 @@ def test_fully_masked_rows_and_empty_sizes_give_zeros():
     assert blockwise_attention(q[:0], k, v).shape == (0, 3)
 
 
+@pytest.mark.parametrize(
+    "q_shape,k_shape,v_shape",
+    [
+        ((0, 3, 5, 4), (0, 3, 6, 4), (0, 3, 6, 2)),  # empty batch
+        ((2, 5, 4), (2, 6, 4), (2, 6, 0)),  # Ev = 0
+        ((2, 0, 4), (2, 6, 4), (2, 6, 3)),  # L = 0
+        ((1, 5, 4), (3, 6, 4), (3, 6, 2)),  # query broadcast over heads
+    ],
+)
+def test_degenerate_shapes_match_naive(q_shape, k_shape, v_shape):
+    rng = np.random.default_rng(15)
+    q, k, v = (rng.standard_normal(s) for s in (q_shape, k_shape, v_shape))
+    out = blockwise_attention(q, k, v, block_q=2, block_k=4)
+    assert rel_err(out, scaled_dot_product_attention(q, k, v)) <= 1e-12
+    g = rng.standard_normal(out.shape)
+    got = blockwise_attention_backward(g, q, k, v, block_q=2, block_k=4)
+    for a, b in zip(got, scaled_dot_product_attention_backward(g, q, k, v), strict=True):
+        assert grad_err(a, b) <= 1e-12
+
+
 def test_nan_propagates_like_naive():
     rng = np.random.default_rng(5)
     q, k, v, _ = (a[0] for a in inputs(rng, (), 1, 1, 5, 6, 4, 4, np.float64))

@@ -295,8 +295,8 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
     lse = np.full((*plan.batch, L), -np.inf, dtype=dt)
     if out.size == 0 or plan.S == 0:
         return out, lse
-    out_h = out.reshape(-1, L, plan.Ev)
-    lse_h = lse.reshape(-1, L)
+    out_h = out.reshape(len(plan.heads), L, plan.Ev)
+    lse_h = lse.reshape(len(plan.heads), L)
     # Head after head (so only a few heads' augmented keys/values live at a time), the
     # longest query tiles first (causal: the last ones), so the threads finish together.
     tiles = list(reversed(range(0, L, bq)))
@@ -412,8 +412,8 @@ def _backward(
     # A fully masked row (lse = -inf) has every score at -inf already: shift it by 0.
     lse = np.where(lse == -np.inf, 0, lse).astype(dt, copy=False)
     H = len(plan.heads)
-    dq_h, dk_h, dv_h = (a.reshape(-1, *a.shape[-2:]) for a in (dq, dk, dv))
-    D_h, lse_h = D.reshape(-1, L), lse.reshape(-1, L)
+    dq_h, dk_h, dv_h = (a.reshape(H, *a.shape[-2:]) for a in (dq, dk, dv))
+    D_h, lse_h = D.reshape(H, L), lse.reshape(H, L)
     # Units own key tiles (so dk, dv need no locks). With fewer heads than threads, each
     # head's key tiles are dealt round-robin to several units with their own partial dq.
     n_key_tiles = -(-S // plan.bk)
