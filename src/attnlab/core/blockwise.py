@@ -336,7 +336,6 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
     np.multiply(plan.q[h][i0:i1], plan.scale, out=qa[:, :E], casting="unsafe")
     qa[:, E] = 0
     ka = plan.augmented("k", n)  # (S, E + 1): [k, 1]
-    v = plan.v[h]
     va = plan.augmented("v", n)  # (S, Ev + 1): [v, 1], so p @ va also sums p's rows
     c = np.zeros(rows, dtype=dt)  # the shift, valid where `have`
     have = np.zeros(rows, dtype=bool)
@@ -373,10 +372,11 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
         s -= up[:, None]
         np.exp(s, out=s)
         alpha = np.exp(-up)
+        pv = s @ va[j0:j1]
         l *= alpha
-        l += s.sum(axis=1)
+        l += pv[:, -1]
         acc *= alpha[:, None]
-        acc += s @ v[j0:j1]
+        acc += pv[:, :-1]
         c += up
         have |= mt > -np.inf
         qa[:, E] = -c
