@@ -36,7 +36,7 @@ _ERF_Q = (
 _ERF_CLIP = 4.0
 _SQRT1_2 = 1.0 / math.sqrt(2.0)
 # GELU is evaluated in blocks of this many elements, so the float64 temporaries stay in cache.
-_BLOCK = 1 << 15
+_BLOCK = 1 << 14
 
 
 def _horner(coeffs: tuple[float, ...], u: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -318,18 +318,18 @@ class TextAnalysis:
 class _Batch:
     """Tokenised texts laid out for one forward pass (internal).
 
-    The encoder works on token rows; ``rows`` places them in the padded ``(B, T)`` grid the
-    attention sees, and ``mask`` says which keys of that grid take part.
+    The encoder works on ``N`` token rows, text after text. ``groups`` splits them into runs
+    of texts of equal length ``T``, each of which the attention sees as a dense
+    ``(texts, H, T, E)`` block: no padding, no mask. ``forward`` passes one padded group
+    with its ``mask`` instead.
     """
 
     ids: np.ndarray  # (N,) token ids, row by row
     positions: np.ndarray  # (N,)
     type_ids: np.ndarray  # (N,)
-    B: int
-    T: int
-    rows: np.ndarray | None  # (N,) index of each row in the flattened (B*T) grid; None: N == B*T
-    mask: np.ndarray | None  # (B, T) True where a key takes part; None: every key does
-    lengths: np.ndarray | None = None  # (B,) real tokens per text, when rows are texts' tokens
+    groups: list[tuple[int, int, int]]  # (first row, number of texts, T)
+    lengths: np.ndarray  # (B,) rows per text
+    mask: np.ndarray | None = None  # (B, T) True where a key takes part (a single group only)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -520,60 +520,62 @@ class BertEncoder:
 
     # ------------------------------------------------------------------ the forward pass
 
-    def _layout(self, ids: list[np.ndarray], type_ids: list[np.ndarray] | None, T: int | None = None) -> _Batch:
-        """Pack texts' tokens into rows (no padding rows) for :meth:`_run`."""
+    def _layout(self, ids: list[np.ndarray], type_ids: list[np.ndarray]) -> _Batch:
+        """Pack texts' tokens into rows and group equal lengths (see :class:`_Batch`)."""
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
-        T = int(lengths.max(initial=0)) if T is None else T
-        flat = np.concatenate(ids)
+        groups, row, i = [], 0, 0
+        while i < len(lengths):
+            j = i
+            while j < len(lengths) and lengths[j] == lengths[i]:
+                j += 1
+            groups.append((row, j - i, int(lengths[i])))
+            row += (j - i) * int(lengths[i])
+            i = j
         positions = np.concatenate([np.arange(n) for n in lengths])
-        types = np.concatenate(type_ids) if type_ids else np.zeros_like(flat)
-        rows = mask = None
-        if (lengths != T).any():
-            rows = (np.arange(len(lengths)) * T).repeat(lengths) + positions
-            mask = np.arange(T)[None, :] < lengths[:, None]
-        return _Batch(flat, positions, types, len(lengths), T, rows, mask, lengths)
+        return _Batch(np.concatenate(ids), positions, np.concatenate(type_ids), groups, lengths)
 
     def _run(self, batch: _Batch, *, keep: bool):
-        """The encoder on the real tokens of ``batch``: ``(x (N, D), hidden list, attention list)``.
+        """The encoder on the rows of ``batch``: ``(x (N, D), hidden list, attention list)``.
 
-        Projections, LayerNorms and the feed-forward work on the ``N`` real tokens only;
-        the attention works on the padded ``(B, H, T, E)`` grid with a padding mask.
+        Projections, LayerNorms and the feed-forward work on all ``N`` rows at once; the
+        attention works group by group on ``(texts, H, T, E)`` blocks (see :class:`_Batch`),
+        at most ``_SCORES_BLOCK`` score entries per call. With ``keep`` the embeddings, every
+        layer's output and every layer's attention weights are returned too (a single group).
         """
         c = self.config
         H, E, D = c.num_attention_heads, c.head_dim, c.hidden_size
-        B, T = batch.B, batch.T
+        if keep and len(batch.groups) != 1:
+            raise ValueError("keep=True needs a batch of equal (padded) lengths")
         x = self.word_embeddings[batch.ids]
         x += self.position_embeddings[batch.positions]
         x += self.token_type_embeddings[batch.type_ids]
         x = layer_norm(x, *self.embeddings_norm, c.layer_norm_eps)
         hidden, attentions = ([x], []) if keep else (None, None)
-        mask = batch.mask
-        # texts per attention call, so that one call's scores have ~_SCORES_BLOCK entries
-        per_call = max(1, _SCORES_BLOCK // max(1, H * T * T))
         for layer in self.layers:
-            qkv = x @ layer["qkv_w"]  # (N, 3D)
+            qkv = x @ layer["qkv_w"]  # (N, 3D): query, key, value
             qkv += layer["qkv_b"]
-            if batch.rows is not None:
-                grid = np.zeros((B * T, 3 * D), dtype=qkv.dtype)
-                grid[batch.rows] = qkv
-                qkv = grid
-            # (B*T, 3D) -> (3, B, H, T, E), contiguous so that the batched matmuls use BLAS
-            q, k, v = np.ascontiguousarray(qkv.reshape(B, T, 3, H, E).transpose(2, 0, 3, 1, 4))
-            context = np.empty((B, T, H, E), dtype=x.dtype)
-            weights = np.empty((B, H, T, T), dtype=x.dtype) if keep else None
-            for b0 in range(0, B, per_call):
-                sl = slice(b0, b0 + per_call)
-                m = None if mask is None else mask[sl, None, None, :]  # (b, 1, 1, S)
-                if keep:
-                    w = attention_weights(q[sl], k[sl], attn_mask=m)  # (b, H, L, S)
-                    weights[sl] = w
-                    out = w @ v[sl]
-                else:
-                    out = scaled_dot_product_attention(q[sl], k[sl], v[sl], attn_mask=m)
-                context[sl] = out.transpose(0, 2, 1, 3)  # (b, H, T, E) -> (b, T, H, E)
-            context = context.reshape(B * T, D)
-            if batch.rows is not None:
-                context = context[batch.rows]
+            context = np.empty_like(x)  # (N, D)
+            kept = []
+            for row, count, T in batch.groups:
+                per_call = max(1, _SCORES_BLOCK // (H * T * T))
+                for t0 in range(0, count, per_call):
+                    n = min(per_call, count - t0)
+                    rows = slice(row + t0 * T, row + (t0 + n) * T)
+                    # (n*T, 3D) -> (3, n, H, T, E), contiguous for the batched matmuls
+                    q, k, v = np.ascontiguousarray(
+                        qkv[rows].reshape(n, T, 3, H, E).transpose(2, 0, 3, 1, 4)
+                    )
+                    mask = None
+                    if batch.mask is not None:
+                        mask = batch.mask[t0 : t0 + n, None, None, :]  # (n, 1, 1, S)
+                    if keep:
+                        w = attention_weights(q, k, attn_mask=mask)  # (n, H, L, S)
+                        kept.append(w)
+                        out = w @ v
+                    else:
+                        out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                    # (n, H, T, E) -> (n*T, D)
+                    context[rows] = out.transpose(0, 2, 1, 3).reshape(n * T, D)
             attn = context @ layer["out_w"]
             attn += layer["out_b"]
             attn += x
@@ -584,14 +586,14 @@ class BertEncoder:
                 h = xr @ layer["ff1_w"]  # (rows, I)
                 h += layer["ff1_b"]
                 gelu(h, out=h)
-                y = h @ layer["ff2_w"]
+                y = h @ layer["ff2_w"]  # (rows, D)
                 y += layer["ff2_b"]
                 y += xr
                 out[r0 : r0 + _FFN_ROWS] = y
             x = layer_norm(out, *layer["norm2"], c.layer_norm_eps)
             if keep:
                 hidden.append(x)
-                attentions.append(weights)
+                attentions.append(np.concatenate(kept))
         return x, hidden, attentions
 
     def forward(
@@ -643,11 +645,11 @@ class BertEncoder:
                 if not np.isin(mask, (0, 1)).all():
                     raise ValueError("attention_mask must be boolean or hold only 0 and 1")
                 mask = mask.astype(bool)
-        # Every position is a row of the grid (padded ones too), as in transformers; the
-        # padding mask goes to the attention call.
+        # Every position is a row (padded ones too, as in transformers); the padding mask
+        # goes to the attention calls.
         batch = _Batch(
-            ids.reshape(-1), np.tile(np.arange(T), B), types.reshape(-1), B, T,
-            rows=None, mask=None if mask.all() else mask,
+            ids.reshape(-1), np.tile(np.arange(T), B), types.reshape(-1), [(0, B, T)],
+            np.full(B, T), None if mask.all() else mask,
         )
         x, hidden, attentions = self._run(batch, keep=True)
         D = c.hidden_size
