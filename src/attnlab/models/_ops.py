@@ -79,8 +79,10 @@ def erf(x: np.ndarray) -> np.ndarray:
 def gelu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """Exact (erf) GELU, ``0.5 * x * (1 + erf(x / sqrt(2)))``, as ``torch.nn.functional.gelu``.
 
-    Evaluated in float64 block by block and rounded once to ``x``'s dtype, so a float32
-    result is the correctly rounded GELU to within about one ulp.
+    Evaluated in float64 block by block and rounded once to ``x``'s dtype. A float32
+    result is within one ulp of the exact GELU for ``x >= -2``; in the negative tail, where
+    GELU is tiny, the error is erf's absolute error times ``|x| / 2`` (at most 2.5e-7 on
+    ``[-12, 12]``; torch's float32 GELU: 1.1e-6).
 
     Args:
         x: ``(...)`` float32 or float64 array.
