@@ -92,7 +92,7 @@ def gelu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         ``(...)``, ``x``'s dtype.
 
     >>> gelu(np.array([-1.0, 0.0, 1.0], dtype=np.float32))
-    array([-0.15865526,  0.        ,  0.8413447 ], dtype=float32)
+    array([-0.15865526,  0.        ,  0.8413448 ], dtype=float32)
     """
     x = np.asarray(x)
     if out is None:

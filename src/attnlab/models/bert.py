@@ -661,9 +661,9 @@ class BertEncoder:
     def analyze(self, text: str) -> TextAnalysis:
         """Tokens, hidden states of every layer and every attention map of one text.
 
-        >>> model = load_minilm()  # doctest: +SKIP
-        >>> a = model.analyze("The bank of the river.")  # doctest: +SKIP
-        >>> a.tokens, a.attentions.shape  # doctest: +SKIP
+        >>> model = load_minilm()
+        >>> a = model.analyze("The bank of the river.")
+        >>> a.tokens, a.attentions.shape
         (['[CLS]', 'the', 'bank', 'of', 'the', 'river', '.', '[SEP]'], (6, 12, 8, 8))
         """
         if not isinstance(text, str):
@@ -774,9 +774,9 @@ class BertEncoder:
         several word pieces gets the average of their vectors; the first whole-word,
         case-insensitive occurrence is used.
 
-        >>> model = load_minilm()  # doctest: +SKIP
-        >>> v = model.word_vector("I sat on the bank of the river.", "bank")  # doctest: +SKIP
-        >>> v.shape  # doctest: +SKIP
+        >>> model = load_minilm()
+        >>> v = model.word_vector("I sat on the bank of the river.", "bank")
+        >>> v.shape
         (384,)
         """
         n = self.config.num_hidden_layers
