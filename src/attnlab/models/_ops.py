@@ -39,22 +39,28 @@ _SQRT1_2 = 1.0 / math.sqrt(2.0)
 _BLOCK = 1 << 14
 
 
-def _horner(coeffs: tuple[float, ...], u: np.ndarray, out: np.ndarray) -> np.ndarray:
-    out.fill(coeffs[-1])
-    for c in coeffs[-2::-1]:
-        out *= u
-        out += c
-    return out
+def _rational(z: np.ndarray) -> np.ndarray:
+    """``P(z^2) / Q(z^2)`` for a float64 array ``z`` already clipped to ``|z| <= 4``."""
+    u = z * z
+    # Horner, started from the leading coefficient without a fill pass; Q made monic.
+    lead = _ERF_Q[-1]
+    p = u * (_ERF_P[-1] / lead)
+    for c in _ERF_P[-2:0:-1]:
+        p += c / lead
+        p *= u
+    p += _ERF_P[0] / lead
+    q = u + _ERF_Q[-2] / lead
+    for c in _ERF_Q[-3::-1]:
+        q *= u
+        q += c / lead
+    p /= q
+    return p
 
 
 def _erf_inplace(z: np.ndarray) -> np.ndarray:
     """Overwrite the float64 array ``z`` with ``erf(z)`` (max abs error < 1.6e-8)."""
     np.clip(z, -_ERF_CLIP, _ERF_CLIP, out=z)
-    u = z * z
-    p = _horner(_ERF_P, u, np.empty_like(u))
-    q = _horner(_ERF_Q, u, np.empty_like(u))
-    z *= p
-    z /= q
+    z *= _rational(z)
     return z
 
 
@@ -101,11 +107,13 @@ def gelu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     for start in range(0, flat_x.size, _BLOCK):
         xb = flat_x[start : start + _BLOCK].astype(np.float64)
         z = xb * _SQRT1_2
-        _erf_inplace(z)
-        z += 1.0
-        z *= xb
-        z *= 0.5
-        flat_out[start : start + _BLOCK] = z
+        np.clip(z, -_ERF_CLIP, _ERF_CLIP, out=z)
+        r = _rational(z)
+        r *= z  # erf(x / sqrt(2))
+        r += 1.0
+        r *= xb
+        r *= 0.5
+        flat_out[start : start + _BLOCK] = r
     return out
 
 
