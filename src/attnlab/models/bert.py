@@ -897,8 +897,9 @@ def explain_minilm(
     return Explanation(
         text=text,
         tokens=analysis.tokens,
-        model=f"{MINILM_NAME} (BERT: {c.num_hidden_layers} layers, {c.num_attention_heads} "
-        f"heads, {c.hidden_size} dims; attnlab NumPy)",
+        # "name: details", as the other backends (plots title with the part before ":")
+        model=f"all-MiniLM-L6-v2 (pretrained BERT): {MINILM_NAME}, {c.num_hidden_layers} "
+        f"layers, {c.num_attention_heads} heads, {c.hidden_size} dims, run by attnlab in NumPy",
         attentions=analysis.attentions,
         static=analysis.static,
         contextual=analysis.last_hidden_state,
