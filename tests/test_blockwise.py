@@ -397,7 +397,7 @@ def test_bench_command_prints_the_table(capsys):
                  "--naive-max", "64", "--memory-tokens", "512", "--passes", "both"])
     out = capsys.readouterr().out
     assert code == 0
-    assert "SGEMM ceiling" in out and "attnlab/torch" in out
+    assert "SGEMM" in out and "attnlab %SGEMM" in out and "attnlab/torch" in out
     assert "naive L=96 fwd: skipped" in out  # above --naive-max
     assert "peak memory, 512 tokens" in out
     lines = [line for line in out.splitlines() if line.strip().startswith(("64 ", "96 "))]

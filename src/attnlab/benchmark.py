@@ -44,7 +44,9 @@ class Row:
 
     def gflops(self, impl: str) -> float | None:
         s = self.seconds.get(impl)
-        return None if s is None else self.flops / s / 1e9
+        if s is None:
+            return None
+        return (SGEMM_FLOPS if impl == "sgemm" else self.flops) / s / 1e9
 
     def ratio(self, impl: str, to: str = "torch") -> float | None:
         a, b = self.seconds.get(impl), self.seconds.get(to)
@@ -77,6 +79,19 @@ def blas_threads(n: int):
     except ImportError:
         return nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
+
+
+SGEMM_N = 2048
+SGEMM_FLOPS = 2.0 * SGEMM_N**3
+
+
+def _sgemm_fn() -> Callable[[], object]:
+    """One ``SGEMM_N``-cubed float32 matmul, for the ceiling timed in the same turns."""
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((SGEMM_N, SGEMM_N), dtype=np.float32)
+    b = rng.standard_normal((SGEMM_N, SGEMM_N), dtype=np.float32)
+    out = np.empty_like(a)
+    return lambda: np.matmul(a, b, out=out)
 
 
 def sgemm_gflops(threads: int, *, n: int = 2048, repeats: int = 10) -> float:
@@ -132,7 +147,8 @@ def run_benchmark(
 
     Returns:
         One :class:`Row` per (size, causal, pass); ``seconds[impl]`` is None when skipped,
-        with the reason in ``notes[impl]``.
+        with the reason in ``notes[impl]``; ``seconds["sgemm"]`` times a
+        ``SGEMM_N``-cubed float32 matmul in the same turns (the row's ceiling).
     """
     from attnlab.core import blockwise as bw
 
@@ -143,6 +159,7 @@ def run_benchmark(
         torch.set_num_threads(threads)
     say = progress or (lambda _msg: None)
     rng = np.random.default_rng(0)
+    sgemm = _sgemm_fn()
     rows = []
     for L in sizes:
         shape = (BATCH, HEADS, L, HEAD_DIM)
@@ -150,7 +167,8 @@ def run_benchmark(
         for causal in (False, True):
             for p in passes:
                 row = Row(L, causal, p, attention_flops(L, L, causal=causal, passes=p))
-                fns = {"attnlab": _attnlab_fn(q, k, v, g, causal, p, threads)}
+                # The SGEMM ceiling takes its turns too: the same load as the attention.
+                fns = {"sgemm": sgemm, "attnlab": _attnlab_fn(q, k, v, g, causal, p, threads)}
                 if L > naive_max:
                     row.notes["naive"] = (
                         f"skipped (L > naive_max; it would need ~"
