@@ -41,3 +41,28 @@ __all__ = [
     "softmax",
     "softmax_backward",
 ]
+
+# Training (issue 4): layers for small models, optimizers live in attnlab.train.
+from attnlab.nn import (  # noqa: E402
+    GELU,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    ReLU,
+    Sequential,
+    TransformerBlock,
+)
+
+__all__ += [
+    "GELU",
+    "CrossEntropyLoss",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "LayerNorm",
+    "ReLU",
+    "Sequential",
+    "TransformerBlock",
+]
