@@ -15,6 +15,7 @@ from attnlab.cli._common import CLIError
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
 COMMANDS = ["demo"]
+COMMANDS.append("train")  # issue 4
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,11 +41,11 @@ class TinyTransformerConfig:
     vocab_size: int = 32
     context_length: int = 32
     d_model: int = 64
-    n_heads: int = 2
+    n_heads: int = 4
     n_layers: int = 2
     d_ff: int = 128
     dropout: float = 0.0
-    activation: str = "gelu"
+    activation: str = "relu"
     bias: bool = True
     dtype: str = "float32"
 
@@ -97,9 +97,8 @@ class TinyTransformer(Module):
         object.__setattr__(self, "config", c)
         self.tok_emb = Embedding(c.vocab_size, c.d_model, rng=rng, dtype=dtype)
         self.pos_emb = Embedding(c.context_length, c.d_model, rng=rng, dtype=dtype)
-        # GPT-2-style small initial embeddings train faster than torch's N(0, 1).
-        self.tok_emb.weight.data *= dtype.type(0.02)
-        self.pos_emb.weight.data *= dtype.type(0.02)
+        # torch's N(0, 1) embeddings: on recall they train far faster than GPT-2's N(0, 0.02)
+        # (distinct positions from the start help the previous-token head form).
         self.blocks = Module()
         for i in range(c.n_layers):
             block = TransformerBlock(
@@ -138,9 +137,11 @@ class TinyTransformer(Module):
         # Positions are the same for every sequence: sum over the batch axis first.
         self.pos_emb.backward(g.reshape(-1, *g.shape[-2:]).sum(axis=0))
 
-    def attention_maps(self, ids: np.ndarray) -> np.ndarray:
-        """Per-head attention weights of one sequence: ``ids (T,)`` -> ``(n_layers, n_heads,
-        T, T)`` (eval mode; the training mode is restored after)."""
+    def inspect(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Everything the explain views show for one sequence ``ids (T,)`` (eval mode; the
+        training mode is restored after): ``attentions (n_layers, n_heads, T, T)``,
+        ``static (T, d_model)`` (token + position embeddings), ``contextual (T, d_model)``
+        (after the final LayerNorm) and ``logits (T, vocab_size)``."""
         ids = np.asarray(ids)
         if ids.ndim != 1:
             raise shape_error("ids", ids.shape, "(T,)")
@@ -150,13 +151,26 @@ class TinyTransformer(Module):
         try:
             for b in blocks:
                 object.__setattr__(b, "keep_weights", True)
-            self.forward(ids)
-            return np.stack([b.last_weights for b in blocks])
+            x = static = self.tok_emb(ids) + self.pos_emb(np.arange(len(ids)))
+            for block in blocks:
+                x = block(x)
+            contextual = self.ln_f(x)
+            return {
+                "attentions": np.stack([b.last_weights for b in blocks]),
+                "static": static,
+                "contextual": contextual,
+                "logits": self.head(contextual),
+            }
         finally:
             for b in blocks:
                 object.__setattr__(b, "keep_weights", False)
                 object.__setattr__(b, "last_weights", None)
             self.train(was_training)
+
+    def attention_maps(self, ids: np.ndarray) -> np.ndarray:
+        """Per-head attention weights of one sequence: ``ids (T,)`` -> ``(n_layers, n_heads,
+        T, T)``, rows summing to 1 (see :meth:`inspect`)."""
+        return self.inspect(ids)["attentions"]
 
     def extra_repr(self) -> str:
         c = self.config
