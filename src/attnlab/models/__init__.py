@@ -1,1 +1,3 @@
 """attnlab.models"""
+
+from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig  # noqa: E402  (issue 4)

@@ -7,7 +7,8 @@ import numpy as np
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """``x @ weight.T + bias``: ``(..., in) -> (..., out)``, weight ``(out, in)`` as in torch."""
-    y = np.matmul(x, weight.T)
+    # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out)
+    y = np.matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         y += bias
     return y
@@ -20,7 +21,8 @@ def linear_backward(
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
     grad_w = g2.T @ x.reshape(-1, x.shape[-1])
     grad_b = g2.sum(axis=0) if has_bias else None
-    return np.matmul(grad_y, weight), grad_w, grad_b
+    grad_x = (g2 @ weight).reshape(*grad_y.shape[:-1], weight.shape[1])
+    return grad_x, grad_w, grad_b
 
 
 # ---- erf and GELU ---------------------------------------------------------------------
@@ -188,6 +190,7 @@ def cross_entropy(
     with np.errstate(invalid="ignore", divide="ignore"):
         loss = float(-(picked * keep).sum() / n) if n else float("nan")
     grad = e / total
-    grad[np.arange(len(safe)), safe] -= 1.0
+    rows = np.nonzero(keep)[0]
+    grad[rows, target[rows]] -= 1.0
     grad *= (keep / max(n, 1)).astype(logits.dtype)[:, None]
     return loss, grad.astype(logits.dtype, copy=False)

@@ -62,9 +62,15 @@ class Embedding(Module):
 
     def backward(self, grad_output: np.ndarray) -> None:
         """Accumulates ``weight.grad``; ids have no gradient, so returns None."""
-        ids = self._saved()["ids"]
-        grad = np.zeros_like(self.weight.data)
-        np.add.at(grad, ids.reshape(-1), grad_output.reshape(-1, self.embedding_dim))
+        ids = self._saved()["ids"].reshape(-1)
+        g = grad_output.reshape(-1, self.embedding_dim)
+        V = self.num_embeddings
+        if V * len(ids) <= 1 << 22:  # small table: one GEMM with the one-hot ids is fastest
+            one_hot = ids[None, :] == np.arange(V)[:, None]  # (V, N)
+            grad = one_hot.astype(g.dtype) @ g
+        else:
+            grad = np.zeros_like(self.weight.data)
+            np.add.at(grad, ids, g)
         self.weight.accumulate(grad)
         return None
 

@@ -128,19 +128,21 @@ class Trainer:
         """
         ids, targets = self.task.sample(self.config.batch_size, rng=self.rng)
         self.model.train()
-        logits = self.model(ids)
-        loss = self.loss_fn(logits, targets)
         step = self.step + 1
-        if not math.isfinite(loss):
-            raise NonFiniteLossError(step, loss)
-        self.good_state, self.good_step = self.model.state_dict(), self.step
-        self.model.zero_grad()
-        self.model.backward(self.loss_fn.backward())
-        if self.config.clip is not None:
-            clip_grad_norm_(self.model.parameters(), self.config.clip)
-        lr = self.lr_at(step)
-        self.optimizer.lr = lr
-        self.optimizer.step()
+        # Overflow is detected below as a non-finite loss, with a clear error.
+        with np.errstate(over="ignore", invalid="ignore"):
+            logits = self.model(ids)
+            loss = self.loss_fn(logits, targets)
+            if not math.isfinite(loss):
+                raise NonFiniteLossError(step, loss)
+            self.good_state, self.good_step = self.model.state_dict(), self.step
+            self.model.zero_grad()
+            self.model.backward(self.loss_fn.backward())
+            if self.config.clip is not None:
+                clip_grad_norm_(self.model.parameters(), self.config.clip)
+            lr = self.lr_at(step)
+            self.optimizer.lr = lr
+            self.optimizer.step()
         self.step = step
         acc = answer_accuracy(logits, targets)
         for k, v in (("step", step), ("loss", loss), ("accuracy", acc), ("lr", lr)):
@@ -158,13 +160,14 @@ class Trainer:
         loss_fn = CrossEntropyLoss(ignore_index=IGNORE_INDEX).eval()
         total, n, correct = 0.0, 0, 0
         try:
-            for i in range(0, len(ids), chunk):
-                logits = self.model(ids[i : i + chunk])
-                t = targets[i : i + chunk]
-                k = int((t != IGNORE_INDEX).sum())
-                total += loss_fn(logits, t) * k
-                n += k
-                correct += int((logits.argmax(-1) == t)[t != IGNORE_INDEX].sum())
+            with np.errstate(over="ignore", invalid="ignore"):
+                for i in range(0, len(ids), chunk):
+                    logits = self.model(ids[i : i + chunk])
+                    t = targets[i : i + chunk]
+                    k = int((t != IGNORE_INDEX).sum())
+                    total += loss_fn(logits, t) * k
+                    n += k
+                    correct += int((logits.argmax(-1) == t)[t != IGNORE_INDEX].sum())
         finally:
             self.model.train(was)
         return total / n, correct / n

@@ -165,7 +165,7 @@ class AdamW(Adam):
 
     >>> p = Parameter(np.array([1.0])); p.grad = np.array([0.5])
     >>> AdamW([p], lr=0.1).step(); p.data.round(6)
-    array([0.8999])
+    array([0.899])
     """
 
     _decoupled = True
