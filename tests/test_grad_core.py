@@ -4,6 +4,8 @@ broadcast batch dims, dropout with the forward pass's mask)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -18,9 +20,14 @@ TOL = {np.float64: 1e-9, np.float32: 1e-4}
 def rel_err(got, want) -> float:
     """Largest difference relative to the largest reference entry; gradients that are zero
     in exact arithmetic (e.g. a key bias: softmax ignores shifts) compare absolutely."""
+    dtype = np.asarray(got).dtype
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     assert got.shape == want.shape
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+    err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+    if os.environ.get("ATTNLAB_GRAD_REPORT"):  # collect the worst errors for the notes
+        with open(os.environ["ATTNLAB_GRAD_REPORT"], "a") as f:
+            f.write(f"{dtype} {err!r}\n")
+    return err
 
 
 def numerical_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:

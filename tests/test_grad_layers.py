@@ -448,7 +448,9 @@ def test_transformer_block_backward_matches_torch(dtype, causal):
     rng = np.random.default_rng(6)
     block = attnlab.TransformerBlock(8, 2, 12, causal=causal, rng=rng, dtype=dtype)
     perturb(block, rng, 0.1)
-    cfg = TinyTransformerConfig(d_model=8, n_heads=2, d_ff=12, n_layers=1, dtype=np.dtype(dtype).name)
+    cfg = TinyTransformerConfig(
+        d_model=8, n_heads=2, d_ff=12, n_layers=1, activation="gelu", dtype=np.dtype(dtype).name
+    )
     tblock = torch_tiny_transformer(cfg).blocks[0]
     load_into_torch(block, tblock)
     x = rng.standard_normal((2, 5, 8)).astype(dtype)

@@ -30,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--seed", default="0", metavar="N", help="seed for weights and data (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})")
     p.add_argument("--batch-size", default=None, metavar="N", help="sequences per step (default 64)")
-    p.add_argument("--lr", default=None, metavar="X", help="peak learning rate (default 3e-3)")
+    p.add_argument("--lr", default=None, metavar="X", help="peak learning rate (default 1e-3)")
     p.add_argument("--d-model", default=None, metavar="N", help="model width (default 64)")
     p.add_argument("--heads", default=None, metavar="N", help="attention heads (default 4)")
     p.add_argument("--layers", default=None, metavar="N", help="transformer blocks (default 2)")

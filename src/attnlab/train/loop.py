@@ -37,7 +37,7 @@ class TrainConfig:
 
     steps: int = 1000
     batch_size: int = 64
-    lr: float = 3e-3
+    lr: float = 1e-3
     weight_decay: float = 0.0
     warmup: int = 100
     min_lr_ratio: float = 0.05
