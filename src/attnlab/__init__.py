@@ -21,6 +21,7 @@ from attnlab.core import (
     softmax_backward,
 )
 from attnlab.nn import Linear, Module, MultiheadAttention, Parameter, SelfAttention
+from attnlab.trace import Trace, TraceStep, trace
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,9 @@ __all__ = [
     "simple_attention",
     "softmax",
     "softmax_backward",
+    "Trace",
+    "TraceStep",
+    "trace",
 ]
 
 # Training (issue 4): layers for small models, optimizers live in attnlab.train.

@@ -7,21 +7,20 @@ instant. Errors a user can cause become one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-from attnlab.cli._common import CLIError
+from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo"]
+COMMANDS = ["demo", "explain"]
 COMMANDS.append("train")  # issue 4
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     from attnlab import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="attnlab",
         description="Transformer self-attention from scratch in NumPy: look inside, "
         "check against PyTorch, train, benchmark.",

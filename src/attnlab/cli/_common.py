@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -13,6 +14,16 @@ import numpy as np
 
 class CLIError(Exception):
     """A user error: printed as one line on stderr, exit code 2, no traceback."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit code 2), not usage + error.
+
+    Subparsers made with ``add_subparsers().add_parser`` inherit this class.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def prepare_out_dir(path: str | os.PathLike) -> Path:

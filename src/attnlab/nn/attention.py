@@ -282,14 +282,16 @@ class MultiheadAttention(Module):
         v_in = check_input(value, "value", self.dtype, self.vdim, kv_lay)
         for name, arr, d in (("key", k_in, self.kdim), ("value", v_in, self.vdim)):
             if arr.ndim != q_in.ndim:
-                raise shape_error(name, arr.shape, kv_lay.format(d=d), "query is " + ("batched" if batched else "unbatched"))
+                state = "batched" if batched else "unbatched"
+                raise shape_error(name, arr.shape, kv_lay.format(d=d), f"query is {state}")
         q = self._to_batch_first(q_in, batched)
         k = self._to_batch_first(k_in, batched)
         v = self._to_batch_first(v_in, batched)
         N, L, _ = q.shape
         S = k.shape[1]
         if k.shape[0] != N:
-            raise shape_error("key", k_in.shape, kv_lay.format(d=self.kdim).replace("N", str(N)), "batch size differs from query's")
+            need = kv_lay.format(d=self.kdim).replace("N", str(N))
+            raise shape_error("key", k_in.shape, need, "batch size differs from query's")
         if v.shape[:2] != (N, S):
             raise shape_error("value", v_in.shape, f"{fmt_shape(k_in.shape[:-1] + (self.vdim,))} to match key")
 

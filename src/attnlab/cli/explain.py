@@ -1,0 +1,437 @@
+"""attnlab explain TEXT: run a text through a model and show its attention.
+
+Prints the tokens, the shapes and one head's attention weights as a table labelled by the
+tokens; --steps walks through every intermediate of the attention call (the tutorial
+model); --out DIR also draws heatmap.png (the chosen head), heads.png (every head of
+the chosen layer) and embeddings.png (static -> contextual vectors, PCA);
+--format json prints the whole explanation as one JSON document on stdout (messages go
+to stderr) and, with --out, also saves it as DIR/explanation.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from attnlab.cli._common import CLIError, atomic_write, format_table, prepare_out_dir, use_color
+
+DEFAULT_DIM = 128
+DEFAULT_HEADS = 4
+MAX_TABLE = 24  # tokens shown in a printed attention table
+STEP_ROWS, STEP_COLS = 8, 8  # cells shown per --steps table
+
+_HINTS = {
+    "random": "it needs only NumPy; reinstall attnlab",
+    "minilm": "install the 'pretrained' extra: pip install 'attnlab[pretrained]'",
+    "checkpoint": "this attnlab has no attnlab.train.checkpoint; install a version with training",
+}
+
+
+# ---- options ------------------------------------------------------------------------------
+def model_names() -> list[str]:
+    from attnlab.explain import MODELS
+
+    return list(MODELS)
+
+
+def default_model() -> str:
+    """``"minilm"`` when the pretrained model is installed, else ``"random"``."""
+    try:
+        from attnlab.models.bert import minilm_available
+
+        if minilm_available():
+            return "minilm"
+    except (ImportError, AttributeError):
+        pass
+    return "random"
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", choices=model_names(), default=None,
+                   help="which model: 'random' is the tutorial model (random weights), 'minilm' "
+                   "the pretrained MiniLM, 'checkpoint' a trained checkpoint "
+                   "(default: minilm when installed, else random)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the tutorial model (default 0)")
+    p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="show how attention reads a text (tables, step-by-step, pictures, JSON)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  attnlab explain \"The cat sat on the mat\" --model random --steps\n"
+        "  attnlab explain \"The bank of the river\" --layer 2 --head 5 --out pictures\n"
+        "  attnlab explain \"A dog barked\" --format json > explanation.json",
+    )
+    p.add_argument("text", metavar="TEXT", help="the text to explain (quote it)")
+    add_model_options(p)
+    p.add_argument("--dim", type=int, default=None,
+                   help=f"embedding width of the tutorial model (default {DEFAULT_DIM})")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads of the tutorial model; must divide --dim "
+                   f"(default {DEFAULT_HEADS})")
+    p.add_argument("--positions", action="store_true",
+                   help="tutorial model: add sinusoidal position codes (without them equal "
+                   "words get equal contextual vectors)")
+    p.add_argument("--vocab", metavar="JSON", default=None,
+                   help="tutorial model: a fixed vocabulary (attnlab.text.Vocabulary JSON); "
+                   "unknown words become <unk>")
+    p.add_argument("--steps", action="store_true",
+                   help="print every step of the attention call with its shape and values")
+    p.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text tables (default) or one JSON document on stdout")
+    p.add_argument("--layer", type=int, default=None,
+                   help="which layer's attention to print and plot (default: the last)")
+    p.add_argument("--head", type=int, default=None, help="which head (default 0)")
+    p.add_argument("--checkpoint", metavar="PATH", default=None,
+                   help="explain with a trained checkpoint (implies --model checkpoint)")
+    p.add_argument("--html", metavar="PATH", default=None,
+                   help="also write the interactive HTML report to PATH")
+    p.set_defaults(run=run)
+
+
+# ---- running a model ----------------------------------------------------------------------
+def _check_size(value: int | None, name: str) -> None:
+    if value is not None and value <= 0:
+        raise CLIError(f"{name} must be a positive integer, got {value}")
+
+
+def choose_model(args) -> str:
+    model = args.model
+    if getattr(args, "checkpoint", None) is not None:
+        if model not in (None, "checkpoint"):
+            raise CLIError(f"--checkpoint needs --model checkpoint, got --model {model}")
+        model = "checkpoint"
+    return model or default_model()
+
+
+def _not_available(model: str) -> str:
+    return f"model {model} is not available: {_HINTS.get(model, 'install it')}"
+
+
+def load_backend(model: str):
+    from attnlab.explain import MODELS
+
+    module, func = MODELS[model].split(":")
+    try:
+        return getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError):
+        raise CLIError(_not_available(model)) from None
+
+
+def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | None,
+            checkpoint: str | None = None, positions: bool = False, vocab: str | None = None,
+            warn_stream=None):
+    """Validate the options, run the backend, return the Explanation (or raise CLIError)."""
+    warn_stream = warn_stream or sys.stderr
+    if not text.strip():
+        raise CLIError("TEXT is empty: give a sentence, e.g. \"The cat sat on the mat\"")
+    _check_size(dim, "--dim")
+    _check_size(heads, "--heads")
+    if seed < 0:
+        raise CLIError(f"--seed must be a non-negative integer, got {seed}")
+    options: dict = {"seed": seed, "checkpoint": checkpoint}
+    if model == "random":
+        d = DEFAULT_DIM if dim is None else dim
+        h = DEFAULT_HEADS if heads is None else heads
+        if d % h:
+            raise CLIError(f"--heads {h} must divide --dim {d} (each head gets dim/heads columns)")
+        options.update(dim=d, heads=h, positions=positions, vocab=vocab)
+    else:
+        for flag, value in (("--dim", dim), ("--heads", heads), ("--vocab", vocab)):
+            if value is not None:
+                print(f"attnlab: note: {flag} applies to the random model only; ignored",
+                      file=warn_stream)
+        if positions:
+            print("attnlab: note: --positions applies to the random model only; ignored",
+                  file=warn_stream)
+    if model == "checkpoint" and checkpoint is None:
+        raise CLIError("--model checkpoint needs --checkpoint PATH")
+    backend = load_backend(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            expl = backend(text, **options)
+        except (ValueError, TypeError, KeyError) as exc:
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            raise CLIError(str(msg)) from None
+        except FileNotFoundError as exc:
+            raise CLIError(f"file not found: {exc.filename or exc}") from None
+        except ImportError:
+            raise CLIError(_not_available(model)) from None
+        except MemoryError:
+            raise CLIError("not enough memory for this model and text; use smaller sizes") from None
+        except OSError as exc:
+            what = exc.filename or "a file"
+            raise CLIError(f"cannot read {what}: {exc.strerror or exc}") from None
+    for w in caught:
+        print(f"attnlab: warning: {str(w.message).splitlines()[0]}", file=warn_stream)
+    return expl
+
+
+def pick(expl, layer: int | None, head: int | None) -> tuple[int, int]:
+    """Resolve ``--layer``/``--head`` against the attentions' shape (negatives count back)."""
+    n_layers, n_heads = expl.attentions.shape[:2]
+    layer = n_layers - 1 if layer is None else layer
+    head = 0 if head is None else head
+    if not -n_layers <= layer < n_layers:
+        raise CLIError(f"--layer {layer} is out of range: this model has {n_layers} layer"
+                       f"{'s' if n_layers > 1 else ''} (0 to {n_layers - 1})")
+    if not -n_heads <= head < n_heads:
+        raise CLIError(f"--head {head} is out of range: this model has {n_heads} heads "
+                       f"(0 to {n_heads - 1})")
+    return layer % n_layers, head % n_heads
+
+
+# ---- text output --------------------------------------------------------------------------
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def _trim(labels: list[str], width: int = 12) -> list[str]:
+    return [t if len(t) <= width else t[: width - 1] + "…" for t in labels]
+
+
+def print_summary(expl, model: str, layer: int, head: int, *, out=None) -> None:
+    out = out or sys.stdout
+    color = use_color(out)
+    T = len(expl.tokens)
+    L, H = expl.attentions.shape[:2]
+    bold = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)
+    print(f"{bold('model')}   {expl.model}  (--model {model})", file=out)
+    print(f"{bold('text')}    {expl.text!r}", file=out)
+    print(f"{bold('tokens')}  {T}: " + " | ".join(expl.tokens), file=out)
+    print("", file=out)
+    print(bold("shapes"), file=out)
+    D = expl.static.shape[-1]
+    static = f"(1, {T}, {D})" if expl.trace is not None else _shape(expl.static.shape)
+    rows = [("token vectors (static)", static)]
+    tr = expl.trace
+    if tr is not None:
+        q = tr.get("Q", 0)
+        rows.append((f"queries, keys, values per head (x{tr.num_heads})", _shape(q.shape)))
+        rows.append((f"scores and weights per head (x{tr.num_heads})", f"({T}, {T})"))
+        rows.append(("contextual vectors", f"(1, {T}, {expl.contextual.shape[-1]})"))
+    else:
+        rows.append(("contextual vectors", _shape(expl.contextual.shape)))
+    rows.append(("attention weights (layers, heads, T, T)", _shape(expl.attentions.shape)))
+    w = max(len(r[0]) for r in rows)
+    for name, shape in rows:
+        print(f"  {name.ljust(w)}  {shape}", file=out)
+    print("", file=out)
+    where = f"layer {layer} of {L}, head {head} of {H}" if L > 1 else f"head {head} of {H}"
+    print(bold(f"attention weights, {where}"), file=out)
+    print("  row: a token; columns: how much it attends to each token (each row sums to 1)",
+          file=out)
+    weights = expl.attentions[layer, head]
+    labels = _trim(list(expl.tokens))
+    n = min(T, MAX_TABLE)
+    print(format_table(weights[:n, :n], labels[:n], labels[:n], decimals=2, color=color), file=out)
+    if T > n:
+        print(f"  (showing the first {n} of {T} tokens; --out draws them all)", file=out)
+    for note in expl.notes:
+        print(f"note: {note}", file=out)
+
+
+_TOKEN_ROWS = {"X", "Q", "K", "V", "scores", "scaled_scores", "masked_scores", "weights",
+               "head_output", "concat", "output"}
+_TOKEN_COLS = {"scores", "scaled_scores", "masked_scores", "weights"}
+
+
+def print_steps(expl, head: int, *, out=None) -> None:
+    """Seed 001's walk-through from the trace: every step, its shape, rounded values."""
+    out = out or sys.stdout
+    tr = expl.trace
+    if tr is None:
+        raise CLIError("--steps needs the tutorial model's trace: use --model random")
+    color = use_color(out)
+    tok = _trim(list(tr.tokens))
+    steps = [s for s in tr.steps if s.head in (None, head)]
+    print("", file=out)
+    heads_note = f" (head {head}; other heads: --head N)" if tr.num_heads > 1 else ""
+    print(f"step by step{heads_note}", file=out)
+    for i, s in enumerate(steps, 1):
+        where = "" if s.head is None else f"  head {s.head}"
+        title = f"{i:>2}. {s.name}  {_shape(s.shape)}{where}: {s.description}"
+        print("", file=out)
+        print(f"\x1b[1m{title}\x1b[0m" if color else title, file=out)
+        v = s.values
+        if v.ndim == 1:
+            v = v[None, :]
+            rows = [""]
+        elif s.name in _TOKEN_ROWS:
+            rows = tok
+        else:
+            rows = [str(r) for r in range(v.shape[0])]
+        cols = tok if s.name in _TOKEN_COLS else [str(c) for c in range(v.shape[-1])]
+        r, c = min(v.shape[0], STEP_ROWS), min(v.shape[1], STEP_COLS)
+        shaded = color and s.name == "weights"
+        print(format_table(v[:r, :c], rows[:r], cols[:c], decimals=2, color=shaded), file=out)
+        more = []
+        if v.shape[0] > r:
+            more.append(f"{v.shape[0] - r} more rows")
+        if v.shape[1] > c:
+            more.append(f"{v.shape[1] - c} more columns")
+        if more:
+            print(f"  ... {', '.join(more)} (--format json has every value)", file=out)
+
+
+# ---- JSON ---------------------------------------------------------------------------------
+def _array(a) -> dict:
+    import numpy as np
+
+    a = np.asarray(a, dtype=np.float64)
+    return {"shape": list(a.shape), "values": a.tolist()}
+
+
+def to_json(expl, model: str, layer: int, head: int) -> dict:
+    """The document ``--format json`` prints (``"format": "attnlab-explanation"``)."""
+    return {
+        "format": "attnlab-explanation",
+        "version": 1,
+        "model_name": model,
+        "model": expl.model,
+        "text": expl.text,
+        "tokens": list(expl.tokens),
+        "created": expl.created,
+        "notes": list(expl.notes),
+        "layer": layer,
+        "head": head,
+        "attentions": _array(expl.attentions),
+        "static": _array(expl.static),
+        "contextual": _array(expl.contextual),
+        "trace": None if expl.trace is None else expl.trace.to_dict(),
+    }
+
+
+# ---- files --------------------------------------------------------------------------------
+def draw(expl, layer: int, head: int) -> dict:
+    """The figures, drawn in memory: {file name: Figure}."""
+    try:
+        from attnlab.viz import plots
+    except ImportError:
+        raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
+    try:
+        plots._pyplot()
+    except ImportError:
+        raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
+    L, H = expl.attentions.shape[:2]
+    short = expl.model.split(":")[0]
+    where = f"layer {layer}, head {head}" if L > 1 else f"head {head}"
+    text = expl.text if len(expl.text) <= 60 else expl.text[:57] + "..."
+    return {
+        "heatmap.png": plots.plot_attention(
+            expl.attentions[layer, head], expl.tokens,
+            title=f"Attention weights, {where} \u00b7 {short}\n\u201c{text}\u201d"),
+        "heads.png": plots.plot_heads(
+            expl.attentions[layer], expl.tokens,
+            title=f"All {H} heads" + (f" of layer {layer}" if L > 1 else "") + f" \u00b7 {short}"
+                  + f"\n\u201c{text}\u201d"),
+        "embeddings.png": plots.plot_embeddings(
+            expl.static, expl.contextual, expl.tokens,
+            title=f"Static \u2192 contextual token vectors \u00b7 {short}\n\u201c{text}\u201d"),
+    }
+
+
+def write_files(out_dir: Path, figures: dict, extra: dict | None = None) -> list[Path]:
+    from attnlab.viz.plots import save_figure
+
+    written = []
+    try:
+        for name, fig in figures.items():
+            path = out_dir / name
+            atomic_write(path, lambda tmp, fig=fig: save_figure(fig, tmp))
+            written.append(path)
+        for name, text in (extra or {}).items():
+            path = out_dir / name
+            atomic_write(path, lambda tmp, text=text: tmp.write_text(text, "utf-8"))
+            written.append(path)
+    except OSError as exc:
+        for p in written:  # all or nothing
+            p.unlink(missing_ok=True)
+        raise CLIError(f"cannot write to {str(out_dir)!r}: {exc.strerror or exc}") from None
+    return written
+
+
+def _report_writer():
+    try:
+        from attnlab.viz.report import write_report
+    except (ImportError, AttributeError):
+        raise CLIError("--html needs attnlab.viz.report, which this attnlab lacks") from None
+    return write_report
+
+
+def write_html(expl, path: str) -> Path:
+    write_report = _report_writer()
+    target = Path(path)
+    try:
+        atomic_write(target, lambda tmp: write_report(expl, tmp))
+    except OSError as exc:
+        raise CLIError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
+    return target
+
+
+# ---- the command --------------------------------------------------------------------------
+def explain_command(text: str, args, *, out_dir: str | None) -> int:
+    """Shared by ``explain`` and ``demo``."""
+    fmt = getattr(args, "format", "text")
+    info = sys.stderr if fmt == "json" else sys.stdout
+    model = choose_model(args)
+    html = getattr(args, "html", None)
+    out_path = prepare_out_dir(out_dir) if out_dir is not None else None
+    if html is not None:
+        _report_writer()
+        prepare_out_dir(Path(html).parent)
+    expl = compute(
+        text, model, seed=args.seed, dim=getattr(args, "dim", None),
+        heads=getattr(args, "heads", None), checkpoint=getattr(args, "checkpoint", None),
+        positions=getattr(args, "positions", False), vocab=getattr(args, "vocab", None),
+    )
+    layer, head = pick(expl, getattr(args, "layer", None), getattr(args, "head", None))
+    if getattr(args, "steps", False) and expl.trace is None:
+        raise CLIError(f"--steps needs the tutorial model's trace; model {model} has none "
+                       "(use --model random)")
+    figures = draw(expl, layer, head) if out_path is not None else {}
+
+    document = None
+    if fmt == "json":
+        document = json.dumps(to_json(expl, model, layer, head), ensure_ascii=False,
+                              allow_nan=False)
+        sys.stdout.write(document + "\n")
+    else:
+        print_summary(expl, model, layer, head)
+        if getattr(args, "steps", False):
+            print_steps(expl, head)
+
+    written = []
+    if out_path is not None:
+        extra = {"explanation.json": document + "\n"} if document is not None else None
+        written = write_files(out_path, figures, extra)
+    if html is not None:
+        written.append(write_html(expl, html))
+    if written:
+        print("", file=info)
+        print(f"wrote {len(written)} file{'s' if len(written) > 1 else ''}:", file=info)
+        width = max(len(str(p)) for p in written)
+        for p in written:
+            what = {
+                "heatmap.png": f"attention of head {head}"
+                + (f", layer {layer}" if expl.attentions.shape[0] > 1 else ""),
+                "heads.png": "every head side by side",
+                "embeddings.png": "static -> contextual token vectors (PCA)",
+                "explanation.json": "the explanation as JSON",
+            }.get(p.name, "interactive report")
+            print(f"  {str(p).ljust(width)}  {what}", file=info)
+    return 0
+
+
+def run(args) -> int:
+    return explain_command(args.text, args, out_dir=args.out)

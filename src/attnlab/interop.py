@@ -1,0 +1,118 @@
+"""Move layers between attnlab and PyTorch (torch is imported here, only when called).
+
+>>> import numpy as np, attnlab
+>>> layer = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
+>>> torch_mha = to_torch(layer)                 # a torch.nn.MultiheadAttention
+>>> back = from_torch(torch_mha)
+>>> all(np.array_equal(a, b) for a, b in zip(layer.state_dict().values(), back.state_dict().values()))
+True
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnlab.nn.attention import MultiheadAttention, SelfAttention
+from attnlab.nn.linear import Linear
+from attnlab.nn.module import Module
+
+_TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("attnlab.interop needs PyTorch: pip install torch==2.13.0") from exc
+    return torch
+
+
+def _torch_self_attention_class():
+    """A torch module equal to :class:`attnlab.SelfAttention` (seed 004's class)."""
+    torch = _torch()
+
+    class TorchSelfAttention(torch.nn.Module):
+        def __init__(self, d_in, d_out, qkv_bias=False):
+            super().__init__()
+            self.d_in, self.d_out = d_in, d_out
+            self.W_q = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_k = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+            self.W_v = torch.nn.Linear(d_in, d_out, bias=qkv_bias)
+
+        def forward(self, x):
+            q, k, v = self.W_q(x), self.W_k(x), self.W_v(x)
+            weights = torch.softmax(q @ k.transpose(-2, -1) / self.d_out**0.5, dim=-1)
+            return weights @ v, weights
+
+    return TorchSelfAttention
+
+
+def to_torch(layer: Module):
+    """A ``torch.nn`` module with ``layer``'s configuration and weights (same dtype).
+
+    Supports :class:`~attnlab.MultiheadAttention` (-> ``torch.nn.MultiheadAttention``),
+    :class:`~attnlab.Linear` (-> ``torch.nn.Linear``) and :class:`~attnlab.SelfAttention`
+    (-> an equivalent torch module). Training/eval mode is copied.
+    """
+    torch = _torch()
+    dtype = getattr(torch, _TORCH_DTYPES[np.dtype(next(layer.parameters()).dtype)])
+    if isinstance(layer, MultiheadAttention):
+        module = torch.nn.MultiheadAttention(
+            layer.embed_dim,
+            layer.num_heads,
+            dropout=layer.dropout,
+            bias=layer.in_proj_bias is not None,
+            add_bias_kv=layer.bias_k is not None,
+            add_zero_attn=layer.add_zero_attn,
+            kdim=layer.kdim,
+            vdim=layer.vdim,
+            batch_first=layer.batch_first,
+            dtype=dtype,
+        )
+    elif isinstance(layer, Linear):
+        module = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=dtype)
+    elif isinstance(layer, SelfAttention):
+        cls = _torch_self_attention_class()
+        module = cls(layer.d_in, layer.d_out, qkv_bias=layer.W_q.bias is not None).to(dtype)
+    else:
+        raise TypeError(f"to_torch supports MultiheadAttention, SelfAttention and Linear, got {type(layer).__name__}")
+    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in layer.state_dict().items()})
+    module.train(layer.training)
+    return module
+
+
+def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
+    """An attnlab layer with ``module``'s configuration and weights (same dtype).
+
+    Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear`` and the module returned by
+    :func:`to_torch` for a ``SelfAttention``. ``rng`` drives the new layer's dropout.
+    """
+    torch = _torch()
+    state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    dtype = next(iter(state.values())).dtype
+    if isinstance(module, torch.nn.MultiheadAttention):
+        layer = MultiheadAttention(
+            module.embed_dim,
+            module.num_heads,
+            dropout=module.dropout,
+            bias=module.in_proj_bias is not None,
+            add_bias_kv=module.bias_k is not None,
+            add_zero_attn=module.add_zero_attn,
+            kdim=module.kdim,
+            vdim=module.vdim,
+            batch_first=module.batch_first,
+            rng=rng,
+            dtype=dtype,
+        )
+    elif isinstance(module, torch.nn.Linear):
+        layer = Linear(module.in_features, module.out_features, bias=module.bias is not None, rng=rng, dtype=dtype)
+    elif type(module).__name__ == "TorchSelfAttention":
+        layer = SelfAttention(module.d_in, module.d_out, qkv_bias=module.W_q.bias is not None, rng=rng, dtype=dtype)
+    else:
+        raise TypeError(
+            f"from_torch supports nn.MultiheadAttention, nn.Linear and to_torch(SelfAttention), "
+            f"got {type(module).__name__}"
+        )
+    layer.load_state_dict(state)
+    layer.train(module.training)
+    return layer

@@ -1,0 +1,355 @@
+"""Pictures of attention: a heatmap, a grid of heads, static -> contextual embeddings.
+
+matplotlib (the ``viz`` extra) is imported inside each function, with the Agg backend
+(no display needed). Each function returns the ``Figure`` and, given ``path``, saves it as
+PNG or SVG (chosen by the suffix).
+
+Shapes: ``H`` heads, ``L`` query tokens, ``S`` key tokens, ``T`` tokens, ``D`` width.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from attnlab._validation import shape_error
+
+_FORMATS = {".png": "png", ".svg": "svg"}
+STATIC_COLOR = "#1f77b4"
+CONTEXT_COLOR = "#d62728"
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'attnlab[viz]'") from exc
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    return Figure
+
+
+def save_figure(fig, path: str | os.PathLike, *, dpi: int = 150) -> Path:
+    """Save ``fig`` as PNG or SVG according to ``path``'s suffix; returns the path."""
+    path = Path(path)
+    fmt = _FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
+    fig.savefig(path, format=fmt, dpi=dpi)  # constrained layout already fits the labels
+    return path
+
+
+def _labels(tokens: Sequence[str] | None, n: int, name: str) -> list[str]:
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    tokens = [str(t) for t in tokens]
+    if len(tokens) != n:
+        raise ValueError(f"{name} has {len(tokens)} labels, but the weights need {n}")
+    return tokens
+
+
+def _check_weights(weights, ndim: int, layout: str) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != ndim:
+        raise shape_error("weights", w.shape, layout)
+    return w
+
+
+def _draw_heatmap(ax, w, rows, cols, *, annotate: bool, vmax: float, fontsize: float):
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
+    ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", rotation_mode="anchor",
+                  fontsize=fontsize)
+    ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
+    ax.set_xlabel("attends to (key)", fontsize=fontsize)
+    ax.set_ylabel("token (query)", fontsize=fontsize)
+    if annotate:
+        for i in range(w.shape[0]):
+            for j in range(w.shape[1]):
+                light = w[i, j] < 0.6 * vmax
+                ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center",
+                        fontsize=fontsize * 0.85, color="white" if light else "black")
+    return im
+
+
+def plot_attention(
+    weights: np.ndarray,
+    tokens: Sequence[str] | None = None,
+    key_tokens: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    annotate: bool | None = None,
+    path: str | os.PathLike | None = None,
+):
+    """A heatmap of one head's weights ``(L, S)``: rows are queries, columns keys.
+
+    Args:
+        weights: ``(L, S)``, each row summing to 1.
+        tokens: ``L`` row labels (and column labels when ``key_tokens`` is None).
+        key_tokens: ``S`` column labels.
+        title: the figure's title.
+        annotate: print each value in its cell (default: when ``L, S <= 16``).
+        path: save there (``.png`` or ``.svg``).
+
+    Returns:
+        The matplotlib ``Figure`` (one heatmap axes and a colorbar).
+
+    >>> fig = plot_attention(np.full((3, 3), 1 / 3), ["a", "b", "c"], title="uniform")
+    >>> [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    ['a', 'b', 'c']
+    """
+    Figure = _pyplot()
+    w = _check_weights(weights, 2, "(L, S)")
+    L, S = w.shape
+    rows = _labels(tokens, L, "tokens")
+    cols = _labels(key_tokens if key_tokens is not None else (tokens if L == S else None), S,
+                   "key_tokens")
+    if annotate is None:
+        annotate = max(L, S) <= 16
+    side = min(14.0, max(4.5, 0.55 * max(L, S) + 2.5))
+    fig = Figure(figsize=(side + 1.2, side), layout="constrained")
+    ax = fig.add_subplot()
+    fontsize = 11 if max(L, S) <= 20 else max(5, 11 - (max(L, S) - 20) // 8)
+    vmax = max(float(w.max(initial=0)), 1e-9)
+    im = _draw_heatmap(ax, w, rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
+    cbar = fig.colorbar(im, ax=ax, shrink=0.8)
+    cbar.set_label("attention weight")
+    ax.set_title(title or "Attention weights", fontsize=13)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def plot_heads(
+    attentions: np.ndarray,
+    tokens: Sequence[str] | None = None,
+    *,
+    title: str | None = None,
+    head_labels: Sequence[str] | None = None,
+    path: str | os.PathLike | None = None,
+):
+    """A grid of heatmaps, one per head, with token labels and one shared colorbar.
+
+    Args:
+        attentions: ``(H, L, S)`` weights of one layer.
+        tokens: ``L`` (= ``S``) labels.
+        title: the figure's title.
+        head_labels: ``H`` subplot titles (default "head 0", ...).
+        path: save there (``.png`` or ``.svg``).
+
+    Returns:
+        The ``Figure``: ``H`` heatmap axes (then empty grid cells hidden) and a colorbar.
+
+    >>> fig = plot_heads(np.full((4, 3, 3), 1 / 3), ["a", "b", "c"])
+    >>> [ax.get_title() for ax in fig.axes[:4]]
+    ['head 0', 'head 1', 'head 2', 'head 3']
+    """
+    Figure = _pyplot()
+    w = _check_weights(attentions, 3, "(H, L, S)")
+    H, L, S = w.shape
+    if H == 0:
+        raise shape_error("attentions", w.shape, "(H, L, S) with H >= 1")
+    rows = _labels(tokens, L, "tokens")
+    cols = rows if L == S else [str(i) for i in range(S)]
+    titles = list(head_labels) if head_labels is not None else [f"head {h}" for h in range(H)]
+    if len(titles) != H:
+        raise ValueError(f"head_labels has {len(titles)} entries, but there are {H} heads")
+    ncols = min(H, 4) if H <= 8 else math.ceil(math.sqrt(H))
+    nrows = math.ceil(H / ncols)
+    cell = min(5.0, max(3.0, 0.4 * max(L, S) + 1.5))
+    fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + 0.6), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    vmax = max(float(w.max(initial=0)), 1e-9)
+    n = max(L, S)
+    fontsize = 9 if n <= 12 else max(4, 9 - (n - 12) // 6)
+    annotate = n <= 8 and ncols <= 4
+    im = None
+    for h in range(nrows * ncols):
+        ax = axes[h // ncols][h % ncols]
+        if h >= H:
+            ax.set_visible(False)
+            continue
+        im = _draw_heatmap(ax, w[h], rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
+        ax.set_title(titles[h], fontsize=11)
+        if h % ncols:  # token labels on the outer edges only
+            ax.set_ylabel("")
+            ax.set_yticklabels([])
+        if h + ncols < H:
+            ax.set_xlabel("")
+            ax.set_xticklabels([])
+    cbar = fig.colorbar(im, ax=axes, shrink=0.6)
+    cbar.set_label("attention weight")
+    fig.suptitle(title or f"Attention weights of {H} heads", fontsize=13)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def pca_2d(fit: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Project onto the two principal axes of ``fit`` (NumPy SVD, no scikit-learn).
+
+    ``fit`` ``(T, D)`` is centred on its mean; the same mean and axes transform each of
+    ``others`` ``(T', D)`` (seed 000: fit on the static vectors, transform the contextual
+    ones). With fewer than two directions of variance the missing coordinates are 0.
+
+    Returns:
+        ``(fit_2d, *others_2d)``, each ``(T, 2)``.
+
+    >>> a = np.array([[0., 0, 0], [2, 0, 0], [0, 1, 0]])
+    >>> p, = pca_2d(a)
+    >>> p.shape, bool(abs(p[:, 0]).max() >= abs(p[:, 1]).max())
+    ((3, 2), True)
+    """
+    fit = np.asarray(fit, dtype=np.float64)
+    if fit.ndim != 2:
+        raise shape_error("fit", fit.shape, "(T, D)")
+    mean = fit.mean(axis=0)
+    _, _, vt = np.linalg.svd(fit - mean, full_matrices=False)
+    axes = np.zeros((2, fit.shape[1]))
+    k = min(2, vt.shape[0])
+    axes[:k] = vt[:k]
+    out = []
+    for arr in (fit, *others):
+        arr = np.asarray(arr, dtype=np.float64)
+        if arr.ndim != 2 or arr.shape[1] != fit.shape[1]:
+            raise shape_error("others", arr.shape, f"(T, {fit.shape[1]})")
+        out.append((arr - mean) @ axes.T)
+    return tuple(out)
+
+
+def plot_embeddings(
+    static: np.ndarray,
+    contextual: np.ndarray,
+    tokens: Sequence[str],
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+):
+    """Seed 000's picture: static (blue) and contextual (red) token vectors in 2-D, with an
+    arrow from each token's static point to its contextual point.
+
+    PCA is fitted on the static vectors and applied to the contextual ones, as in seed 000,
+    so both share one pair of axes.
+
+    Args:
+        static: ``(T, D)`` token vectors before attention.
+        contextual: ``(T, D)`` after attention.
+        tokens: ``T`` labels.
+        title: the figure's title.
+        path: save there (``.png`` or ``.svg``).
+
+    Returns:
+        The ``Figure``: one axes with two scatter sets, ``T`` arrows and ``2T`` labels.
+
+    >>> rng = np.random.default_rng(0)
+    >>> s, c = rng.standard_normal((2, 3, 8))
+    >>> fig = plot_embeddings(s, c, ["a", "b", "c"])
+    >>> sum(p.get_gid() == "token-arrow" for p in fig.axes[0].patches)   # one per token
+    3
+    """
+    Figure = _pyplot()
+    s = np.asarray(static, dtype=np.float64)
+    c = np.asarray(contextual, dtype=np.float64)
+    if s.ndim != 2:
+        raise shape_error("static", s.shape, "(T, D)")
+    if c.shape != s.shape:
+        raise shape_error("contextual", c.shape, f"{s.shape} like static")
+    labels = _labels(tokens, s.shape[0], "tokens")
+    s2, c2 = pca_2d(s, c)
+
+    pts = np.concatenate([s2, c2])
+    lo, hi = pts.min(axis=0), pts.max(axis=0)
+    span = float((hi - lo).max()) or 1.0
+    c_span = float(np.ptp(c2, axis=0).max())
+    # Attention averages the value vectors, so the contextual points often huddle together;
+    # then a second panel shows them magnified (same projection, same directions).
+    zoom = len(labels) > 1 and c_span < 0.25 * span
+    title = title or "Static vs contextual token vectors"
+    if zoom:
+        fig = Figure(figsize=(16, 7.5), layout="constrained")
+        ax, zax = fig.subplots(1, 2, width_ratios=[1.25, 1])
+        fig.suptitle(title, fontsize=13)
+        ax.set_title("static and contextual points (seed 000's view)", fontsize=11)
+    else:
+        fig = Figure(figsize=(9, 7.5), layout="constrained")
+        ax = fig.add_subplot()
+        ax.set_title(title, fontsize=13)
+    pad = 0.1 * span
+    ax.set_xlim(lo[0] - pad, hi[0] + pad)
+    ax.set_ylim(lo[1] - pad, hi[1] + pad)
+    _draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)
+    ax.set_xlabel("PCA component 1 (fitted on the static vectors)")
+    ax.set_ylabel("PCA component 2")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False)
+    if zoom:
+        _zoom_panel(ax, zax, s2, c2, labels, c_span)
+    if path is not None:
+        save_figure(fig, path)
+    return fig
+
+
+def _group_labels(points: np.ndarray, labels: list[str], tol: float) -> list[tuple]:
+    """Points that coincide (equal words without positions) share one label: "the ×2"."""
+    groups: list[tuple[np.ndarray, list[str]]] = []
+    for p, lab in zip(points, labels, strict=True):
+        for q, labs in groups:
+            if np.abs(p - q).max() <= tol:
+                labs.append(lab)
+                break
+        else:
+            groups.append((p, [lab]))
+    out = []
+    for p, labs in groups:
+        names = list(dict.fromkeys(labs))
+        text = ", ".join(f"{n} ×{labs.count(n)}" if labs.count(n) > 1 else n for n in names)
+        out.append((p, text))
+    return out
+
+
+def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: float = 11,
+                 only_contextual: bool = False, contextual_labels: bool = True):
+    from matplotlib.patches import FancyArrowPatch
+
+    if arrows:
+        for i in range(len(labels)):
+            ax.add_patch(FancyArrowPatch(
+                tuple(s2[i]), tuple(c2[i]), arrowstyle="-|>", mutation_scale=14, color="0.45",
+                lw=1.1, alpha=0.75, shrinkA=5, shrinkB=5, zorder=2, gid="token-arrow",
+            ))
+    off = 0.012 * span
+    tol = 1e-6 * max(span, 1e-12)
+    if not only_contextual:
+        ax.scatter(s2[:, 0], s2[:, 1], s=70, color=STATIC_COLOR, zorder=3, edgecolor="white",
+                   label="static (before attention)")
+        for p, text in _group_labels(s2, labels, tol):
+            ax.text(p[0] + off, p[1] + off, text, color=STATIC_COLOR, fontsize=fontsize, zorder=4)
+    ax.scatter(c2[:, 0], c2[:, 1], s=60, color=CONTEXT_COLOR, marker="D", zorder=3,
+               edgecolor="white", label="contextual (after attention)")
+    for p, text in _group_labels(c2, labels, tol) if contextual_labels else []:
+        ax.text(p[0] + off, p[1] - off, text, color=CONTEXT_COLOR, fontsize=fontsize, va="top",
+                zorder=4)
+
+
+def _zoom_panel(ax, zax, s2, c2, labels, c_span):
+    """Mark the contextual cluster on ``ax`` with a box and draw it magnified on ``zax``."""
+    from matplotlib.patches import Rectangle
+
+    c_span = c_span or 1.0
+    lo, hi = c2.min(axis=0), c2.max(axis=0)
+    mid, half = (lo + hi) / 2, 0.6 * c_span
+    ax.add_patch(Rectangle(tuple(mid - half), 2 * half, 2 * half, fill=False, ec="0.35",
+                           ls="--", lw=1.0, zorder=5, gid="zoom-box"))
+    _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
+    zax.set_xlim(mid[0] - half, mid[0] + half)
+    zax.set_ylim(mid[1] - half, mid[1] + half)
+    zax.set_title("contextual points, magnified (dashed box on the left)", fontsize=11)
+    zax.set_xlabel("PCA component 1 (same projection)")
+    zax.grid(True, alpha=0.3)
+    for side in zax.spines.values():
+        side.set_linestyle("--")
+        side.set_edgecolor("0.35")

@@ -1,0 +1,436 @@
+"""The interactive attention report: one self-contained HTML file.
+
+:func:`write_report` (also callable as ``attnlab.viz.report(explanation, path)``) writes an
+:class:`~attnlab.explain.Explanation` as ONE HTML file that draws it in the browser: the head
+view (tokens left and right, lines weighted by attention), the model view (a layers x heads
+grid of thumbnails), a heatmap with the value under the pointer, the step view of the
+tutorial model's trace (X, Q, K, V, scores, weights, output with their shapes) and the
+static -> contextual embedding plot. Every view exports as PNG or SVG.
+
+The file makes no network request of any kind: script and style are inlined, the numbers
+are embedded, and a Content-Security-Policy forbids every fetch except ``data:``/``blob:``
+images. It works from ``file://`` and offline.
+
+Numbers are stored compactly: every attention row is quantised to ``uint8`` relative to
+the row's maximum (so a value is exact to ``row max / 510``), the trace's arrays are
+``float32``, the whole binary block is zlib-compressed and base64-encoded; the browser
+inflates it with its built-in ``DecompressionStream``. The embedding plot's 2-D points are
+the first two principal components of the static and contextual vectors together,
+computed here with NumPy.
+
+User text (the input, the tokens, the model's name, the notes) only ever reaches the page
+as JSON inside ``<script type="application/json">`` with ``<``, ``>`` and ``&`` escaped, or
+HTML-escaped; the script writes it with ``textContent``. No event handler is written into
+the markup.
+
+:func:`render_html` gives the HTML as a string; ``inline=True`` gives a fragment for a
+Jupyter output cell (what :meth:`Explanation._repr_html_` shows).
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import html
+import json
+import os
+import sys
+import types
+import zlib
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["render_html", "report", "write_report"]
+
+_ASSETS = "assets"
+# Content-Security-Policy of the full page: nothing may be fetched; only our own script
+# (by hash) runs; images only from data:/blob: (the heatmaps and the PNG export).
+_CSP = (
+    "default-src 'none'; script-src '{script_hash}'; style-src 'unsafe-inline'; "
+    "img-src data: blob:; base-uri 'none'; form-action 'none'"
+)
+# Steps larger than this many values are left out of the step view (with a note).
+_MAX_STEP_VALUES = 1 << 20
+
+
+def _asset(name: str) -> str:
+    return resources.files("attnlab.viz").joinpath(_ASSETS, name).read_text(encoding="utf-8")
+
+
+def _json_for_script(obj: object) -> str:
+    """JSON that is safe inside ``<script type="application/json">``: no ``<``, ``>``, ``&``."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return (
+        text.replace("&", "\\u0026")
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
+
+
+class _Blob:
+    """Arrays packed one after the other (4-byte aligned), described by offset/dtype/shape."""
+
+    _CODES = {np.dtype(np.uint8): "u8", np.dtype(np.float32): "f32"}
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.size = 0
+
+    def add(self, arr: np.ndarray) -> dict:
+        arr = np.ascontiguousarray(arr)
+        code = self._CODES[arr.dtype]
+        data = arr.astype(arr.dtype.newbyteorder("<"), copy=False).tobytes()
+        ref = {"offset": self.size, "dtype": code, "shape": list(arr.shape)}
+        pad = (-len(data)) % 4
+        self.parts.append(data + b"\0" * pad)
+        self.size += len(data) + pad
+        return ref
+
+    def encode(self) -> str:
+        return base64.b64encode(zlib.compress(b"".join(self.parts), 6)).decode("ascii")
+
+
+def _check_2d(x: object, name: str, T: int) -> np.ndarray:
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiu":
+        raise TypeError(f"explanation.{name} must be a real number array, got dtype {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[0] != T or arr.shape[1] < 1:
+        raise ValueError(
+            f"explanation.{name} has shape {arr.shape}, but should be ({T}, D): one row per token"
+        )
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError(f"explanation.{name} contains NaN or infinity")
+    return arr
+
+
+def _check(explanation: object) -> tuple[list[str], np.ndarray]:
+    for attr in ("text", "tokens", "model", "attentions", "static", "contextual"):
+        if not hasattr(explanation, attr):
+            raise TypeError(
+                f"explanation must be an attnlab.explain.Explanation (it has no {attr!r}), "
+                f"got {type(explanation).__name__}"
+            )
+    tokens = explanation.tokens
+    if isinstance(tokens, str) or not all(isinstance(t, str) for t in tokens):
+        raise TypeError("explanation.tokens must be a list of str")
+    tokens = list(tokens)
+    T = len(tokens)
+    if T == 0:
+        raise ValueError("explanation.tokens is empty: there is nothing to draw")
+    att = np.asarray(explanation.attentions)
+    if att.dtype.kind not in "fiu":
+        raise TypeError(f"explanation.attentions must be a float array, got dtype {att.dtype}")
+    if att.ndim != 4 or att.shape[2:] != (T, T) or att.shape[0] < 1 or att.shape[1] < 1:
+        raise ValueError(
+            f"explanation.attentions has shape {att.shape}, but should be "
+            f"(layers, heads, {T}, {T}) with at least one layer and one head"
+        )
+    att = att.astype(np.float32)
+    if not np.isfinite(att).all():
+        raise ValueError("explanation.attentions contains NaN or infinity")
+    lo, hi = float(att.min()), float(att.max())
+    if lo < -1e-6 or hi > 1 + 1e-3:
+        raise ValueError(
+            f"explanation.attentions must hold weights in [0, 1], got values in [{lo:g}, {hi:g}]"
+        )
+    return tokens, np.clip(att, 0.0, 1.0)
+
+
+def quantize_rows(att: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Quantise attention rows to ``uint8`` relative to each row's maximum.
+
+    Args:
+        att: ``(..., L, S)`` weights in ``[0, 1]``.
+
+    Returns:
+        ``(codes, rowmax)``: ``(..., L, S)`` uint8 and ``(..., L)`` float32, with
+        ``att ~= codes / 255 * rowmax[..., None]`` to within ``rowmax / 510``.
+
+    >>> a = np.array([[0.7, 0.2, 0.1], [0.0, 0.0, 0.0]])
+    >>> codes, rowmax = quantize_rows(a)
+    >>> codes.tolist(), rowmax.tolist()
+    ([[255, 73, 36], [0, 0, 0]], [0.699999988079071, 0.0])
+    """
+    att = np.asarray(att, dtype=np.float32)
+    rowmax = att.max(axis=-1)
+    safe = np.where(rowmax > 0, rowmax, 1.0)[..., None]
+    codes = np.rint(att / safe * 255.0).clip(0, 255).astype(np.uint8)
+    return codes, rowmax.astype(np.float32)
+
+
+def pca_2d(static: np.ndarray, contextual: np.ndarray) -> dict:
+    """2-D principal-component coordinates of the static and contextual vectors.
+
+    When both have the same width ``D`` they share one projection (fitted on the ``2T``
+    rows together), so an arrow from a token's static point to its contextual point shows
+    how attention moved it. Otherwise each set gets its own projection.
+
+    Args:
+        static: ``(T, D)`` token vectors before attention.
+        contextual: ``(T, D')`` token vectors after the last layer.
+
+    Returns:
+        ``{"static": (T, 2) list, "contextual": (T, 2) list, "joint": bool,
+        "explained": [share of variance of PC1, PC2]}``.
+
+    >>> rng = np.random.default_rng(0)
+    >>> p = pca_2d(rng.standard_normal((5, 8)), rng.standard_normal((5, 8)))
+    >>> len(p["static"]), len(p["static"][0]), p["joint"]
+    (5, 2, True)
+    """
+
+    def fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mean = x.mean(axis=0)
+        centred = x - mean  # (N, D)
+        _, s, vt = np.linalg.svd(centred, full_matrices=False)
+        comps = np.zeros((2, x.shape[1]))
+        k = min(2, vt.shape[0])
+        comps[:k] = vt[:k]
+        # a deterministic sign: the largest-magnitude entry of each component is positive
+        signs = np.sign(comps[np.arange(2), np.abs(comps).argmax(axis=1)])
+        comps *= np.where(signs == 0, 1.0, signs)[:, None]
+        var = s**2
+        total = float(var.sum())
+        explained = np.zeros(2)
+        if total > 0:
+            explained[:k] = var[:k] / total
+        return mean, comps, explained
+
+    def project(x, mean, comps):
+        return np.round((x - mean) @ comps.T, 5).tolist()
+
+    if static.shape[1] == contextual.shape[1]:
+        mean, comps, explained = fit(np.concatenate([static, contextual]))
+        return {
+            "static": project(static, mean, comps),
+            "contextual": project(contextual, mean, comps),
+            "joint": True,
+            "explained": np.round(explained, 4).tolist(),
+        }
+    ms, cs, es = fit(static)
+    mc, cc, _ = fit(contextual)
+    return {
+        "static": project(static, ms, cs),
+        "contextual": project(contextual, mc, cc),
+        "joint": False,
+        "explained": np.round(es, 4).tolist(),
+    }
+
+
+def _field(record: object, name: str, default: object = None) -> object:
+    if isinstance(record, dict):
+        return record.get(name, default)
+    return getattr(record, name, default)
+
+
+def trace_steps(trace: object) -> list[dict]:
+    """The steps of a trace as plain dicts ``{name, values, head, description}``.
+
+    Accepts an :class:`attnlab.trace.Trace` (or anything with a ``steps`` list), a list of
+    records, or a list of dicts; each record has ``name`` and ``values`` and optionally
+    ``head`` and ``description``. ``None`` gives ``[]``.
+
+    >>> trace_steps([{"name": "X", "values": [[1.0, 2.0]]}])[0]["values"].shape
+    (1, 2)
+    """
+    if trace is None:
+        return []
+    records = _field(trace, "steps", trace)
+    if isinstance(records, dict) or isinstance(records, str | bytes):
+        raise TypeError("explanation.trace must have a list of steps (records with name, values)")
+    try:
+        records = list(records)
+    except TypeError:
+        raise TypeError(
+            f"explanation.trace must be a Trace or a list of steps, got {type(trace).__name__}"
+        ) from None
+    steps = []
+    for i, rec in enumerate(records):
+        name = _field(rec, "name")
+        values = _field(rec, "values")
+        if not isinstance(name, str) or values is None:
+            raise TypeError(f"explanation.trace step {i} needs a str name and values")
+        arr = np.asarray(values, dtype=np.float64)
+        if arr.ndim == 1:
+            arr = arr[None, :]  # (n,) -> (1, n): a bias drawn as one row
+        if arr.ndim != 2:
+            raise ValueError(
+                f"explanation.trace step {i} ({name!r}) has shape {arr.shape}, "
+                "but should be 1-D or 2-D"
+            )
+        head = _field(rec, "head")
+        steps.append(
+            {
+                "name": name,
+                "values": arr,
+                "shape": list(np.shape(values)),
+                "head": None if head is None else int(head),
+                "description": str(_field(rec, "description", "") or ""),
+            }
+        )
+    return steps
+
+
+def _payload(explanation: object) -> dict:
+    tokens, att = _check(explanation)
+    T = len(tokens)
+    static = _check_2d(explanation.static, "static", T)
+    contextual = _check_2d(explanation.contextual, "contextual", T)
+    blob = _Blob()
+    codes, rowmax = quantize_rows(att)
+    arrays = {"attn": blob.add(codes), "rowmax": blob.add(rowmax)}
+    notes = [str(n) for n in (getattr(explanation, "notes", None) or [])]
+
+    steps = []
+    for i, step in enumerate(trace_steps(getattr(explanation, "trace", None))):
+        values = step.pop("values")
+        if values.size > _MAX_STEP_VALUES:
+            notes.append(f"step view: {step['name']} {tuple(values.shape)} is too large to embed")
+            continue
+        key = f"step{i}"
+        arrays[key] = blob.add(values.astype(np.float32))  # -inf (masked scores) survives
+        step["array"] = key
+        steps.append(step)
+
+    layers, heads = att.shape[:2]
+    return {
+        "format": 1,
+        "model": str(explanation.model),
+        "text": str(explanation.text),
+        "created": str(getattr(explanation, "created", "") or ""),
+        "notes": notes,
+        "tokens": tokens,
+        "layers": int(layers),
+        "heads": int(heads),
+        "T": T,
+        "embedding": pca_2d(static, contextual),
+        "steps": steps,
+        "arrays": arrays,
+        "blob": blob.encode(),
+    }
+
+
+def _header(data: dict) -> str:
+    e = html.escape
+    created = data["created"] or "unknown date"
+    return (
+        '<header class="al-head">'
+        '<h1 class="al-title">Attention report '
+        f'<span class="al-model">{e(data["model"])}</span></h1>'
+        f'<p class="al-meta">{data["T"]} tokens, {data["layers"]} layer(s) × {data["heads"]} '
+        f'head(s), created <time>{e(created)}</time> by attnlab</p>'
+        f'<p class="al-text"><span class="al-label">Text:</span> <q>{e(data["text"])}</q></p>'
+        "</header>"
+    )
+
+
+def render_html(explanation: object, *, inline: bool = False) -> str:
+    """The report of ``explanation`` as HTML.
+
+    Args:
+        explanation: an :class:`~attnlab.explain.Explanation`: ``tokens`` (``T`` str),
+            ``attentions`` ``(layers, heads, T, T)`` in ``[0, 1]``, ``static`` ``(T, D)``,
+            ``contextual`` ``(T, D')``, optional ``trace``.
+        inline: give a fragment for a Jupyter output cell (no ``<html>``, no ids; several
+            reports can share one page) instead of a whole page.
+
+    Returns:
+        The HTML text. It loads nothing from the network.
+
+    Raises:
+        TypeError: ``explanation`` is not an Explanation or a field has the wrong type.
+        ValueError: a field has the wrong shape, holds NaN/infinity, or the weights are
+            outside ``[0, 1]``.
+
+    >>> from attnlab.explain import Explanation
+    >>> rng = np.random.default_rng(0)
+    >>> att = rng.dirichlet(np.ones(3), size=(1, 2, 3))           # (layers, heads, T, T)
+    >>> e = Explanation("a <b> c", ["a", "<b>", "c"], "demo", att,
+    ...                 rng.standard_normal((3, 4)), rng.standard_normal((3, 4)))
+    >>> page = render_html(e)
+    >>> page.startswith("<!DOCTYPE html>"), "<b>" in page, "&lt;b&gt;" in page
+    (True, False, True)
+    """
+    data = _payload(explanation)
+    css = _asset("report.css")
+    js = _asset("report.js")
+    body = (
+        '<div class="attnlab-report" data-format="1">'
+        + _header(data)
+        + '<div class="al-app"><p class="al-fallback">The interactive views need JavaScript'
+        " (in Jupyter: trust the notebook).</p></div>"
+        + '<script type="application/json" class="al-data">'
+        + _json_for_script(data)
+        + "</script></div>"
+    )
+    if inline:
+        return f"<style>{css}</style>{body}<script>{js}</script>"
+    digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
+    csp = _CSP.format(script_hash=f"sha256-{digest}")
+    title = html.escape(f"attnlab report: {data['model']}")
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{title}</title><style>{css}</style></head><body>"
+        f"{body}<script>{js}</script></body></html>\n"
+    )
+
+
+def write_report(explanation: object, path: str | os.PathLike) -> Path:
+    """Write the report of ``explanation`` to ``path`` as one self-contained HTML file.
+
+    The file is written next to ``path`` under a temporary name and moved into place, so a
+    failure leaves no half-written report.
+
+    Args:
+        explanation: an :class:`~attnlab.explain.Explanation` (see :func:`render_html`).
+        path: where to write, usually ``something.html``; the folder must exist.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        TypeError, ValueError: as :func:`render_html`.
+        OSError: the file cannot be written.
+
+    >>> import tempfile, pathlib
+    >>> from attnlab.explain import Explanation
+    >>> att = np.full((1, 1, 2, 2), 0.5)
+    >>> e = Explanation("hi there", ["hi", "there"], "demo", att, np.eye(2), np.eye(2))
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     p = write_report(e, pathlib.Path(d) / "r.html")
+    ...     p.name, "<script src" in p.read_text(encoding="utf-8")
+    ('r.html', False)
+    """
+    page = render_html(explanation).encode("utf-8")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_bytes(page)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def report(explanation: object, path: str | os.PathLike) -> Path:
+    """Same as :func:`write_report`; ``attnlab.viz.report(explanation, path)`` calls it."""
+    return write_report(explanation, path)
+
+
+class _CallableModule(types.ModuleType):
+    """Lets ``attnlab.viz.report(explanation, path)`` write a report while
+    ``attnlab.viz.report.render_html`` etc. stay reachable."""
+
+    def __call__(self, explanation: object, path: str | os.PathLike) -> Path:
+        return write_report(explanation, path)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,120 @@
+"""``attnlab explain`` with other backends (stand-ins for the pretrained model and the
+report), run in-process: model choice, several layers, --layer/--head, --html."""
+
+import io
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from attnlab.cli import main
+from attnlab.explain import Explanation
+
+
+def _fake_minilm(text, *, seed=0, checkpoint=None, **_):
+    rng = np.random.default_rng(seed)
+    tokens = ["[CLS]", *text.lower().split(), "[SEP]"]
+    T = len(tokens)
+    att = rng.random((3, 5, T, T))
+    att /= att.sum(-1, keepdims=True)
+    return Explanation(text=text, tokens=tokens, model="fake MiniLM (3 layers, 5 heads)",
+                       attentions=att, static=rng.standard_normal((T, 12)),
+                       contextual=rng.standard_normal((T, 12)))
+
+
+@pytest.fixture
+def fake_bert(monkeypatch):
+    mod = types.ModuleType("attnlab.models.bert")
+    mod.minilm_available = lambda: True
+    mod.explain_minilm = _fake_minilm
+    monkeypatch.setitem(sys.modules, "attnlab.models.bert", mod)
+    return mod
+
+
+def test_default_model_is_minilm_when_available(fake_bert, capsys):
+    assert main(["explain", "The bank of the river"]) == 0
+    out = capsys.readouterr().out
+    assert "fake MiniLM" in out and "(--model minilm)" in out
+    assert "layer 2 of 3, head 0 of 5" in out  # default: the last layer
+
+
+def test_default_model_is_random_without_pretrained(monkeypatch, capsys):
+    mod = types.ModuleType("attnlab.models.bert")
+    mod.minilm_available = lambda: False
+    monkeypatch.setitem(sys.modules, "attnlab.models.bert", mod)
+    assert main(["explain", "a b", "--dim", "8", "--heads", "2"]) == 0
+    assert "(--model random)" in capsys.readouterr().out
+
+
+def test_layer_and_head_pick_the_map(fake_bert, capsys, tmp_path):
+    assert main(["explain", "a b c", "--layer", "1", "--head", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "layer 1 of 3, head 4 of 5" in out
+    assert {p.name for p in tmp_path.iterdir()} == {"heatmap.png", "heads.png", "embeddings.png"}
+    assert main(["explain", "a b c", "--layer", "3"]) == 2
+    assert "--layer 3 is out of range: this model has 3 layers (0 to 2)" in capsys.readouterr().err
+    assert main(["explain", "a b c", "--head", "-6"]) == 2
+    assert "--head -6 is out of range" in capsys.readouterr().err
+
+
+def test_steps_need_the_tutorial_trace(fake_bert, capsys):
+    assert main(["explain", "a b", "--steps"]) == 2
+    assert "--model random" in capsys.readouterr().err
+
+
+def test_random_only_options_are_noted(fake_bert, capsys):
+    assert main(["explain", "a b", "--dim", "8"]) == 0
+    assert "--dim applies to the random model only" in capsys.readouterr().err
+
+
+def test_html_goes_through_write_report(monkeypatch, tmp_path, capsys):
+    calls = []
+    mod = types.ModuleType("attnlab.viz.report")
+
+    def write_report(expl, path):
+        calls.append(expl)
+        with open(path, "w") as f:
+            f.write("<!doctype html><title>x</title>")
+
+    mod.write_report = write_report
+    monkeypatch.setitem(sys.modules, "attnlab.viz.report", mod)
+    target = tmp_path / "r.html"
+    assert main(["explain", "a b", "--model", "random", "--dim", "8", "--heads", "2",
+                 "--html", str(target)]) == 0
+    assert target.read_text().startswith("<!doctype html>") and len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["r.html"]  # no temporary left
+
+
+def test_failing_report_leaves_no_file(monkeypatch, tmp_path, capsys):
+    mod = types.ModuleType("attnlab.viz.report")
+
+    def write_report(expl, path):
+        with open(path, "w") as f:
+            f.write("<!doctype html>half")
+        raise OSError(28, "No space left on device")
+
+    mod.write_report = write_report
+    monkeypatch.setitem(sys.modules, "attnlab.viz.report", mod)
+    target = tmp_path / "r.html"
+    assert main(["explain", "a b", "--model", "random", "--dim", "8", "--heads", "2",
+                 "--html", str(target)]) == 2
+    assert "No space left" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_colour_only_on_a_tty(monkeypatch):
+    from attnlab.cli.explain import print_summary
+    from attnlab.text import explain_random
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    e = explain_random("a b a", dim=8, heads=2)
+    tty, plain = TTY(), io.StringIO()
+    print_summary(e, "random", 0, 0, out=tty)
+    print_summary(e, "random", 0, 0, out=plain)
+    assert "\x1b[" in tty.getvalue() and "\x1b[" not in plain.getvalue()

@@ -1,0 +1,337 @@
+"""The HTML report in real headless Chromium (Debian's package, driven by Playwright).
+
+Each test opens a report from file://, uses it as a person would (switch layer and head,
+hover, click, export) and checks that the page made no network request, opened no dialog
+and logged no error. Screenshots are saved under the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import struct
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnlab.viz import report as rep
+from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
+
+CHROMIUM = "/usr/bin/chromium"
+if not Path(CHROMIUM).exists():
+    pytest.skip(
+        f"{CHROMIUM} not found: install Debian's chromium (make browser) to run the browser tests",
+        allow_module_level=True,
+    )
+sync_api = pytest.importorskip(
+    "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
+)
+
+ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-default-apps", "--disable-extensions",
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield b
+        b.close()
+
+
+class Session:
+    """A page with everything it did recorded."""
+
+    def __init__(self, browser, tmp_path: Path):
+        self.context = browser.new_context(
+            accept_downloads=True, viewport={"width": 1280, "height": 900}
+        )
+        self.page = self.context.new_page()
+        self.tmp = tmp_path
+        self.requests: list[str] = []
+        self.dialogs: list[str] = []
+        self.errors: list[str] = []
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.on("dialog", self._dialog)
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def _dialog(self, d):
+        self.dialogs.append(f"{d.type}: {d.message}")
+        d.dismiss()
+
+    def open(self, path: Path, *, root: str = ".attnlab-report"):
+        self.url = path.resolve().as_uri()
+        self.page.goto(self.url)
+        self.page.wait_for_selector(f"{root}[data-ready]", timeout=30_000)
+        assert self.page.get_attribute(root, "data-ready") == "1"
+        return self.page
+
+    def shot(self, name: str) -> Path:
+        out = self.tmp / f"{name}.png"
+        self.page.screenshot(path=str(out), full_page=True)
+        assert _png_size(out.read_bytes())[0] > 0
+        return out
+
+    def download(self, selector: str) -> tuple[str, bytes]:
+        with self.page.expect_download(timeout=20_000) as info:
+            self.page.click(selector)
+        d = info.value
+        target = self.tmp / d.suggested_filename
+        d.save_as(str(target))
+        return d.suggested_filename, target.read_bytes()
+
+    def check_clean(self):
+        """No network, no dialog, no error: the file is all there is."""
+        self.page.wait_for_timeout(200)  # let late events (image errors, timers) arrive
+        others = [
+            u for u in self.requests if u != self.url and not u.startswith(("data:", "blob:"))
+        ]
+        assert others == [], f"network requests: {others}"
+        assert self.dialogs == [], f"dialogs: {self.dialogs}"
+        assert self.errors == [], f"console/page errors: {self.errors}"
+
+
+@pytest.fixture
+def session(browser, tmp_path):
+    s = Session(browser, tmp_path)
+    yield s
+    s.context.close()
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def _png_pixels(data: bytes) -> np.ndarray:
+    import matplotlib.image
+
+    return matplotlib.image.imread(io.BytesIO(data), format="png")
+
+
+def _lines(page) -> str:
+    return page.inner_html(".al-stage .al-lines")
+
+
+def test_head_model_heatmap_export(session, tmp_path):
+    text = "the quick brown fox jumps over the lazy dog again and again"
+    e = random_explanation(12, 3, 4, text=text, tokens=text.split(), model="random test model")
+    page = session.open(rep.write_report(e, tmp_path / "report.html"))
+
+    header = page.inner_text(".al-head")
+    assert "random test model" in header and "the quick brown fox" in header
+    assert e.created in header
+    session.shot("head-view")
+
+    # head view: switching layer and heads changes the drawing
+    before = _lines(page)
+    assert page.locator('.al-lines path[data-head="0"]').count() > 0
+    page.select_option(".al-layer", "2")
+    after_layer = _lines(page)
+    assert after_layer != before
+    page.click('.al-chip[data-head="0"]')  # hide head 0
+    assert page.get_attribute('.al-chip[data-head="0"]', "aria-pressed") == "false"
+    assert page.locator('.al-lines path[data-head="0"]').count() == 0
+    assert _lines(page) != after_layer
+    page.click(".al-none")
+    assert page.locator(".al-lines path").count() == 0
+    page.dblclick('.al-chip[data-head="1"]')  # that head alone
+    drawn = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.dataset.head)")
+    assert set(drawn) == {"1"}
+    page.click(".al-all")
+    # hovering a query token isolates its lines: every segment starts at that token's row
+    page.hover('.al-tok[data-side="0"][data-idx="3"]')
+    ds = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.getAttribute('d'))")
+    starts = {m for d in ds for m in re.findall(r"M([\d.]+ [\d.]+)L", d)}
+    assert len(starts) == 1
+    session.shot("head-view-hover")
+    page.mouse.move(5, 5)
+    assert _lines(page) != ""
+
+    # model view: a layers x heads grid; clicking a thumbnail opens it in the head view
+    page.click('.al-tab[data-view="model"]')
+    assert page.locator(".al-thumb").count() == 3 * 4
+    session.shot("model-view")
+    page.click('.al-thumb[data-layer="1"][data-head="2"]')
+    assert page.get_attribute(".attnlab-report", "data-view") == "head"
+    assert page.input_value(".al-layer") == "1"
+    pressed = page.eval_on_selector_all(".al-chip", "cs => cs.map(c => c.ariaPressed)")
+    assert pressed == ["false", "false", "true", "false"]
+    drawn = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.dataset.head)")
+    assert set(drawn) == {"2"}
+
+    # heatmap: the value under the pointer
+    page.click('.al-tab[data-view="heatmap"]')
+    page.click('.al-chip[data-head="3"]')
+    box = page.locator(".al-stage .al-hit").bounding_box()
+    i, j, T = 4, 7, 12
+    cw, ch = box["width"] / T, box["height"] / T
+    page.mouse.move(box["x"] + (j + 0.5) * cw, box["y"] + (i + 0.5) * ch)
+    tip = page.inner_text(".al-tip")
+    assert f"query {i}" in tip and f"key {j}" in tip
+    shown = float(re.search(r"weight ([\d.]+)", tip).group(1))
+    want = e.attentions[1, 3, i, j]
+    assert abs(shown - want) <= e.attentions[1, 3, i].max() / 510 + 1e-4
+    session.shot("heatmap-view")
+
+    # exports: a PNG and an SVG of the current view, made in the page (no network)
+    name, png = session.download(".al-export-png")
+    assert name == "attnlab-heatmap-layer1-head3.png"
+    w, h = _png_size(png)
+    assert w > 300 and h > 300
+    pixels = _png_pixels(png)
+    assert pixels.shape[:2] == (h, w) and pixels[..., :3].std() > 0.05  # not blank
+    name, svg = session.download(".al-export-svg")
+    assert name.endswith(".svg")
+    root = ET.fromstring(svg)
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    assert b"<script" not in svg and b"al-hit" not in svg
+    page.click('.al-tab[data-view="head"]')
+    name, png = session.download(".al-export-png")
+    assert name == "attnlab-head-layer1.png" and _png_size(png)[1] > 200
+    session.check_clean()
+
+
+def test_steps_and_embedding_views(session, tmp_path):
+    e = tutorial_explanation(heads=2, causal=True)
+    page = session.open(rep.write_report(e, tmp_path / "tutorial.html"))
+    page.click('.al-tab[data-view="steps"]')
+    names = page.eval_on_selector_all(".al-step", "gs => gs.map(g => g.dataset.name)")
+    for want in ("X", "Q", "K", "V", "scores", "weights", "output"):
+        assert want in names
+    text = page.inner_text(".al-stage")
+    assert "X (3, 4)" in text and "Q (3, 3)" in text and "-\u221e" in text
+    session.shot("steps-head0")
+    before = page.inner_html(".al-stage")
+    page.click('.al-chip[data-head="1"]')
+    assert page.inner_html(".al-stage") != before
+    # the weights card shows head 1's weights; the pointer reads a value
+    card = page.locator('.al-step[data-name="weights"] .al-hit')
+    box = card.bounding_box()
+    page.mouse.move(box["x"] + 2.5 * box["width"] / 3, box["y"] + 2.5 * box["height"] / 3)
+    tip = page.inner_text(".al-tip")
+    assert tip.startswith("weights[2, 2]")
+    assert abs(float(tip.split("\n")[1]) - e.attentions[0, 1, 2, 2]) < 1e-3
+    session.shot("steps-head1")
+    _, png = session.download(".al-export-png")
+    assert _png_size(png)[0] > 500
+
+    page.click('.al-tab[data-view="embedding"]')
+    assert page.locator(".al-dot").count() == 2 * 3
+    page.hover('.al-dot[data-kind="1"][data-idx="2"]')
+    assert "attention" in page.inner_text(".al-tip")
+    session.shot("embedding")
+    _, svg = session.download(".al-export-svg")
+    assert ET.fromstring(svg).tag.endswith("svg")
+    session.check_clean()
+
+
+def test_without_trace_the_steps_tab_is_off(session, tmp_path):
+    page = session.open(rep.write_report(random_explanation(5, 1, 2), tmp_path / "r.html"))
+    assert page.is_disabled('.al-tab[data-view="steps"]')
+    assert "random numbers for a test" in page.inner_text(".al-notes")
+    session.check_clean()
+
+
+def _check_xss_page(session, page):
+    body = page.inner_text("body")
+    assert XSS_IMG in body and XSS_SCRIPT in body  # shown as text
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    page.hover(".al-tok[data-side='0'][data-idx='1']")
+    page.click('.al-tab[data-view="heatmap"]')
+    stage = page.inner_text(".al-stage")  # labels are shortened, but shown as text
+    assert "<b>bold</b>" in stage and "<img src=x on" in stage and "</script><scr" in stage
+    page.click('.al-tab[data-view="embedding"]')
+    page.hover('.al-dot[data-kind="1"][data-idx="2"]')
+    assert XSS_SCRIPT[:20] in page.inner_text(".al-tip")
+    page.wait_for_timeout(300)
+    session.check_clean()
+
+
+XSS_TOKENS = ["hello", XSS_IMG, XSS_SCRIPT, "<b>bold</b>", "&amp;", "end"]
+
+
+def test_hostile_text_runs_nothing(session, tmp_path):
+    e = random_explanation(0, 2, 2, tokens=XSS_TOKENS, text=f"hello {XSS_IMG} {XSS_SCRIPT}",
+                           model=XSS_IMG)
+    page = session.open(rep.write_report(e, tmp_path / "xss.html"))
+    assert page.title() == f"attnlab report: {XSS_IMG}"
+    _check_xss_page(session, page)
+    session.shot("xss")
+
+
+def test_inline_fragments_like_jupyter(session, tmp_path):
+    """Two inline reports on one page (as in a notebook), without the page's CSP: the
+    escaping alone must keep the hostile text inert, and the reports must not interfere."""
+    a = random_explanation(0, 2, 2, tokens=XSS_TOKENS, text=XSS_SCRIPT, model=XSS_IMG)
+    b = random_explanation(7, 1, 3, seed=5, model="second model")
+    page_html = (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>notebook</title></head><body>"
+        f"<div class='cell'>{a._repr_html_()}</div><div class='cell'>{b._repr_html_()}</div>"
+        "</body></html>"
+    )
+    path = tmp_path / "notebook.html"
+    path.write_text(page_html, encoding="utf-8")
+    page = session.open(path, root=".cell:nth-child(2) .attnlab-report")
+    page.wait_for_selector(".cell:nth-child(1) .attnlab-report[data-ready='1']")
+    assert page.locator(".al-stage").count() == 2
+    second = page.locator(".cell:nth-child(2) .attnlab-report")
+    second.locator('.al-tab[data-view="model"]').click()
+    assert second.locator(".al-thumb").count() == 3
+    assert page.locator(".cell:nth-child(1) .attnlab-report").get_attribute("data-view") == "head"
+    session.shot("inline")
+    _check_xss_page(session, page)
+
+
+def test_256_tokens_6_layers_12_heads(session, tmp_path, capsys):
+    """The scale case: prints file size and timings (asserts only that everything renders)."""
+    e = random_explanation(256, 6, 12, dim=64)
+    path = rep.write_report(e, tmp_path / "big.html")
+    size = path.stat().st_size
+    t0 = time.perf_counter()
+    page = session.open(path)
+    wall = time.perf_counter() - t0
+    render = float(page.get_attribute(".attnlab-report", "data-render-ms"))
+    times = {}
+    for view in ("model", "heatmap", "embedding", "head"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.get_attribute(".attnlab-report", "data-view") == view
+        times[view] = float(page.get_attribute(".attnlab-report", "data-last-render-ms"))
+    page.select_option(".al-layer", "5")
+    times["layer switch"] = float(page.get_attribute(".attnlab-report", "data-last-render-ms"))
+    assert page.locator(".al-lines path").count() > 0
+    session.shot("big-head-view")
+    session.check_clean()
+    with capsys.disabled():
+        print(f"\n256x6x12 report: {size / 2**20:.2f} MiB, open-to-ready {wall * 1000:.0f} ms "
+              f"(script {render:.0f} ms), views (ms): {json.dumps(times)}")
+
+
+@pytest.mark.parametrize("tokens", [["only"], ["", " ", "\n", "a"]], ids=["one-token", "blank-tokens"])
+def test_small_and_odd_inputs_render_every_view(session, tmp_path, tokens):
+    e = random_explanation(0, 1, 1, tokens=tokens, dim=3)
+    page = session.open(rep.write_report(e, tmp_path / "r.html"))
+    for view in ("head", "model", "heatmap", "embedding"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.locator(".al-stage svg").count() == 1
+    page.click('.al-tab[data-view="model"]')
+    _, png = session.download(".al-export-png")
+    pixels = _png_pixels(png)
+    assert pixels[..., :3].min() < 0.5  # the thumbnail (an embedded image) is in the PNG
+    page.click('.al-tab[data-view="head"]')
+    # hovering a key token isolates the lines that reach it
+    page.hover(f'.al-tok[data-side="1"][data-idx="{len(tokens) - 1}"]')
+    ds = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.getAttribute('d'))")
+    ends = {m for d in ds for m in re.findall(r"L([\d.]+ [\d.]+)", d)}
+    assert len(ends) == 1
+    session.check_clean()
