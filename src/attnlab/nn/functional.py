@@ -20,7 +20,7 @@ def linear_backward(
     """``(grad_x, grad_weight, grad_bias)`` for :func:`linear`; batch dims are summed."""
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
     grad_w = g2.T @ x.reshape(-1, x.shape[-1])
-    grad_b = g2.sum(axis=0) if has_bias else None
+    grad_b = np.ones(g2.shape[0], dtype=g2.dtype) @ g2 if has_bias else None  # BLAS: fast
     grad_x = (g2 @ weight).reshape(*grad_y.shape[:-1], weight.shape[1])
     return grad_x, grad_w, grad_b
 
@@ -135,14 +135,26 @@ def gelu_backward(grad_y: np.ndarray, x: np.ndarray, *, approximate: str = "none
 
 
 # ---- layer norm ----------------------------------------------------------------------
+def _row_mean(a: np.ndarray) -> np.ndarray:
+    """``a.mean(-1, keepdims=True)`` as one BLAS matrix-vector product (NumPy's reduction
+    over a short last axis loops per row)."""
+    n = a.shape[-1]
+    w = np.full(n, 1.0 / n, dtype=a.dtype)
+    return (a.reshape(-1, n) @ w).reshape(*a.shape[:-1], 1)
+
+
+def _col_sum(a2: np.ndarray) -> np.ndarray:
+    """``a2.sum(0)`` for a 2-D array, as one matrix-vector product."""
+    return np.ones(a2.shape[0], dtype=a2.dtype) @ a2
+
+
 def layer_norm(
     x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``."""
-    mean = x.mean(axis=-1, keepdims=True)
-    xc = x - mean
-    var = np.mean(xc * xc, axis=-1, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + x.dtype.type(eps))
+    """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
+    (biased variance, as torch)."""
+    xc = x - _row_mean(x)
+    rstd = 1.0 / np.sqrt(_row_mean(xc * xc) + x.dtype.type(eps))
     x_hat = xc * rstd
     y = x_hat * weight if weight is not None else x_hat.copy()
     if bias is not None:
@@ -156,12 +168,10 @@ def layer_norm_backward(
     """``(grad_x, grad_weight, grad_bias)`` for :func:`layer_norm` (batch dims summed)."""
     D = x_hat.shape[-1]
     g2 = grad_y.reshape(-1, D)
-    grad_b = g2.sum(axis=0)
-    grad_w = np.einsum("nd,nd->d", g2, x_hat.reshape(-1, D)) if weight is not None else None
+    grad_b = _col_sum(g2)
+    grad_w = _col_sum(g2 * x_hat.reshape(-1, D)) if weight is not None else None
     gx_hat = grad_y * weight if weight is not None else grad_y
-    mean_g = gx_hat.mean(axis=-1, keepdims=True)
-    mean_gx = np.mean(gx_hat * x_hat, axis=-1, keepdims=True)
-    grad_x = (gx_hat - mean_g - x_hat * mean_gx) * rstd
+    grad_x = (gx_hat - _row_mean(gx_hat) - x_hat * _row_mean(gx_hat * x_hat)) * rstd
     return grad_x, grad_w, grad_b
 
 
