@@ -38,7 +38,7 @@ def register(sub) -> None:
     p.add_argument("--num-values", default=None, metavar="N", help="distinct values (default 16)")
     p.add_argument("--num-pairs", default=None, metavar="N", help="key/value pairs per sequence (default 8)")
     p.add_argument("--num-queries", default=None, metavar="N", help="queries per sequence (default 8)")
-    p.add_argument("--eval-every", default="100", metavar="N", help="held-out check every N steps (default 100)")
+    p.add_argument("--eval-every", default="50", metavar="N", help="held-out check every N steps (default 50)")
     p.add_argument("--save-every", default="500", metavar="N", help="checkpoint every N steps, 0: only at the end (default 500)")
     p.set_defaults(run=run)
 
@@ -108,9 +108,10 @@ def _plot(path, trainer, evals) -> None:
         ax2.plot(es, [e["accuracy"] for e in evals], "o-", ms=3, label="held-out")
     ax1.set(xlabel="step", ylabel="cross-entropy (answers only)", yscale="log", title="loss")
     ax2.set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02), title="accuracy")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend()
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="upper right")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="lower right")
     fig.suptitle("TinyTransformer on multi-query associative recall")
     fig.savefig(path, dpi=110)
     plt.close(fig)
