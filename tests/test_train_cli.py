@@ -181,3 +181,15 @@ def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
     assert "interrupted at step 3" in capsys.readouterr().err
     _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
     assert meta["status"] == "interrupted" and meta["step"] == 2
+
+
+def test_cli_explain_reads_a_trained_checkpoint(tmp_path, capsys):
+    t = _trainer()
+    path = tmp_path / "c.npz"
+    ckpt.save_checkpoint(path, t.model, t.task)
+    assert main(["explain", "--checkpoint", str(path), "k1 v5 k2 v9 k1"]) == 0
+    out = capsys.readouterr().out
+    assert "TinyTransformer" in out and "k1" in out
+    assert main(["explain", "--checkpoint", str(path), "k1 bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown tokens" in err

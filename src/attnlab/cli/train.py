@@ -25,7 +25,8 @@ def register(sub) -> None:
         description=__doc__,
         formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
     )
-    p.add_argument("--task", default="recall", help="the task (only 'recall': multi-query associative recall)")
+    p.add_argument("--task", default="recall",
+                   help="the task (only 'recall': multi-query associative recall)")
     p.add_argument("--steps", default=None, metavar="N", help="optimisation steps (default 1000)")
     p.add_argument("--seed", default="0", metavar="N", help="seed for weights and data (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})")
@@ -39,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--num-pairs", default=None, metavar="N", help="key/value pairs per sequence (default 8)")
     p.add_argument("--num-queries", default=None, metavar="N", help="queries per sequence (default 8)")
     p.add_argument("--eval-every", default="50", metavar="N", help="held-out check every N steps (default 50)")
-    p.add_argument("--save-every", default="500", metavar="N", help="checkpoint every N steps, 0: only at the end (default 500)")
+    p.add_argument("--save-every", default="500", metavar="N",
+                   help="checkpoint every N steps, 0: only at the end (default 500)")
     p.set_defaults(run=run)
 
 
@@ -77,7 +79,10 @@ class _Progress:
             return
         rate = step / max(time.perf_counter() - self.start, 1e-9)
         extra = f" held-out {heldout:6.1%}" if heldout is not None else ""
-        text = f"step {step:>{len(str(self.total))}}/{self.total} loss {loss:.4f} acc {acc:6.1%}{extra} {rate:5.1f} steps/s"
+        text = (
+            f"step {step:>{len(str(self.total))}}/{self.total} loss {loss:.4f} acc {acc:6.1%}"
+            f"{extra} {rate:5.1f} steps/s"
+        )
         if self.tty:
             width = 24
             done = int(width * step / self.total)
@@ -233,7 +238,8 @@ def run(args) -> int:
         atomic_write(png_path, lambda p: _plot(p, trainer, evals))
         wrote.append(png_path.name)
     except ImportError:
-        print("attnlab train: matplotlib is not installed; skipped curves.png (pip install 'attnlab[viz]')", file=sys.stderr)
+        print("attnlab train: matplotlib is not installed; skipped curves.png "
+              "(pip install 'attnlab[viz]')", file=sys.stderr)
     if message:
         print(message, file=sys.stderr)
         return code

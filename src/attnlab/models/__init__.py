@@ -1,3 +1,4 @@
 """attnlab.models"""
 
-from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig  # noqa: E402  (issue 4)
+from attnlab.models.tiny import TinyTransformer as TinyTransformer  # noqa: E402  (issue 4)
+from attnlab.models.tiny import TinyTransformerConfig as TinyTransformerConfig  # noqa: E402

@@ -1,9 +1,7 @@
 """Layers: parameters, initialisers, ``Linear`` and the attention layers."""
 
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
-from attnlab.nn.linear import Linear
-from attnlab.nn.module import Module, Parameter
-from attnlab.nn.layers import (  # noqa: I001  (after attention: layers builds on it)
+from attnlab.nn.layers import (
     GELU,
     Dropout,
     Embedding,
@@ -13,7 +11,9 @@ from attnlab.nn.layers import (  # noqa: I001  (after attention: layers builds o
     Sequential,
     TransformerBlock,
 )
+from attnlab.nn.linear import Linear
 from attnlab.nn.loss import CrossEntropyLoss
+from attnlab.nn.module import Module, Parameter
 
 __all__ = ["Linear", "Module", "MultiheadAttention", "Parameter", "SelfAttention"]
 __all__ += [
