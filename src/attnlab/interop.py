@@ -47,6 +47,21 @@ def _torch_self_attention_class():
     return TorchSelfAttention
 
 
+def _mha_config(mha) -> dict:
+    """Constructor arguments of a MultiheadAttention, attnlab's or torch's (same attributes)."""
+    return dict(
+        embed_dim=mha.embed_dim,
+        num_heads=mha.num_heads,
+        dropout=mha.dropout,
+        bias=mha.in_proj_bias is not None,
+        add_bias_kv=mha.bias_k is not None,
+        add_zero_attn=mha.add_zero_attn,
+        kdim=mha.kdim,
+        vdim=mha.vdim,
+        batch_first=mha.batch_first,
+    )
+
+
 def to_torch(layer: Module):
     """A ``torch.nn`` module with ``layer``'s configuration and weights (same dtype).
 
@@ -57,18 +72,7 @@ def to_torch(layer: Module):
     torch = _torch()
     dtype = getattr(torch, _TORCH_DTYPES[np.dtype(next(layer.parameters()).dtype)])
     if isinstance(layer, MultiheadAttention):
-        module = torch.nn.MultiheadAttention(
-            layer.embed_dim,
-            layer.num_heads,
-            dropout=layer.dropout,
-            bias=layer.in_proj_bias is not None,
-            add_bias_kv=layer.bias_k is not None,
-            add_zero_attn=layer.add_zero_attn,
-            kdim=layer.kdim,
-            vdim=layer.vdim,
-            batch_first=layer.batch_first,
-            dtype=dtype,
-        )
+        module = torch.nn.MultiheadAttention(**_mha_config(layer), dtype=dtype)
     elif isinstance(layer, Linear):
         module = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, dtype=dtype)
     elif isinstance(layer, SelfAttention):
@@ -91,19 +95,7 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     if isinstance(module, torch.nn.MultiheadAttention):
-        layer = MultiheadAttention(
-            module.embed_dim,
-            module.num_heads,
-            dropout=module.dropout,
-            bias=module.in_proj_bias is not None,
-            add_bias_kv=module.bias_k is not None,
-            add_zero_attn=module.add_zero_attn,
-            kdim=module.kdim,
-            vdim=module.vdim,
-            batch_first=module.batch_first,
-            rng=rng,
-            dtype=dtype,
-        )
+        layer = MultiheadAttention(**_mha_config(module), rng=rng, dtype=dtype)
     elif isinstance(module, torch.nn.Linear):
         layer = Linear(module.in_features, module.out_features, bias=module.bias is not None, rng=rng, dtype=dtype)
     elif type(module).__name__ == "TorchSelfAttention":
