@@ -145,11 +145,12 @@ def _scores(spec: AttentionSpec) -> np.ndarray:
     """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
     scores = np.matmul(spec.query, np.swapaxes(spec.key, -1, -2))
     scores *= np.asarray(spec.scale, dtype=scores.dtype)
-    if spec.is_causal:  # adding 0 / -inf is one pass; np.where + astype are two, slower
-        scores += np.where(causal_mask(spec.L, spec.S), 0, -np.inf).astype(scores.dtype)
+    # In place (one pass; np.where + astype take two and allocate twice).
+    if spec.is_causal:
+        np.copyto(scores, -np.inf, where=~causal_mask(spec.L, spec.S))
     elif spec.attn_mask is not None:
         if spec.attn_mask.dtype == np.bool_:
-            scores = np.where(spec.attn_mask, scores, -np.inf).astype(scores.dtype)
+            np.copyto(scores, -np.inf, where=~spec.attn_mask)
         else:
             scores = scores + spec.attn_mask
     return scores
