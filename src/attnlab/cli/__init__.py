@@ -13,7 +13,7 @@ import sys
 from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo", "explain"]
+COMMANDS = ["demo", "explain", "similarity"]
 COMMANDS.append("train")  # issue 4
 
 

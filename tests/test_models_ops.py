@@ -1,0 +1,70 @@
+"""erf, exact GELU and LayerNorm of attnlab.models._ops against math.erf and torch."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnlab.models._ops import erf, gelu, layer_norm
+
+torch = pytest.importorskip("torch", reason="torch is the test oracle (test extra)")
+
+
+def test_erf_matches_math_erf_on_the_whole_line():
+    z = np.concatenate([np.linspace(-8, 8, 200_001), [-1e30, -50.0, 0.0, 1e-300, 50.0, 1e30]])
+    ref = np.array([math.erf(v) for v in z])
+    err = np.abs(erf(z) - ref)
+    assert err.max() < 1.6e-8
+    assert err[np.abs(z) <= 4].max() < 2e-9
+    assert erf(np.float32(0.5)).dtype == np.float32
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-20, 20, allow_nan=False))
+def test_erf_is_odd_and_bounded(v):
+    x = np.array([v, -v])
+    e = erf(x)
+    assert e[0] == -e[1]
+    assert -1.0 <= e[0] <= 1.0
+
+
+def test_gelu_is_accurate_in_float64_and_float32():
+    rng = np.random.default_rng(0)
+    x64 = np.concatenate([rng.standard_normal(20_000) * 3, np.linspace(-12, 12, 24_001)])
+    exact = 0.5 * x64 * (1 + np.array([math.erf(v / math.sqrt(2)) for v in x64]))
+    assert np.abs(gelu(x64) - exact).max() < 1e-7  # erf's error, times |x| / 2
+    x32 = x64.astype(np.float32)
+    ours = gelu(x32)
+    assert ours.dtype == np.float32
+    exact32 = 0.5 * x32.astype(np.float64) * (
+        1 + np.array([math.erf(float(v) / math.sqrt(2)) for v in x32])
+    )
+    err = np.abs(ours - exact32)
+    ulp = np.spacing(np.abs(exact32).astype(np.float32)).astype(np.float64)
+    assert np.all(err[x32 >= -2] <= ulp[x32 >= -2])  # correctly rounded to within one ulp
+    assert err.max() < 2.5e-7
+    ref = torch.nn.functional.gelu(torch.from_numpy(x32)).numpy()
+    assert err.max() <= np.abs(ref - exact32).max()  # no further from exact than torch
+    assert np.abs(ours - ref).max() < 2e-6
+
+
+def test_gelu_in_place_and_shapes():
+    x = np.linspace(-3, 3, 2 * 3 * 50_000, dtype=np.float32).reshape(2, 3, -1)
+    expected = gelu(x)
+    out = gelu(x, out=x)
+    assert out is x and np.array_equal(x, expected)
+
+
+def test_layer_norm_matches_torch():
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((7, 5, 384)) * 4 + 2).astype(np.float32)
+    w, b = rng.standard_normal((2, 384)).astype(np.float32)
+    ours = layer_norm(x.copy(), w, b, 1e-12)
+    ref = torch.nn.functional.layer_norm(
+        torch.from_numpy(x), (384,), torch.from_numpy(w), torch.from_numpy(b), 1e-12
+    ).numpy()
+    assert np.abs(ours - ref).max() < 1e-5
