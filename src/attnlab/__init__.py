@@ -46,6 +46,31 @@ __all__ = [
     "trace",
 ]
 
+# Training (issue 4): layers for small models, optimizers live in attnlab.train.
+from attnlab.nn import (  # noqa: E402
+    GELU,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    ReLU,
+    Sequential,
+    TransformerBlock,
+)
+
+__all__ += [
+    "GELU",
+    "CrossEntropyLoss",
+    "Dropout",
+    "Embedding",
+    "FeedForward",
+    "LayerNorm",
+    "ReLU",
+    "Sequential",
+    "TransformerBlock",
+]
+
 # Fast attention (blockwise online softmax, O(L·E) memory).
 from attnlab.core.blockwise import (  # noqa: E402
     blockwise_attention,

@@ -14,6 +14,7 @@ from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
 COMMANDS = ["demo", "explain", "similarity"]
+COMMANDS.append("train")  # issue 4
 COMMANDS.append("bench")
 
 

@@ -27,7 +27,7 @@ from attnlab._validation import (
     shape_error,
 )
 from attnlab.core.masks import causal_mask
-from attnlab.core.softmax import softmax
+from attnlab.core.softmax import _last_axis_sum, softmax
 
 
 @dataclass(frozen=True)
@@ -145,11 +145,12 @@ def _scores(spec: AttentionSpec) -> np.ndarray:
     """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
     scores = np.matmul(spec.query, np.swapaxes(spec.key, -1, -2))
     scores *= np.asarray(spec.scale, dtype=scores.dtype)
+    # In place (one pass; np.where + astype take two and allocate twice).
     if spec.is_causal:
-        scores = np.where(causal_mask(spec.L, spec.S), scores, -np.inf).astype(scores.dtype)
+        np.copyto(scores, -np.inf, where=~causal_mask(spec.L, spec.S))
     elif spec.attn_mask is not None:
         if spec.attn_mask.dtype == np.bool_:
-            scores = np.where(spec.attn_mask, scores, -np.inf).astype(scores.dtype)
+            np.copyto(scores, -np.inf, where=~spec.attn_mask)
         else:
             scores = scores + spec.attn_mask
     return scores
@@ -358,7 +359,7 @@ def attend_backward(spec: AttentionSpec, grad_out: np.ndarray, *, rng=None):
     grad_p = np.matmul(grad_out, np.swapaxes(spec.value, -1, -2))  # (..., Hq, L, S)
     if keep is not None:
         grad_p *= keep
-    grad_s = probs * (grad_p - np.sum(grad_p * probs, axis=-1, keepdims=True))
+    grad_s = probs * (grad_p - _last_axis_sum(grad_p * probs))
     grad_s *= np.asarray(spec.scale, dtype=grad_s.dtype)
     grad_q = np.matmul(grad_s, spec.key)  # (..., Hq, L, E)
     grad_k = np.matmul(np.swapaxes(grad_s, -1, -2), spec.query)  # (..., Hq, S, E)

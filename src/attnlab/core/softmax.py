@@ -41,12 +41,33 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     axis = _check_axis(x, axis)
     if x.shape[axis] == 0:
         return np.zeros_like(x)
-    m = np.max(x, axis=axis, keepdims=True)
+    last = axis in (-1, x.ndim - 1)
+    m = _last_axis_max(x) if last else np.max(x, axis=axis, keepdims=True)
     # An all -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
     m = np.where(m == -np.inf, 0, m).astype(x.dtype, copy=False)
     e = np.exp(x - m)
-    total = np.sum(e, axis=axis, keepdims=True)
+    total = _last_axis_sum(e) if last else np.sum(e, axis=axis, keepdims=True)
     return e / np.where(total == 0, 1, total).astype(x.dtype, copy=False)
+
+
+def _last_axis_max(x: np.ndarray) -> np.ndarray:
+    """``x.max(-1, keepdims=True)`` by halving: NumPy's reduction over a short last axis is
+    slow (one small loop per row); elementwise ``np.maximum`` of halves is vectorised.
+    NaN propagates as with ``max``."""
+    m = x
+    while m.shape[-1] > 1:
+        h = m.shape[-1] // 2
+        top = np.maximum(m[..., :h], m[..., h : 2 * h])
+        if m.shape[-1] % 2:
+            top[..., :1] = np.maximum(top[..., :1], m[..., -1:])
+        m = top
+    return m if m is not x else m.copy()
+
+
+def _last_axis_sum(x: np.ndarray) -> np.ndarray:
+    """``x.sum(-1, keepdims=True)`` as one matrix-vector product (BLAS)."""
+    n = x.shape[-1]
+    return (x.reshape(-1, n) @ np.ones(n, dtype=x.dtype)).reshape(*x.shape[:-1], 1)
 
 
 def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1) -> np.ndarray:

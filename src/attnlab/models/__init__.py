@@ -14,3 +14,7 @@ from attnlab.models.bert import (
 )
 
 __all__ = ["BertConfig", "BertEncoder", "CheckpointError", "load_minilm", "minilm_available"]
+
+from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig  # noqa: E402  (issue 4)
+
+__all__ += ["TinyTransformer", "TinyTransformerConfig"]

@@ -1,0 +1,99 @@
+"""Training speed: steps/s of attnlab's TinyTransformer and its torch twin, side by side.
+
+Both run the same step on the same batches: forward, cross-entropy on the answer
+positions, backward, gradient clipping at 1.0, AdamW. Same thread count for both (NumPy's
+BLAS via environment variables set before NumPy loads; torch via set_num_threads).
+Rounds alternate between the two so machine noise hits both alike; the table shows the
+median round. Not a test: run ``python benchmarks/train.py [--threads N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
+    p.add_argument("--steps", type=int, default=30, help="steps per round (default 30)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--activation", default="relu")
+    args = p.parse_args(argv)
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    if "numpy" in sys.modules:
+        print("warning: numpy was imported before the thread count was set", file=sys.stderr)
+
+    import time
+
+    import numpy as np
+    import torch
+
+    from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
+    from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
+    from attnlab.nn import CrossEntropyLoss
+    from attnlab.train.optim import AdamW, clip_grad_norm_
+    from attnlab.train.tasks import RecallTask
+
+    torch.set_num_threads(args.threads)
+    task = RecallTask()
+    cfg = TinyTransformerConfig(
+        vocab_size=task.vocab_size, context_length=task.seq_len, d_model=args.d_model,
+        d_ff=2 * args.d_model, activation=args.activation,
+    )
+    model = TinyTransformer(cfg, rng=np.random.default_rng(0))
+    twin = torch_tiny_transformer(cfg)
+    copy_to_torch(model, twin)
+    rng = np.random.default_rng(1)
+    batches = [task.sample(args.batch_size, rng=rng) for _ in range(args.steps)]
+    t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
+
+    opt = AdamW(model.parameters(), lr=1e-3)
+    loss_fn = CrossEntropyLoss()
+
+    def ours():
+        for ids, targets in batches:
+            loss_fn(model(ids), targets)
+            model.zero_grad()
+            model.backward(loss_fn.backward())
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+    t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+
+    def theirs():
+        for ids, targets in t_batches:
+            logits = twin(ids)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+            t_opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+            t_opt.step()
+
+    ours(), theirs()  # warm-up
+    rates = {"attnlab": [], "torch": []}
+    for _ in range(args.rounds):
+        for name, fn in (("attnlab", ours), ("torch", theirs)):
+            t0 = time.perf_counter()
+            fn()
+            rates[name].append(args.steps / (time.perf_counter() - t0))
+    med = {k: float(np.median(v)) for k, v in rates.items()}
+    n_params = sum(p.data.size for p in model.parameters())
+    print(
+        f"TinyTransformer training step: d_model={cfg.d_model}, heads={cfg.n_heads}, "
+        f"layers={cfg.n_layers}, {n_params} parameters, batch {args.batch_size} x "
+        f"{task.seq_len} tokens, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps"
+    )
+    print(f"{'':10} {'steps/s':>9} {'ms/step':>9}")
+    for name in ("attnlab", "torch"):
+        print(f"{name:10} {med[name]:9.1f} {1000 / med[name]:9.2f}")
+    print(f"ratio attnlab/torch: {med['attnlab'] / med['torch']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

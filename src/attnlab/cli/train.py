@@ -1,0 +1,250 @@
+"""``attnlab train``: train a TinyTransformer on multi-query associative recall.
+
+Writes to ``--out``: ``checkpoint.npz`` (weights + config, no pickle), ``metrics.json``
+(steps, seconds, final_loss, heldout_accuracy, …) and ``curves.png`` (loss and accuracy;
+needs matplotlib). A NaN/inf loss stops training and keeps the last good weights; Ctrl-C
+saves a checkpoint before exiting.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+from attnlab.cli._common import CLIError, atomic_write, prepare_out_dir
+
+DEFAULT_OUT = "attnlab-out/train"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train a tiny transformer on associative recall",
+        description=__doc__,
+        formatter_class=__import__("argparse").RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", default="recall",
+                   help="the task (only 'recall': multi-query associative recall)")
+    p.add_argument("--steps", default=None, metavar="N", help="optimisation steps (default 1000)")
+    p.add_argument("--seed", default="0", metavar="N", help="seed for weights and data (default 0)")
+    p.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output folder (default {DEFAULT_OUT})")
+    p.add_argument("--batch-size", default=None, metavar="N", help="sequences per step (default 64)")
+    p.add_argument("--lr", default=None, metavar="X", help="peak learning rate (default 1e-3)")
+    p.add_argument("--d-model", default=None, metavar="N", help="model width (default 64)")
+    p.add_argument("--heads", default=None, metavar="N", help="attention heads (default 4)")
+    p.add_argument("--layers", default=None, metavar="N", help="transformer blocks (default 2)")
+    p.add_argument("--num-keys", default=None, metavar="N", help="distinct keys (default 16)")
+    p.add_argument("--num-values", default=None, metavar="N", help="distinct values (default 16)")
+    p.add_argument("--num-pairs", default=None, metavar="N", help="key/value pairs per sequence (default 8)")
+    p.add_argument("--num-queries", default=None, metavar="N", help="queries per sequence (default 8)")
+    p.add_argument("--eval-every", default="50", metavar="N", help="held-out check every N steps (default 50)")
+    p.add_argument("--save-every", default="500", metavar="N",
+                   help="checkpoint every N steps, 0: only at the end (default 500)")
+    p.set_defaults(run=run)
+
+
+def _int(value, flag: str, *, minimum: int = 1) -> int:
+    try:
+        out = int(str(value), 10)
+    except ValueError:
+        raise CLIError(f"{flag} must be an integer >= {minimum}, got {value!r}") from None
+    if out < minimum:
+        raise CLIError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+    return out
+
+
+def _float(value, flag: str) -> float:
+    try:
+        out = float(value)
+    except ValueError:
+        raise CLIError(f"{flag} must be a positive number, got {value!r}") from None
+    if not (math.isfinite(out) and out > 0):
+        raise CLIError(f"{flag} must be a positive number, got {value!r}")
+    return out
+
+
+class _Progress:
+    """A one-line bar redrawn in place on a TTY; otherwise a plain line every ``every`` steps."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.stream = total, stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.every = max(1, total // 20)
+        self.start = time.perf_counter()
+
+    def update(self, step: int, loss: float, acc: float, heldout: float | None) -> None:
+        if not self.tty and step % self.every and step != self.total:
+            return
+        rate = step / max(time.perf_counter() - self.start, 1e-9)
+        extra = f" held-out {heldout:6.1%}" if heldout is not None else ""
+        text = (
+            f"step {step:>{len(str(self.total))}}/{self.total} loss {loss:.4f} acc {acc:6.1%}"
+            f"{extra} {rate:5.1f} steps/s"
+        )
+        if self.tty:
+            width = 24
+            done = int(width * step / self.total)
+            print(f"\r[{'#' * done}{'.' * (width - done)}] {text}", end="", file=self.stream, flush=True)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.stream, flush=True)
+
+
+def _plot(path, trainer, evals) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    h = trainer.history
+    steps = np.array(h["step"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
+    ax1.plot(steps, h["loss"], lw=0.6, alpha=0.5, label="train (batch)")
+    ax2.plot(steps, h["accuracy"], lw=0.6, alpha=0.5, label="train (batch)")
+    if evals:
+        es = [e["step"] for e in evals]
+        ax1.plot(es, [e["loss"] for e in evals], "o-", ms=3, label="held-out")
+        ax2.plot(es, [e["accuracy"] for e in evals], "o-", ms=3, label="held-out")
+    ax1.set(xlabel="step", ylabel="cross-entropy (answers only)", yscale="log", title="loss")
+    ax2.set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02), title="accuracy")
+    ax1.grid(alpha=0.3)
+    ax1.legend(loc="upper right")
+    ax2.grid(alpha=0.3)
+    ax2.legend(loc="lower right")
+    fig.suptitle("TinyTransformer on multi-query associative recall")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    if args.task != "recall":
+        raise CLIError(f"--task must be 'recall', got {args.task!r}")
+    steps = _int(args.steps, "--steps") if args.steps is not None else None
+    seed = _int(args.seed, "--seed", minimum=0)
+    eval_every = _int(args.eval_every, "--eval-every")
+    save_every = _int(args.save_every, "--save-every", minimum=0)
+    out = prepare_out_dir(args.out)
+
+    from attnlab.models.tiny import TinyTransformerConfig
+    from attnlab.train.checkpoint import save_checkpoint
+    from attnlab.train.loop import NonFiniteLossError, TrainConfig, Trainer
+    from attnlab.train.tasks import RecallTask
+
+    tc, mc = TrainConfig(), TinyTransformerConfig()
+    train_kw = {"seed": seed}
+    if steps is not None:
+        train_kw["steps"] = steps
+    if args.batch_size is not None:
+        train_kw["batch_size"] = _int(args.batch_size, "--batch-size")
+    if args.lr is not None:
+        train_kw["lr"] = _float(args.lr, "--lr")
+    if train_kw.get("steps", tc.steps) <= tc.warmup:
+        train_kw["warmup"] = train_kw.get("steps", tc.steps) // 10
+    model_kw = {}
+    for flag, key in (("d_model", "d_model"), ("heads", "n_heads"), ("layers", "n_layers")):
+        if getattr(args, flag) is not None:
+            model_kw[key] = _int(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if "d_model" in model_kw:
+        model_kw["d_ff"] = 2 * model_kw["d_model"]
+    task_kw = {}
+    for key in ("num_keys", "num_values", "num_pairs", "num_queries"):
+        if getattr(args, key) is not None:
+            task_kw[key] = _int(getattr(args, key), "--" + key.replace("_", "-"))
+    try:
+        task = RecallTask(**task_kw)
+        model_config = TinyTransformerConfig(**{**mc.to_dict(), **model_kw})
+        config = TrainConfig(**{**tc.to_dict(), **train_kw})
+    except (TypeError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    trainer = Trainer.build(task, model_config, config)
+
+    ckpt_path, metrics_path, png_path = out / "checkpoint.npz", out / "metrics.json", out / "curves.png"
+
+    def save(state, step, status):
+        meta = {"step": step, "status": status, "seed": seed}
+        atomic_write(ckpt_path, lambda p: save_checkpoint(p, trainer.model, task, state=state, meta=meta))
+
+    evals: list[dict] = []
+    progress = _Progress(config.steps)
+    start = time.perf_counter()
+    status, code, message = "finished", 0, None
+    heldout_acc = None
+    try:
+        for _ in range(config.steps):
+            loss, acc = trainer.train_step()
+            step = trainer.step
+            if step % eval_every == 0 or step == config.steps:
+                el, ea = trainer.evaluate(limit=500)
+                evals.append({"step": step, "loss": el, "accuracy": ea})
+                heldout_acc = ea
+            progress.update(step, loss, acc, heldout_acc)
+            if save_every and step % save_every == 0 and step != config.steps:
+                save(trainer.model.state_dict(), step, "running")
+    except NonFiniteLossError as exc:
+        progress.close()
+        save(trainer.good_state, trainer.good_step, "stopped: non-finite loss")
+        status, code = "stopped: non-finite loss", 1
+        message = (
+            f"attnlab train: error: loss became {exc.loss} at step {exc.step}; stopped and kept "
+            f"the last good weights (step {trainer.good_step}) in {ckpt_path}"
+        )
+    except KeyboardInterrupt:
+        progress.close()
+        save(trainer.good_state, trainer.good_step, "interrupted")
+        print(
+            f"attnlab train: interrupted at step {trainer.step}; saved the weights of step "
+            f"{trainer.good_step} to {ckpt_path}",
+            file=sys.stderr,
+        )
+        return 130
+    else:
+        progress.close()
+        save(trainer.model.state_dict(), trainer.step, "finished")
+    seconds = time.perf_counter() - start
+
+    h = trainer.history
+    final_loss = h["loss"][-1] if h["loss"] else float("nan")
+    if status == "finished":
+        heldout_loss, heldout_accuracy = trainer.evaluate()
+    else:
+        heldout_loss = heldout_accuracy = None
+    metrics = {
+        "task": "recall",
+        "status": status,
+        "steps": trainer.step,
+        "seconds": round(seconds, 3),
+        "steps_per_second": round(trainer.step / seconds, 3) if seconds > 0 else None,
+        "final_loss": final_loss,
+        "final_accuracy": h["accuracy"][-1] if h["accuracy"] else None,
+        "heldout_loss": heldout_loss,
+        "heldout_accuracy": heldout_accuracy,
+        "heldout_size": config.eval_size,
+        "model": model_config.to_dict(),
+        "task_config": task.to_dict(),
+        "train_config": config.to_dict(),
+        "evals": evals,
+        "history": {k: v for k, v in h.items() if k in ("loss", "accuracy")},
+    }
+    text = json.dumps(metrics, indent=2)
+    atomic_write(metrics_path, lambda p: p.write_text(text + "\n"))
+    wrote = [ckpt_path.name, metrics_path.name]
+    try:
+        atomic_write(png_path, lambda p: _plot(p, trainer, evals))
+        wrote.append(png_path.name)
+    except ImportError:
+        print("attnlab train: matplotlib is not installed; skipped curves.png "
+              "(pip install 'attnlab[viz]')", file=sys.stderr)
+    if message:
+        print(message, file=sys.stderr)
+        return code
+    print(
+        f"held-out accuracy {heldout_accuracy:.2%} (loss {heldout_loss:.4f}) after {trainer.step} "
+        f"steps in {seconds:.1f} s; wrote {', '.join(wrote)} to {out}"
+    )
+    return 0

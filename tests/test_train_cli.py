@@ -1,0 +1,195 @@
+"""`attnlab train`, checkpoints, the recall task and the explain backend (short runs only:
+the full training run that reaches >= 99% is measured, not tested)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from attnlab.cli import main
+from attnlab.train import checkpoint as ckpt
+from attnlab.train.loop import NonFiniteLossError, TrainConfig, Trainer
+from attnlab.train.tasks import IGNORE_INDEX, RecallTask
+
+
+# ---- the task -------------------------------------------------------------------------
+def test_recall_task_layout_and_targets():
+    task = RecallTask()
+    assert task.num_keys >= 16 and task.num_pairs >= 8 and task.seq_len >= 32
+    ids, targets = task.sample(50, rng=np.random.default_rng(0))
+    assert ids.shape == targets.shape == (50, task.seq_len)
+    P = task.num_pairs
+    for row, tgt in zip(ids, targets, strict=True):
+        keys, values = row[0 : 2 * P : 2], row[1 : 2 * P : 2]
+        assert len(set(keys)) == P and keys.max() < task.num_keys and values.min() >= task.num_keys
+        pairs = dict(zip(keys, values, strict=True))
+        q_keys, q_values = row[2 * P :: 2], row[2 * P + 1 :: 2]
+        assert all(pairs[k] == v for k, v in zip(q_keys, q_values, strict=True))
+        answer = np.nonzero(tgt != IGNORE_INDEX)[0]
+        assert np.array_equal(answer, np.arange(2 * P, task.seq_len, 2))
+        assert np.array_equal(tgt[answer], row[answer + 1])
+
+
+def test_recall_task_is_seeded_and_validates():
+    a = RecallTask().sample(3, rng=np.random.default_rng(5))
+    b = RecallTask().sample(3, rng=np.random.default_rng(5))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    with pytest.raises(ValueError, match="num_pairs"):
+        RecallTask(num_keys=4, num_pairs=5)
+    with pytest.raises(ValueError, match="unknown tokens"):
+        RecallTask().encode("k1 v2 banana")
+
+
+def test_heldout_set_is_not_the_training_stream():
+    t = Trainer.build(config=TrainConfig(steps=1, eval_size=8))
+    train_ids, _ = t.task.sample(8, rng=np.random.default_rng(t.config.seed))
+    assert not np.array_equal(train_ids, t.heldout[0])
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+def _trainer(steps=3):
+    return Trainer.build(config=TrainConfig(steps=steps, batch_size=8, eval_size=16))
+
+
+def test_checkpoint_round_trip(tmp_path):
+    t = _trainer()
+    t.train_step()
+    path = tmp_path / "c.npz"
+    ckpt.save_checkpoint(path, t.model, t.task, meta={"step": 1})
+    model, task, meta = ckpt.load_checkpoint(path)
+    assert task == t.task and meta == {"step": 1}
+    for name, value in t.model.state_dict().items():
+        assert np.array_equal(model.state_dict()[name], value)
+    ids = t.heldout[0][:2]
+    assert np.array_equal(model.eval()(ids), t.model.eval()(ids))
+    with np.load(path, allow_pickle=False) as data:  # readable without pickle
+        assert "head.weight" in data.files
+
+
+def _rewrite(path, change):
+    with np.load(path, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    change(arrays)
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def test_checkpoint_with_a_missing_or_misshaped_tensor_names_it(tmp_path):
+    t = _trainer()
+    path = tmp_path / "c.npz"
+    ckpt.save_checkpoint(path, t.model, t.task)
+    _rewrite(path, lambda a: a.pop("blocks.1.ln_2.weight"))
+    with pytest.raises(ValueError, match=r"'blocks\.1\.ln_2\.weight'.*\(64,\)"):
+        ckpt.load_checkpoint(path)
+    ckpt.save_checkpoint(path, t.model, t.task)
+    _rewrite(path, lambda a: a.__setitem__("head.weight", np.zeros((3, 64), np.float32)))
+    with pytest.raises(ValueError, match=r"'head\.weight' has shape \(3, 64\).*needs \(32, 64\)"):
+        ckpt.load_checkpoint(path)
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable"):
+        ckpt.load_checkpoint(tmp_path / "junk.npz")
+    with pytest.raises(FileNotFoundError):
+        ckpt.load_checkpoint(tmp_path / "missing.npz")
+
+
+def test_explain_checkpoint(tmp_path):
+    from attnlab.explain import Explanation, explain
+
+    t = _trainer()
+    path = tmp_path / "c.npz"
+    ckpt.save_checkpoint(path, t.model, t.task)
+    ex = explain("k1 v5 k2 v9 k1", model="checkpoint", checkpoint=path)
+    assert isinstance(ex, Explanation)
+    assert ex.tokens == ["k1", "v5", "k2", "v9", "k1"]
+    assert ex.attentions.shape == (2, 4, 5, 5)
+    assert np.allclose(ex.attentions.sum(-1), 1)
+    assert ex.static.shape == ex.contextual.shape == (5, 64)
+    assert any("query 'k1' at position 4" in n for n in ex.notes)
+    with pytest.raises(ValueError, match="unknown tokens"):
+        explain("k1 hello", model="checkpoint", checkpoint=path)
+    with pytest.raises(ValueError, match="checkpoint=PATH"):
+        explain("k1", model="checkpoint")
+
+
+# ---- the trainer ---------------------------------------------------------------------------
+def test_non_finite_loss_stops_and_keeps_good_weights():
+    t = Trainer.build(config=TrainConfig(steps=5, batch_size=4, eval_size=8, lr=1e30, clip=None, warmup=0))
+    with pytest.raises(NonFiniteLossError):
+        for _ in range(5):
+            t.train_step()
+    assert all(np.all(np.isfinite(v)) for v in t.good_state.values())
+
+
+# ---- the CLI ---------------------------------------------------------------------------
+def test_cli_train_smoke(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "20", "--out", str(out), "--eval-every", "10"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("steps", "seconds", "final_loss", "heldout_accuracy"):
+        assert key in metrics
+    assert metrics["steps"] == 20 and 0 <= metrics["heldout_accuracy"] <= 1
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    model, task, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["step"] == 20 and task == RecallTask()
+    err = capsys.readouterr().err
+    assert "step 20/20" in err and "loss" in err and "acc" in err
+    assert not list(out.glob(".*tmp*"))  # no half-written files left
+
+
+@pytest.mark.parametrize("steps", ["0", "-3", "ten", "1.5"])
+def test_cli_bad_steps_exit_2_with_one_line(tmp_path, capsys, steps):
+    assert main(["train", "--steps", steps, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--steps" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_unwritable_out_exits_2(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["train", "--steps", "2", "--out", str(blocker / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot write" in err
+
+
+def test_cli_nan_loss_stops_with_a_message_and_keeps_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--steps", "50", "--lr", "1e30", "--out", str(out)])
+    assert code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "loss became" in err[-1] and "last good weights" in err[-1]
+    model, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["status"] == "stopped: non-finite loss"
+    assert all(np.all(np.isfinite(v)) for v in model.state_dict().values())
+
+
+def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
+    calls = {"n": 0}
+    real = Trainer.train_step
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "10", "--out", str(out)]) == 130
+    assert "interrupted at step 3" in capsys.readouterr().err
+    _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["status"] == "interrupted" and meta["step"] == 2
+
+
+def test_cli_explain_reads_a_trained_checkpoint(tmp_path, capsys):
+    t = _trainer()
+    path = tmp_path / "c.npz"
+    ckpt.save_checkpoint(path, t.model, t.task)
+    assert main(["explain", "--checkpoint", str(path), "k1 v5 k2 v9 k1"]) == 0
+    out = capsys.readouterr().out
+    assert "TinyTransformer" in out and "k1" in out
+    assert main(["explain", "--checkpoint", str(path), "k1 bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown tokens" in err
