@@ -67,6 +67,8 @@ def _last_axis_max(x: np.ndarray) -> np.ndarray:
 def _last_axis_sum(x: np.ndarray) -> np.ndarray:
     """``x.sum(-1, keepdims=True)`` as one matrix-vector product (BLAS)."""
     n = x.shape[-1]
+    if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
+        return np.zeros((*x.shape[:-1], 1), dtype=x.dtype)
     return (x.reshape(-1, n) @ np.ones(n, dtype=x.dtype)).reshape(*x.shape[:-1], 1)
 
 
