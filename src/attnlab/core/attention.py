@@ -247,10 +247,10 @@ def scaled_dot_product_attention(
     return _dispatch_forward(spec, rng)
 
 
-# Blockwise beats materialising the scores from about this many scores per head (or
-# this many in the whole batch), measured with benchmarks/attention.py on 2 cores.
+# Blockwise beats materialising the scores from about this many scores per head, or from
+# 256 x 256 per head when the whole batch holds this many (measured on 2 cores).
 BLOCKWISE_MIN_SCORES_PER_HEAD = 512 * 512
-BLOCKWISE_MIN_SCORES_TOTAL = 2**21
+BLOCKWISE_MIN_SCORES_TOTAL = 2**22
 
 
 def _use_blockwise(spec: AttentionSpec) -> bool:
@@ -260,7 +260,7 @@ def _use_blockwise(spec: AttentionSpec) -> bool:
     per_head = spec.L * spec.S
     total = per_head * math.prod(spec.batch_shape)
     return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD or (
-        total >= BLOCKWISE_MIN_SCORES_TOTAL and per_head >= 128 * 128
+        total >= BLOCKWISE_MIN_SCORES_TOTAL and per_head >= 256 * 256
     )
 
 
