@@ -322,7 +322,8 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
 
     Each row keeps a shift ``c`` (the running maximum of FlashAttention, but allowed to lag
     behind it), ``l = sum exp(score - c)`` and ``acc = sum exp(score - c) v``. The shift
-    is folded into the score matmul (:meth:`_Plan.augmented`). A tile takes the exact
+    is folded into the score matmul (:meth:`_Plan.augmented`) and starts at the score of
+    key 0 when there is no mask (else at the first tile's row max). A tile takes the exact
     path (row max, subtract, exp) while some row has no shift yet or when the fast path
     overflowed; otherwise the fast path is just ``exp`` of the matmul's output: scores may
     then exceed ``c`` (exp up to ``e^88`` stays finite in float32; beyond, the tile is
@@ -339,7 +340,15 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
     va = plan.augmented("v", n)  # (S, Ev + 1): [v, 1], so p @ va also sums p's rows
     c = np.zeros(rows, dtype=dt)  # the shift, valid where `have`
     have = np.zeros(rows, dtype=bool)
-    settled = False  # every row has a shift: the fast path may run
+    if plan.mask is None and plan.key_end(i1) > 0:
+        # Without a mask every row that sees anything sees key 0: its score is a shift
+        # that cannot be above the row's max, so the first tile may take the fast path.
+        np.matmul(qa[:, :E], ka[0, :E], out=c)
+        have[:] = True
+        if plan.offset is not None:
+            c[np.arange(i0, i1) + plan.offset < 0] = 0  # rows that see no key at all
+        qa[:, E] = -c
+    settled = bool(have.all()) and rows > 0  # every row has a shift: fast path allowed
     l = np.zeros(rows, dtype=dt)
     acc = out  # (rows, Ev), zero on entry; written in place
     kend = plan.key_end(i1)
