@@ -1,7 +1,10 @@
 """attnlab: transformer self-attention from scratch in NumPy.
 
 Exact (PyTorch's numbers), fast, trainable, real and visual. The functional core lives in
-:mod:`attnlab.core`, the layers in :mod:`attnlab.nn`.
+:mod:`attnlab.core` (naive and blockwise attention, masks, softmax), the layers in
+:mod:`attnlab.nn`, optimizers and the recall task in :mod:`attnlab.train`, models (a tiny
+transformer, a pretrained BERT) in :mod:`attnlab.models`, the text pipeline in
+:mod:`attnlab.text`, plots and the HTML report in :mod:`attnlab.viz`.
 
 Axis legend (every docstring): ``...`` batch dims, ``Hq``/``H`` query/key-value heads,
 ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head dim.
@@ -20,18 +23,37 @@ from attnlab.core import (
     softmax,
     softmax_backward,
 )
-from attnlab.nn import Linear, Module, MultiheadAttention, Parameter, SelfAttention
+from attnlab.core.blockwise import (
+    blockwise_attention,
+    blockwise_attention_backward,
+    blockwise_attention_forward,
+)
+from attnlab.nn import (
+    GELU,
+    CrossEntropyLoss,
+    Dropout,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    Linear,
+    Module,
+    MultiheadAttention,
+    Parameter,
+    ReLU,
+    SelfAttention,
+    Sequential,
+    TransformerBlock,
+)
 from attnlab.trace import Trace, TraceStep, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Linear",
-    "Module",
-    "MultiheadAttention",
-    "Parameter",
-    "SelfAttention",
+    # functional core
     "attention_weights",
+    "blockwise_attention",
+    "blockwise_attention_backward",
+    "blockwise_attention_forward",
     "causal_mask",
     "convert_mha_mask",
     "mask_to_bias",
@@ -41,41 +63,23 @@ __all__ = [
     "simple_attention",
     "softmax",
     "softmax_backward",
-    "Trace",
-    "TraceStep",
-    "trace",
-]
-
-# Training (issue 4): layers for small models, optimizers live in attnlab.train.
-from attnlab.nn import (  # noqa: E402
-    GELU,
-    CrossEntropyLoss,
-    Dropout,
-    Embedding,
-    FeedForward,
-    LayerNorm,
-    ReLU,
-    Sequential,
-    TransformerBlock,
-)
-
-__all__ += [
-    "GELU",
+    # layers
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",
     "FeedForward",
+    "GELU",
     "LayerNorm",
+    "Linear",
+    "Module",
+    "MultiheadAttention",
+    "Parameter",
     "ReLU",
+    "SelfAttention",
     "Sequential",
     "TransformerBlock",
+    # step-by-step record of one attention call
+    "Trace",
+    "TraceStep",
+    "trace",
 ]
-
-# Fast attention (blockwise online softmax, O(L·E) memory).
-from attnlab.core.blockwise import (  # noqa: E402
-    blockwise_attention,
-    blockwise_attention_backward,
-    blockwise_attention_forward,
-)
-
-__all__ += ["blockwise_attention", "blockwise_attention_backward", "blockwise_attention_forward"]

@@ -13,9 +13,7 @@ import sys
 from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo", "explain", "similarity"]
-COMMANDS.append("train")  # issue 4
-COMMANDS.append("bench")
+COMMANDS = ["demo", "explain", "similarity", "train", "bench"]
 
 
 def build_parser() -> Parser:
