@@ -2,7 +2,8 @@
 
 Prints, side by side from one run, sentences per second for short and long texts at batch
 size 32 with the same number of threads for both (NumPy's BLAS via the ``*_NUM_THREADS``
-variables set before NumPy is imported, torch via ``torch.set_num_threads``), the ratio
+variables set before NumPy is imported and ``attnlab.set_num_threads``, torch via
+``torch.set_num_threads``), the ratio
 attnlab / sentence-transformers (> 1 means attnlab is faster), and the model load times.
 Each thread count runs in its own process (BLAS reads its thread count once).
 
@@ -111,9 +112,11 @@ def measure(args, threads: int) -> int:
     import torch
     from sentence_transformers import SentenceTransformer
 
+    import attnlab
     from attnlab.models.bert import load_minilm, minilm_path
 
     torch.set_num_threads(threads)
+    attnlab.set_num_threads(threads)  # attnlab's own thread pool (BLAS held to 1 inside it)
     path = str(minilm_path())
 
     t0 = time.perf_counter()

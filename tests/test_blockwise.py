@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import attnlab
+import attnlab._threads
 from attnlab import (
     blockwise_attention,
     blockwise_attention_backward,
@@ -426,7 +427,7 @@ def test_without_threadpoolctl_gives_the_same_numbers(monkeypatch):
     rng = np.random.default_rng(13)
     q, k, v, g = inputs(rng, (), 2, 2, 700, 650, 8, 8, np.float64)
     want = blockwise_attention_backward(g, q, k, v, is_causal=True, num_threads=2)
-    monkeypatch.setattr(bw, "_have_threadpoolctl", lambda: False)
+    monkeypatch.setattr(attnlab._threads, "have_threadpoolctl", lambda: False)
     for env in ("1", "2"):  # BLAS held to one thread by the environment: pool; else: BLAS
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", env)
         plan = bw._plan(attention_mod.check_attention_args(q, k, v), None, None, None, 2)

@@ -11,6 +11,7 @@ Axis legend (every docstring): ``...`` batch dims, ``Hq``/``H`` query/key-value 
 Boolean masks are True where a query may attend to a key.
 """
 
+from attnlab._threads import get_num_threads, set_num_threads
 from attnlab.core import (
     attention_weights,
     causal_mask,
@@ -78,6 +79,9 @@ __all__ = [
     "SelfAttention",
     "Sequential",
     "TransformerBlock",
+    # threads of attnlab's own parallel loops (like torch.set_num_threads)
+    "get_num_threads",
+    "set_num_threads",
     # step-by-step record of one attention call
     "Trace",
     "TraceStep",

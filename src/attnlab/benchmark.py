@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from attnlab._threads import have_threadpoolctl
 from attnlab._validation import positive_int
 
 # The configuration: fp32, B=1, H=8, E=64, L = S.
@@ -291,7 +292,7 @@ def peak_memory(tokens: int, *, threads: int | None = None, head_dim: int = HEAD
     tokens = positive_int(tokens, "tokens")
     threads = bw.get_num_threads() if threads is None else positive_int(threads, "threads")
     env = dict(os.environ)
-    if threads == 1 or not bw._have_threadpoolctl():
+    if threads == 1 or not have_threadpoolctl():
         env.setdefault("OPENBLAS_NUM_THREADS", str(threads))
     proc = subprocess.run(
         [sys.executable, "-c", _MEMORY_SCRIPT, str(tokens), str(head_dim), str(threads)],

@@ -12,6 +12,7 @@ issue's sizes (L up to 8192 and a 65536-token memory run, several minutes).
 
 from __future__ import annotations
 
+from attnlab._threads import have_threadpoolctl
 from attnlab.cli._common import CLIError
 
 IMPLS = ("naive", "attnlab", "torch")
@@ -106,7 +107,7 @@ def run(args) -> int:
           f"{threads} thread(s), median of {args.repeats} runs taken in turns")
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
-          f"threadpoolctl {'yes' if bw._have_threadpoolctl() else 'no (BLAS threads only)'}, "
+          f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}, "
           f"{platform.processor() or platform.machine()}")
     sgemm = bm.sgemm_gflops(threads)
     print(f"SGEMM (2048^3 float32 matmul, {threads} thread(s)): best of 10 now {sgemm:.0f} "

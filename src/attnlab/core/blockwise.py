@@ -28,14 +28,11 @@ several times slower on 2 shared cores (benchmarks/attention.py).
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import numpy as np
 
+from attnlab._threads import get_num_threads, pool_threads, run_units, set_num_threads
 from attnlab._validation import as_float_array, fmt_shape, positive_int, same_dtype, shape_error
 from attnlab.core.attention import AttentionSpec, _reduce_to, check_attention_args
 from attnlab.core.masks import ALIGNMENTS
@@ -56,102 +53,6 @@ DEFAULT_BLOCK_K = 512
 
 # Below this many scores in a call, starting threads costs more than it saves.
 MIN_SCORES_PER_THREAD = 2**18
-
-_num_threads: int | None = None
-
-
-def _available_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not on Linux
-        return max(1, os.cpu_count() or 1)
-
-
-def get_num_threads() -> int:
-    """Threads the blockwise kernel uses by default (all usable CPUs unless set).
-
-    >>> get_num_threads() >= 1
-    True
-    """
-    return _num_threads if _num_threads is not None else _available_cpus()
-
-
-def set_num_threads(n: int | None) -> None:
-    """Set the default thread count of the blockwise kernel (``None``: all usable CPUs).
-
-    Like ``torch.set_num_threads``; a ``num_threads=`` argument overrides it per call.
-
-    >>> set_num_threads(None)
-    """
-    global _num_threads
-    _num_threads = None if n is None else positive_int(n, "n")
-
-
-# --------------------------------------------------------------------------- threads
-
-
-_controller = None
-_controller_lock = threading.Lock()
-
-
-def _blas_limit(threads: int):
-    """A context that holds BLAS to one thread while ``threads`` pool threads run."""
-    global _controller
-    if threads == 1:
-        return nullcontext()
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return nullcontext()
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()
-    return _controller.limit(limits=1, user_api="blas")
-
-
-def _have_threadpoolctl() -> bool:
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _blas_single_threaded_by_env() -> bool:
-    """True when the environment already holds BLAS to one thread (no threadpoolctl needed)."""
-    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
-        if var in os.environ:
-            return os.environ[var].strip() == "1"
-    return False
-
-
-def _run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
-    """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
-
-    Each thread keeps its own ``scratch`` dict of reusable buffers and pulls the next unit
-    from a shared iterator, so long units (late causal query tiles) balance out.
-    """
-    it = iter(units)
-    lock = threading.Lock()
-
-    def loop() -> None:
-        scratch: dict = {}
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            while True:
-                with lock:
-                    unit = next(it, None)
-                if unit is None:
-                    return
-                run_unit(unit, scratch)
-
-    if threads == 1:
-        loop()
-        return
-    with _blas_limit(threads), ThreadPoolExecutor(threads, thread_name_prefix="attnlab") as ex:
-        futures = [ex.submit(loop) for _ in range(threads)]
-        for f in futures:
-            f.result()
-
 
 def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
     """A reusable per-thread buffer of at least ``shape``, viewed as exactly ``shape``."""
@@ -195,10 +96,7 @@ class _Plan:
         self.scale = self.dtype.type(spec.scale)
         self.bq = DEFAULT_BLOCK_Q if block_q is None else positive_int(block_q, "block_q")
         self.bk = DEFAULT_BLOCK_K if block_k is None else positive_int(block_k, "block_k")
-        threads = get_num_threads() if num_threads is None else positive_int(num_threads, "num_threads")
-        if threads > 1 and not (_have_threadpoolctl() or _blas_single_threaded_by_env()):
-            threads = 1  # let BLAS parallelise each matmul instead (no oversubscription)
-        self.threads = threads
+        self.threads = pool_threads(num_threads)
         self._aug: dict = {}
         self._aug_lock = threading.Lock()
 
@@ -309,7 +207,7 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
         _forward_tile(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
         plan.unit_done(n)
 
-    _run_units(units, run, plan.threads_for(len(units)))
+    run_units(units, run, plan.threads_for(len(units)))
     return out, lse
 
 
@@ -451,7 +349,7 @@ def _backward(
                                scratch)
         plan.unit_done(n)
 
-    _run_units(units, run, plan.threads_for(len(units)))
+    run_units(units, run, plan.threads_for(len(units)))
     for n in range(H):
         for p in partial[n]:
             dq_h[n] += p

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from attnlab._threads import pool_threads, run_units
 from attnlab._validation import float_dtype, positive_int
 from attnlab.core import attention_weights, scaled_dot_product_attention
 from attnlab.models._ops import gelu, layer_norm
@@ -728,8 +729,17 @@ class BertEncoder:
             self._warn_truncated(encodings)
             # longest first, so each batch holds texts of similar length
             order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
-            for b0 in range(0, len(texts), batch_size):
-                idx = order[b0 : b0 + batch_size]
+            # Texts are independent: each batch is cut into one part per thread and the
+            # parts run on a thread pool (NumPy's element-wise work then uses every core).
+            threads = pool_threads(None)
+            part = -(-batch_size // threads)
+            units = [
+                order[p0 : min(p0 + part, b0 + batch_size)]
+                for b0 in range(0, len(texts), batch_size)
+                for p0 in range(b0, min(b0 + batch_size, len(texts)), part)
+            ]
+
+            def run(idx: np.ndarray, _scratch: dict) -> None:
                 batch = self._layout(
                     [np.array(encodings[i].ids, dtype=np.int64) for i in idx],
                     [np.array(encodings[i].type_ids, dtype=np.int64) for i in idx],
@@ -739,6 +749,8 @@ class BertEncoder:
                 pooled = np.add.reduceat(x, starts, axis=0)  # (b, D)
                 pooled /= batch.lengths[:, None].astype(self.dtype)
                 result[idx] = pooled
+
+            run_units(units, run, min(threads, len(units)))
             if normalize:
                 norms = np.sqrt(np.einsum("nd,nd->n", result, result))[:, None]
                 result /= np.maximum(norms, self.dtype.type(1e-12))
