@@ -190,17 +190,28 @@ def run_benchmark(
     return rows
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+# Pause before each timed call. After a parallel call, OpenBLAS's and OpenMP's worker
+# threads busy-wait for a while (OpenBLAS: about 0.1 s); whatever runs next in that window
+# loses a core to them (measured: the blockwise kernel 131 ms right after a 2-thread SGEMM,
+# 103 ms after a pause). Every implementation starts from an idle machine instead.
+SETTLE_SECONDS = 0.25
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], repeats: int, *, settle: float = SETTLE_SECONDS
+) -> dict[str, float]:
     """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
 
     Taking turns spreads a busy machine's noise over all of them alike, so the ratios
-    stay fair even when the absolute times wobble. One untimed warm-up call each first.
+    stay fair even when the absolute times wobble. One untimed warm-up call each first,
+    and a ``settle`` pause before every timed call (see :data:`SETTLE_SECONDS`).
     """
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            time.sleep(settle)
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -274,8 +285,8 @@ t0 = time.perf_counter()
 out = blockwise_attention(q, k, v, num_threads=threads)
 seconds = time.perf_counter() - t0
 peak = hwm_kib()
-print(json.dumps({"before_kib": before, "peak_kib": peak, "seconds": seconds,
-                  "finite": bool(np.isfinite(out).all())}))
+sys.stdout.write(json.dumps({"before_kib": before, "peak_kib": peak, "seconds": seconds,
+                             "finite": bool(np.isfinite(out).all())}) + "\n")
 """
 
 
