@@ -285,8 +285,8 @@ t0 = time.perf_counter()
 out = blockwise_attention(q, k, v, num_threads=threads)
 seconds = time.perf_counter() - t0
 peak = hwm_kib()
-sys.stdout.write(json.dumps({"before_kib": before, "peak_kib": peak, "seconds": seconds,
-                             "finite": bool(np.isfinite(out).all())}) + "\n")
+json.dump({"before_kib": before, "peak_kib": peak, "seconds": seconds,
+           "finite": bool(np.isfinite(out).all())}, sys.stdout)
 """
 
 
