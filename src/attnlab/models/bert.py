@@ -41,7 +41,7 @@ import numpy as np
 from attnlab._threads import pool_threads, run_units
 from attnlab._validation import float_dtype, positive_int
 from attnlab.core import attention_weights, scaled_dot_product_attention
-from attnlab.models._ops import gelu, layer_norm
+from attnlab.nn.functional import gelu, layer_norm
 
 if TYPE_CHECKING:  # the tokenizers library is imported only when a tokenizer is loaded
     import tokenizers
@@ -560,7 +560,7 @@ class BertEncoder:
         x = self.word_embeddings[batch.ids]
         x += self.position_embeddings[batch.positions]
         x += self.token_type_embeddings[batch.type_ids]
-        x = layer_norm(x, *self.embeddings_norm, c.layer_norm_eps)
+        x = layer_norm(x, *self.embeddings_norm, c.layer_norm_eps)[0]
         hidden, attentions = ([x], []) if keep else (None, None)
         for layer in self.layers:
             qkv = x @ layer["qkv_w"]  # (N, 3D): query, key, value
@@ -590,7 +590,7 @@ class BertEncoder:
             attn = context @ layer["out_w"]
             attn += layer["out_b"]
             attn += x
-            x = layer_norm(attn, *layer["norm1"], c.layer_norm_eps)
+            x = layer_norm(attn, *layer["norm1"], c.layer_norm_eps)[0]
             out = np.empty_like(x)
             for r0 in range(0, len(x), _FFN_ROWS):
                 xr = x[r0 : r0 + _FFN_ROWS]
@@ -601,7 +601,7 @@ class BertEncoder:
                 y += layer["ff2_b"]
                 y += xr
                 out[r0 : r0 + _FFN_ROWS] = y
-            x = layer_norm(out, *layer["norm2"], c.layer_norm_eps)
+            x = layer_norm(out, *layer["norm2"], c.layer_norm_eps)[0]
             if keep:
                 hidden.append(x)
                 attentions.append(np.concatenate(kept))
