@@ -157,9 +157,13 @@ def test_embedding_pca():
     e = random_explanation(9, 1, 1, dim=6)
     emb = _data(rep.render_html(e))["embedding"]
     assert emb["joint"] and len(emb["static"]) == 9 and len(emb["contextual"][0]) == 2
-    both = np.concatenate([e.static, e.contextual])
-    both = both - both.mean(0)
-    var = np.linalg.svd(both, compute_uv=False) ** 2
+    # the same projection as the PNG (seed 000: fitted on the static vectors)
+    from attnlab.viz.plots import pca_2d
+    s2d, c2d = pca_2d(e.static, e.contextual)
+    np.testing.assert_allclose(emb["static"], s2d, atol=1e-5)
+    np.testing.assert_allclose(emb["contextual"], c2d, atol=1e-5)
+    centred = e.static - e.static.mean(0)
+    var = np.linalg.svd(centred, compute_uv=False) ** 2
     np.testing.assert_allclose(emb["explained"], var[:2] / var.sum(), atol=1e-4)
     # different widths (single-head tutorial: X is (3, 4), output (3, 3)): one PCA each
     tut = rep.pca_2d(np.ones((3, 4)) + np.eye(3, 4), np.eye(3))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab._io import atomic_write  # noqa: F401  (re-exported for the subcommands)
+
 
 class CLIError(Exception):
     """A user error: printed as one line on stderr, exit code 2, no traceback."""
@@ -36,17 +38,6 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
     except OSError as exc:
         raise CLIError(f"cannot write to output folder {str(out)!r}: {exc.strerror or exc}") from None
     return out
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call ``write(tmp_path)`` and move the result to ``path`` only if it succeeded."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def use_color(stream=None) -> bool:

@@ -45,7 +45,7 @@ def default_model() -> str:
 
         if minilm_available():
             return "minilm"
-    except (ImportError, AttributeError):
+    except ImportError:
         pass
     return "random"
 
@@ -123,7 +123,7 @@ def load_backend(model: str):
     module, func = MODELS[model].split(":")
     try:
         return getattr(importlib.import_module(module), func)
-    except (ImportError, AttributeError):
+    except ImportError:
         raise CLIError(_not_available(model)) from None
 
 
@@ -361,22 +361,13 @@ def write_files(out_dir: Path, figures: dict, extra: dict | None = None) -> list
     return written
 
 
-def _report_writer():
-    try:
-        from attnlab.viz.report import write_report
-    except (ImportError, AttributeError):
-        raise CLIError("--html needs attnlab.viz.report, which this attnlab lacks") from None
-    return write_report
-
-
 def write_html(expl, path: str) -> Path:
-    write_report = _report_writer()
-    target = Path(path)
+    from attnlab.viz.report import write_report  # atomic: nothing half-written on failure
+
     try:
-        atomic_write(target, lambda tmp: write_report(expl, tmp))
+        return write_report(expl, path)
     except OSError as exc:
-        raise CLIError(f"cannot write {str(target)!r}: {exc.strerror or exc}") from None
-    return target
+        raise CLIError(f"cannot write {path!r}: {exc.strerror or exc}") from None
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -388,7 +379,6 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
     html = getattr(args, "html", None)
     out_path = prepare_out_dir(out_dir) if out_dir is not None else None
     if html is not None:
-        _report_writer()
         prepare_out_dir(Path(html).parent)
     expl = compute(
         text, model, seed=args.seed, dim=getattr(args, "dim", None),

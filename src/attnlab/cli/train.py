@@ -168,7 +168,7 @@ def run(args) -> int:
 
     def save(state, step, status):
         meta = {"step": step, "status": status, "seed": seed}
-        atomic_write(ckpt_path, lambda p: save_checkpoint(p, trainer.model, task, state=state, meta=meta))
+        save_checkpoint(ckpt_path, trainer.model, task, state=state, meta=meta)
 
     evals: list[dict] = []
     progress = _Progress(config.steps)

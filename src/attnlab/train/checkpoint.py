@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab._io import atomic_write
 from attnlab._validation import fmt_shape
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.train.tasks import RecallTask
@@ -33,7 +34,7 @@ def save_checkpoint(
     meta: dict | None = None,
 ) -> None:
     """Write ``model``'s weights (or the given ``state`` dict), config and ``task`` to
-    ``path`` (an ``.npz`` file, written as is: wrap in an atomic write for safety)."""
+    ``path`` (an ``.npz`` file), atomically: a failed write leaves ``path`` as it was."""
     state = model.state_dict() if state is None else state
     header = {
         "format": FORMAT,
@@ -43,8 +44,12 @@ def save_checkpoint(
     }
     arrays = {name: np.asarray(a) for name, a in state.items()}
     arrays[META_KEY] = np.array(json.dumps(header))
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+
+    atomic_write(path, write)
 
 
 def load_checkpoint(path: str | os.PathLike) -> tuple[TinyTransformer, RecallTask, dict]:

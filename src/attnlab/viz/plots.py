@@ -189,8 +189,39 @@ def plot_heads(
     return fig
 
 
+def pca_fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The two principal axes of ``x`` ``(T, D)`` by NumPy's SVD (no scikit-learn).
+
+    Each axis gets a deterministic sign (its largest-magnitude entry is positive); with
+    fewer than two directions of variance the missing axes are 0.
+
+    Returns:
+        ``(mean (D,), axes (2, D), explained (2,))``: ``explained`` is each axis's share
+        of the variance.
+
+    >>> mean, axes, explained = pca_fit(np.array([[0., 0], [2, 0], [0, 1]]))
+    >>> axes.shape, bool(explained[0] > explained[1])
+    ((2, 2), True)
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if x.ndim != 2:
+        raise shape_error("x", x.shape, "(T, D)")
+    mean = x.mean(axis=0)
+    _, sv, vt = np.linalg.svd(x - mean, full_matrices=False)
+    axes = np.zeros((2, x.shape[1]))
+    k = min(2, vt.shape[0])
+    axes[:k] = vt[:k]
+    signs = np.sign(axes[np.arange(2), np.abs(axes).argmax(axis=1)])
+    axes *= np.where(signs == 0, 1.0, signs)[:, None]
+    var = sv**2
+    explained = np.zeros(2)
+    if var.sum() > 0:
+        explained[:k] = var[:k] / var.sum()
+    return mean, axes, explained
+
+
 def pca_2d(fit: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
-    """Project onto the two principal axes of ``fit`` (NumPy SVD, no scikit-learn).
+    """Project onto the two principal axes of ``fit`` (:func:`pca_fit`).
 
     ``fit`` ``(T, D)`` is centred on its mean; the same mean and axes transform each of
     ``others`` ``(T', D)`` (seed 000: fit on the static vectors, transform the contextual
@@ -204,19 +235,12 @@ def pca_2d(fit: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
     >>> p.shape, bool(abs(p[:, 0]).max() >= abs(p[:, 1]).max())
     ((3, 2), True)
     """
-    fit = np.asarray(fit, dtype=np.float64)
-    if fit.ndim != 2:
-        raise shape_error("fit", fit.shape, "(T, D)")
-    mean = fit.mean(axis=0)
-    _, _, vt = np.linalg.svd(fit - mean, full_matrices=False)
-    axes = np.zeros((2, fit.shape[1]))
-    k = min(2, vt.shape[0])
-    axes[:k] = vt[:k]
+    mean, axes, _ = pca_fit(fit)
     out = []
     for arr in (fit, *others):
         arr = np.asarray(arr, dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[1] != fit.shape[1]:
-            raise shape_error("others", arr.shape, f"(T, {fit.shape[1]})")
+        if arr.ndim != 2 or arr.shape[1] != mean.shape[0]:
+            raise shape_error("others", arr.shape, f"(T, {mean.shape[0]})")
         out.append((arr - mean) @ axes.T)
     return tuple(out)
 

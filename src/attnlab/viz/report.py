@@ -42,6 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attnlab._io import atomic_write
+
 __all__ = ["render_html", "report", "write_report"]
 
 _ASSETS = "assets"
@@ -166,9 +168,10 @@ def quantize_rows(att: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def pca_2d(static: np.ndarray, contextual: np.ndarray) -> dict:
     """2-D principal-component coordinates of the static and contextual vectors.
 
-    When both have the same width ``D`` they share one projection (fitted on the ``2T``
-    rows together), so an arrow from a token's static point to its contextual point shows
-    how attention moved it. Otherwise each set gets its own projection.
+    As seed 000 and :func:`attnlab.viz.plots.plot_embeddings` do: when both have the same
+    width ``D`` the axes are fitted on the static vectors and project both sets, so an
+    arrow from a token's static point to its contextual point shows how attention moved
+    it. Otherwise each set gets its own projection.
 
     Args:
         static: ``(T, D)`` token vectors before attention.
@@ -176,49 +179,26 @@ def pca_2d(static: np.ndarray, contextual: np.ndarray) -> dict:
 
     Returns:
         ``{"static": (T, 2) list, "contextual": (T, 2) list, "joint": bool,
-        "explained": [share of variance of PC1, PC2]}``.
+        "explained": [share of the static vectors' variance on PC1, PC2]}``.
 
     >>> rng = np.random.default_rng(0)
     >>> p = pca_2d(rng.standard_normal((5, 8)), rng.standard_normal((5, 8)))
     >>> len(p["static"]), len(p["static"][0]), p["joint"]
     (5, 2, True)
     """
+    from attnlab.viz.plots import pca_fit
 
-    def fit(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mean = x.mean(axis=0)
-        centred = x - mean  # (N, D)
-        _, s, vt = np.linalg.svd(centred, full_matrices=False)
-        comps = np.zeros((2, x.shape[1]))
-        k = min(2, vt.shape[0])
-        comps[:k] = vt[:k]
-        # a deterministic sign: the largest-magnitude entry of each component is positive
-        signs = np.sign(comps[np.arange(2), np.abs(comps).argmax(axis=1)])
-        comps *= np.where(signs == 0, 1.0, signs)[:, None]
-        var = s**2
-        total = float(var.sum())
-        explained = np.zeros(2)
-        if total > 0:
-            explained[:k] = var[:k] / total
-        return mean, comps, explained
+    def project(x, mean, axes):
+        return np.round((np.asarray(x, dtype=np.float64) - mean) @ axes.T, 5).tolist()
 
-    def project(x, mean, comps):
-        return np.round((x - mean) @ comps.T, 5).tolist()
-
-    if static.shape[1] == contextual.shape[1]:
-        mean, comps, explained = fit(np.concatenate([static, contextual]))
-        return {
-            "static": project(static, mean, comps),
-            "contextual": project(contextual, mean, comps),
-            "joint": True,
-            "explained": np.round(explained, 4).tolist(),
-        }
-    ms, cs, es = fit(static)
-    mc, cc, _ = fit(contextual)
+    mean, axes, explained = pca_fit(static)
+    joint = static.shape[1] == contextual.shape[1]
+    fit_c = (mean, axes) if joint else pca_fit(contextual)[:2]
     return {
-        "static": project(static, ms, cs),
-        "contextual": project(contextual, mc, cc),
-        "joint": False,
-        "explained": np.round(es, 4).tolist(),
+        "static": project(static, mean, axes),
+        "contextual": project(contextual, *fit_c),
+        "joint": joint,
+        "explained": np.round(explained, 4).tolist(),
     }
 
 
@@ -409,15 +389,7 @@ def write_report(explanation: object, path: str | os.PathLike) -> Path:
     ('r.html', False)
     """
     page = render_html(explanation).encode("utf-8")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_bytes(page)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: tmp.write_bytes(page))
 
 
 def report(explanation: object, path: str | os.PathLike) -> Path:

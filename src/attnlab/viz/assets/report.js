@@ -676,7 +676,7 @@
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     var pct = function (x) { return (100 * x).toFixed(0) + "%"; };
     svg.appendChild(sv("text", { x: 20, y: 18, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
-      joint ? "Static \u2192 contextual token vectors (PCA of both sets: PC1 " + pct(e.explained[0]) +
+      joint ? "Static \u2192 contextual token vectors (PCA fitted on the static vectors: PC1 " + pct(e.explained[0]) +
         ", PC2 " + pct(e.explained[1]) + " of the variance)"
         : "Static and contextual vectors have different widths: each set has its own PCA"));
     var legend = sv("g", { "font-size": 11, fill: "#5b6475" });
