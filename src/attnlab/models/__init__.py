@@ -1,6 +1,7 @@
-"""attnlab.models: pretrained encoders run by attnlab's own attention.
+"""attnlab.models: models built from attnlab's own attention.
 
-:mod:`attnlab.models.bert` holds a BERT encoder in NumPy and the bundled
+:mod:`attnlab.models.tiny` holds the small GPT-style :class:`TinyTransformer` that
+``attnlab train`` trains; :mod:`attnlab.models.bert` a BERT encoder in NumPy and the bundled
 all-MiniLM-L6-v2 model (the ``pretrained`` extra). Heavy optional dependencies
 (safetensors, tokenizers) are imported only when a model is loaded.
 """
@@ -12,9 +13,14 @@ from attnlab.models.bert import (
     load_minilm,
     minilm_available,
 )
+from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 
-__all__ = ["BertConfig", "BertEncoder", "CheckpointError", "load_minilm", "minilm_available"]
-
-from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig  # noqa: E402  (issue 4)
-
-__all__ += ["TinyTransformer", "TinyTransformerConfig"]
+__all__ = [
+    "BertConfig",
+    "BertEncoder",
+    "CheckpointError",
+    "TinyTransformer",
+    "TinyTransformerConfig",
+    "load_minilm",
+    "minilm_available",
+]

@@ -1,4 +1,5 @@
-"""Layers: parameters, initialisers, ``Linear`` and the attention layers."""
+"""Layers: parameters, initialisers, ``Linear``, the attention layers and what a small
+transformer needs (embeddings, LayerNorm, activations, feed-forward, blocks, loss)."""
 
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
 from attnlab.nn.layers import (
@@ -15,15 +16,19 @@ from attnlab.nn.linear import Linear
 from attnlab.nn.loss import CrossEntropyLoss
 from attnlab.nn.module import Module, Parameter
 
-__all__ = ["Linear", "Module", "MultiheadAttention", "Parameter", "SelfAttention"]
-__all__ += [
-    "GELU",
+__all__ = [
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",
     "FeedForward",
+    "GELU",
     "LayerNorm",
+    "Linear",
+    "Module",
+    "MultiheadAttention",
+    "Parameter",
     "ReLU",
+    "SelfAttention",
     "Sequential",
     "TransformerBlock",
 ]

@@ -2,11 +2,13 @@
 
 :class:`Tokenizer` (words and punctuation with character spans), :class:`Vocabulary`
 (``<pad>``/``<unk>``, JSON), :func:`one_hot`, :class:`Embedding` (a random table from a
-Generator), :func:`sinusoidal_positions`, :class:`Word2VecEmbedding` (gensim, optional) and
-:func:`text_to_embeddings`. :func:`explain_random` runs seed 000's tutorial model.
+Generator; it is :class:`attnlab.nn.Embedding`), :func:`sinusoidal_positions`,
+:class:`Word2VecEmbedding` (gensim, optional) and :func:`text_to_embeddings`.
+:func:`explain_random` runs seed 000's tutorial model.
 """
 
-from attnlab.text.embedding import Embedding, Word2VecEmbedding, one_hot, sinusoidal_positions
+from attnlab.nn.layers import Embedding
+from attnlab.text.embedding import Word2VecEmbedding, one_hot, sinusoidal_positions
 from attnlab.text.pipeline import explain_random, text_to_embeddings
 from attnlab.text.tokenizer import Token, Tokenizer
 from attnlab.text.vocab import PAD, UNK, Vocabulary

@@ -1,4 +1,7 @@
-"""Token vectors: one-hot codes, a random lookup table, sinusoidal positions, word2vec.
+"""Token vectors: one-hot codes, sinusoidal positions, word2vec.
+
+The random lookup table of seed 000 is :class:`attnlab.nn.Embedding` (re-exported as
+``attnlab.text.Embedding``): ``N(0, 1)`` rows drawn from the Generator you pass.
 
 Shapes: ``T`` tokens, ``V`` vocabulary size, ``D`` embedding width.
 """
@@ -10,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator, positive_int, shape_error
+from attnlab._validation import float_dtype, positive_int, shape_error
 from attnlab.text.tokenizer import Tokenizer
 from attnlab.text.vocab import Vocabulary
 
@@ -45,41 +48,6 @@ def one_hot(ids, vocab_size: int, *, dtype=np.float32) -> np.ndarray:
     out = np.zeros((*arr.shape, vocab_size), dtype=dtype)
     np.put_along_axis(out, arr[..., None], 1, axis=-1)
     return out
-
-
-class Embedding:
-    """A lookup table of random vectors, one row per vocabulary entry (seed 000).
-
-    The rows are drawn from a standard normal with the Generator you pass, so a seed gives
-    the same table every time. This is the tutorial's fixed table (no gradient); a trainable
-    layer lives in :mod:`attnlab.nn`.
-
-    Args:
-        vocab_size: ``V`` rows.
-        dim: ``D`` columns.
-        rng: the ``np.random.Generator`` to draw from.
-        dtype: ``np.float32`` (default) or ``np.float64``.
-
-    Call with ids ``(...,)`` to get ``(..., D)``.
-
-    >>> emb = Embedding(7, 4, rng=np.random.default_rng(0))
-    >>> emb.weight.shape, emb(np.array([[2, 3, 2]])).shape
-    ((7, 4), (1, 3, 4))
-    >>> bool((emb([2])[0] == emb.weight[2]).all())
-    True
-    """
-
-    def __init__(self, vocab_size: int, dim: int, *, rng: np.random.Generator, dtype=np.float32):
-        self.vocab_size = positive_int(vocab_size, "vocab_size")
-        self.dim = positive_int(dim, "dim")
-        rng = generator(rng)
-        self.weight = rng.standard_normal((self.vocab_size, self.dim)).astype(float_dtype(dtype))
-
-    def __call__(self, ids) -> np.ndarray:
-        return self.weight[_check_ids(ids, self.vocab_size)]
-
-    def __repr__(self) -> str:
-        return f"Embedding({self.vocab_size}, {self.dim}, dtype={self.weight.dtype})"
 
 
 def sinusoidal_positions(T: int, dim: int, *, dtype=np.float32) -> np.ndarray:

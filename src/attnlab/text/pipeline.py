@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attnlab._validation import positive_int
-from attnlab.text.embedding import Embedding, sinusoidal_positions
+from attnlab.nn.layers import Embedding
+from attnlab.text.embedding import sinusoidal_positions
 from attnlab.text.tokenizer import Tokenizer
 from attnlab.text.vocab import Vocabulary
 
