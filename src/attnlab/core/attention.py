@@ -143,17 +143,22 @@ def check_attention_args(
 
 def _scores(spec: AttentionSpec) -> np.ndarray:
     """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
-    scores = np.matmul(spec.query, np.swapaxes(spec.key, -1, -2))
-    scores *= np.asarray(spec.scale, dtype=scores.dtype)
-    # In place (one pass; np.where + astype take two and allocate twice).
+    # The scale goes on the (L, E) queries, not on the (L, S) scores: one pass fewer.
+    scores = np.matmul(_scaled(spec.query, spec.scale), np.swapaxes(spec.key, -1, -2))
+    # Masks in place (the mask broadcasts to the scores' shape; validated).
     if spec.is_causal:
         np.copyto(scores, -np.inf, where=~causal_mask(spec.L, spec.S))
     elif spec.attn_mask is not None:
         if spec.attn_mask.dtype == np.bool_:
             np.copyto(scores, -np.inf, where=~spec.attn_mask)
         else:
-            scores = scores + spec.attn_mask
+            scores += spec.attn_mask
     return scores
+
+
+def _scaled(x: np.ndarray, scale: float) -> np.ndarray:
+    """``x * scale`` in ``x``'s dtype."""
+    return x * x.dtype.type(scale)
 
 
 def _dropout_keep(spec: AttentionSpec, shape: tuple, rng) -> np.ndarray | None:
@@ -360,9 +365,9 @@ def attend_backward(spec: AttentionSpec, grad_out: np.ndarray, *, rng=None):
     if keep is not None:
         grad_p *= keep
     grad_s = probs * (grad_p - _last_axis_sum(grad_p * probs))
-    grad_s *= np.asarray(spec.scale, dtype=grad_s.dtype)
-    grad_q = np.matmul(grad_s, spec.key)  # (..., Hq, L, E)
-    grad_k = np.matmul(np.swapaxes(grad_s, -1, -2), spec.query)  # (..., Hq, S, E)
+    # scores = (q * scale) @ k^T: the scale lands on the (L, E) and (S, E) sides.
+    grad_q = _scaled(np.matmul(grad_s, spec.key), spec.scale)  # (..., Hq, L, E)
+    grad_k = np.matmul(np.swapaxes(grad_s, -1, -2), _scaled(spec.query, spec.scale))  # (..., Hq, S, E)
     return (
         _reduce_to(grad_q, spec.query.shape, 1),
         _reduce_to(grad_k, spec.key_shape, spec.gqa_groups),
