@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from attnlab.viz import report as rep  # noqa: E402
+from attnlab.viz import html_report as rep  # noqa: E402
 from report_data import random_explanation  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import attnlab.viz
 from attnlab.explain import Explanation
-from attnlab.viz import report as rep
+from attnlab.viz import html_report as rep
 from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 EVIL_TOKENS = ["hello", XSS_IMG, XSS_SCRIPT, "a&amp;b", '"quoted"', "\u2028line"]
@@ -179,12 +179,12 @@ def test_header_states_model_text_and_date():
     assert "MiniLM-L6" in page and "the cat sat" in page and e.created in page
 
 
-def test_write_report_and_callable_module(tmp_path):
+def test_write_report_and_viz_report(tmp_path):
     e = random_explanation(5, 2, 3)
     p = attnlab.viz.report(e, tmp_path / "a.html")
     assert p == tmp_path / "a.html" and p.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     q = rep.write_report(e, str(tmp_path / "b.html"))
-    assert q.exists() and rep.report(e, tmp_path / "c.html").exists()
+    assert q.exists() and attnlab.viz.write_report(e, tmp_path / "c.html").exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.html", "b.html", "c.html"]
 
 

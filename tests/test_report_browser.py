@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from attnlab.viz import report as rep
+from attnlab.viz import html_report as rep
 from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
 
 CHROMIUM = "/usr/bin/chromium"

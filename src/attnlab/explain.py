@@ -54,7 +54,7 @@ class Explanation:
     notes: list[str] = field(default_factory=list)
 
     def _repr_html_(self) -> str:  # Jupyter shows the interactive report inline
-        from attnlab.viz.report import render_html
+        from attnlab.viz import render_html
 
         return render_html(self, inline=True)
 

@@ -362,7 +362,7 @@ def write_files(out_dir: Path, figures: dict, extra: dict | None = None) -> list
 
 
 def write_html(expl, path: str) -> Path:
-    from attnlab.viz.report import write_report  # atomic: nothing half-written on failure
+    from attnlab.viz import write_report  # atomic: nothing half-written on failure
 
     try:
         return write_report(expl, path)

@@ -1,6 +1,6 @@
 """The interactive attention report: one self-contained HTML file.
 
-:func:`write_report` (also callable as ``attnlab.viz.report(explanation, path)``) writes an
+:func:`write_report` (also ``attnlab.viz.report(explanation, path)``) writes an
 :class:`~attnlab.explain.Explanation` as ONE HTML file that draws it in the browser: the head
 view (tokens left and right, lines weighted by attention), the model view (a layers x heads
 grid of thumbnails), a heatmap with the value under the pointer, the step view of the
@@ -34,8 +34,6 @@ import hashlib
 import html
 import json
 import os
-import sys
-import types
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -44,7 +42,7 @@ import numpy as np
 
 from attnlab._io import atomic_write
 
-__all__ = ["render_html", "report", "write_report"]
+__all__ = ["render_html", "write_report"]
 
 _ASSETS = "assets"
 # Content-Security-Policy of the full page: nothing may be fetched; only our own script
@@ -390,19 +388,3 @@ def write_report(explanation: object, path: str | os.PathLike) -> Path:
     """
     page = render_html(explanation).encode("utf-8")
     return atomic_write(path, lambda tmp: tmp.write_bytes(page))
-
-
-def report(explanation: object, path: str | os.PathLike) -> Path:
-    """Same as :func:`write_report`; ``attnlab.viz.report(explanation, path)`` calls it."""
-    return write_report(explanation, path)
-
-
-class _CallableModule(types.ModuleType):
-    """Lets ``attnlab.viz.report(explanation, path)`` write a report while
-    ``attnlab.viz.report.render_html`` etc. stay reachable."""
-
-    def __call__(self, explanation: object, path: str | os.PathLike) -> Path:
-        return write_report(explanation, path)
-
-
-sys.modules[__name__].__class__ = _CallableModule
