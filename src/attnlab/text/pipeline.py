@@ -136,7 +136,8 @@ def explain_random(
     >>> e = explain_random("The cat sat on the mat")
     >>> e.tokens, e.attentions.shape, e.static.shape, e.contextual.shape
     (['the', 'cat', 'sat', 'on', 'the', 'mat'], (1, 4, 6, 6), (6, 128), (6, 128))
-    >>> bool(np.allclose(e.contextual[0], e.contextual[4]))  # no positions: "the" == "the"
+    >>> # no positions: "the" == "the", up to float32 rounding (as tests/test_text.py checks)
+    >>> bool(np.abs(e.contextual[0] - e.contextual[4]).max() < 1e-6)
     True
     """
     import attnlab
