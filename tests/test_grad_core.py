@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import attnlab
-from attnlab.core.attention import scaled_dot_product_attention_backward
+from attnlab.core import scaled_dot_product_attention_backward
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle for gradients")
 

@@ -13,7 +13,11 @@ Boolean masks are True where a query may attend to a key.
 
 from attnlab._threads import get_num_threads, set_num_threads
 from attnlab.core import (
+    attention_scores,
     attention_weights,
+    blockwise_attention,
+    blockwise_attention_backward,
+    blockwise_attention_forward,
     causal_mask,
     convert_mha_mask,
     mask_to_bias,
@@ -23,11 +27,6 @@ from attnlab.core import (
     simple_attention,
     softmax,
     softmax_backward,
-)
-from attnlab.core.blockwise import (
-    blockwise_attention,
-    blockwise_attention_backward,
-    blockwise_attention_forward,
 )
 from attnlab.nn import (
     GELU,
@@ -51,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     # functional core
+    "attention_scores",
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_backward",

@@ -234,16 +234,17 @@ def _attnlab_fn(q, k, v, g, causal: bool, passes: str, threads: int) -> Callable
 
 
 def _naive_fn(q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:
-    from attnlab.core.attention import attend, attend_backward, check_attention_args
+    from attnlab.core import naive
+    from attnlab.core.spec import check_attention_args
 
     spec = check_attention_args(q, k, v, is_causal=causal)
 
     def fwd():
-        return attend(spec)
+        return naive.forward(spec)
 
     def both():
-        attend(spec)
-        return attend_backward(spec, g)
+        naive.forward(spec)
+        return naive.backward(spec, g)
 
     return fwd if passes == "fwd" else both
 

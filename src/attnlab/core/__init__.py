@@ -1,20 +1,32 @@
-"""The functional core: pure functions that hold all of attnlab's attention math."""
+"""The functional core: pure functions that hold all of attnlab's attention math.
 
-from attnlab.core.attention import (
-    attention_weights,
-    scaled_dot_product_attention,
-    scaled_dot_product_attention_backward,
-    simple_attention,
-)
+Modules, imported one way (each only imports those above it):
+
+- ``_reduce``: row and column reductions (BLAS tricks written once);
+- ``masks``, ``softmax``: mask builders and converters; softmax and its backward;
+- ``spec``: argument checking, one :class:`~attnlab.core.spec.AttentionSpec` per call;
+- ``naive``: the full score matrix, forward and backward (the reference math);
+- ``blockwise``: online-softmax tiles in ``O(L·E)`` memory, forward and backward;
+- ``dispatch``: the public functions, which pick a kernel.
+"""
+
 from attnlab.core.blockwise import (
     blockwise_attention,
     blockwise_attention_backward,
     blockwise_attention_forward,
 )
+from attnlab.core.dispatch import (
+    attention_scores,
+    attention_weights,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+    simple_attention,
+)
 from attnlab.core.masks import causal_mask, convert_mha_mask, mask_to_bias, padding_mask
 from attnlab.core.softmax import softmax, softmax_backward
 
 __all__ = [
+    "attention_scores",
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_backward",

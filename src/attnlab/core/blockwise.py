@@ -34,8 +34,8 @@ import numpy as np
 
 from attnlab._threads import get_num_threads, pool_threads, run_units, set_num_threads
 from attnlab._validation import as_float_array, fmt_shape, positive_int, same_dtype, shape_error
-from attnlab.core.attention import AttentionSpec, _reduce_to, check_attention_args
 from attnlab.core.masks import ALIGNMENTS
+from attnlab.core.spec import AttentionSpec, check_attention_args, reduce_to
 
 __all__ = [
     "blockwise_attention",
@@ -481,9 +481,10 @@ def blockwise_attention(
 
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 2, 10, 8))  # each (H=2, L=S=10, E=8)
-    >>> from attnlab import scaled_dot_product_attention
+    >>> from attnlab.core.naive import forward
+    >>> from attnlab.core.spec import check_attention_args
     >>> out = blockwise_attention(q, k, v, is_causal=True, block_q=3, block_k=4)
-    >>> bool(np.allclose(out, scaled_dot_product_attention(q, k, v, is_causal=True)))
+    >>> bool(np.allclose(out, forward(check_attention_args(q, k, v, is_causal=True))))
     True
     """
     return blockwise_attention_forward(
@@ -527,8 +528,9 @@ def blockwise_attention_backward(
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 5, 4))
     >>> dq, dk, dv = blockwise_attention_backward(np.ones((5, 4)), q, k, v, block_k=2)
-    >>> from attnlab import scaled_dot_product_attention_backward as naive
-    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), naive(np.ones((5, 4)), q, k, v)))
+    >>> from attnlab.core import naive, spec
+    >>> ref = naive.backward(spec.check_attention_args(q, k, v), np.ones((5, 4)))
+    >>> all(np.allclose(a, b) for a, b in zip((dq, dk, dv), ref))
     True
     """
     spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
@@ -558,9 +560,9 @@ def backward_spec(plan: _Plan, grad_out, out=None, lse=None):
     dq, dk, dv = _backward(plan, grad_out, out, lse)
     dtype = spec.query.dtype
     return (
-        _reduce_to(dq, spec.query.shape, 1).astype(dtype, copy=False),
-        _reduce_to(dk, spec.key_shape, spec.gqa_groups).astype(dtype, copy=False),
-        _reduce_to(dv, spec.value_shape, spec.gqa_groups).astype(dtype, copy=False),
+        reduce_to(dq, spec.query.shape, 1).astype(dtype, copy=False),
+        reduce_to(dk, spec.key_shape, spec.gqa_groups).astype(dtype, copy=False),
+        reduce_to(dv, spec.value_shape, spec.gqa_groups).astype(dtype, copy=False),
     )
 
 

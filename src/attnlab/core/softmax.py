@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import as_float_array
+from attnlab.core._reduce import row_max, row_sum
 
 
 def _check_axis(x: np.ndarray, axis: int, name: str = "axis") -> int:
@@ -42,34 +43,12 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     if x.shape[axis] == 0:
         return np.zeros_like(x)
     last = axis in (-1, x.ndim - 1)
-    m = _last_axis_max(x) if last else np.max(x, axis=axis, keepdims=True)
+    m = row_max(x) if last else np.max(x, axis=axis, keepdims=True)
     # An all -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
     m = np.where(m == -np.inf, 0, m).astype(x.dtype, copy=False)
     e = np.exp(x - m)
-    total = _last_axis_sum(e) if last else np.sum(e, axis=axis, keepdims=True)
+    total = row_sum(e) if last else np.sum(e, axis=axis, keepdims=True)
     return e / np.where(total == 0, 1, total).astype(x.dtype, copy=False)
-
-
-def _last_axis_max(x: np.ndarray) -> np.ndarray:
-    """``x.max(-1, keepdims=True)`` by halving: NumPy's reduction over a short last axis is
-    slow (one small loop per row); elementwise ``np.maximum`` of halves is vectorised.
-    NaN propagates as with ``max``."""
-    m = x
-    while m.shape[-1] > 1:
-        h = m.shape[-1] // 2
-        top = np.maximum(m[..., :h], m[..., h : 2 * h])
-        if m.shape[-1] % 2:
-            top[..., :1] = np.maximum(top[..., :1], m[..., -1:])
-        m = top
-    return m if m is not x else m.copy()
-
-
-def _last_axis_sum(x: np.ndarray) -> np.ndarray:
-    """``x.sum(-1, keepdims=True)`` as one matrix-vector product (BLAS)."""
-    n = x.shape[-1]
-    if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
-        return np.zeros((*x.shape[:-1], 1), dtype=x.dtype)
-    return (x.reshape(-1, n) @ np.ones(n, dtype=x.dtype)).reshape(*x.shape[:-1], 1)
 
 
 def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -95,5 +74,7 @@ def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1)
             "(the shape of probs)"
         )
     axis = _check_axis(probs, axis)
-    inner = np.sum(grad_output * probs, axis=axis, keepdims=True)
+    prod = grad_output * probs
+    last = axis in (-1, probs.ndim - 1)
+    inner = row_sum(prod) if last else np.sum(prod, axis=axis, keepdims=True)
     return probs * (grad_output - inner)

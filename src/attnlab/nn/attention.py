@@ -1,5 +1,5 @@
-"""Attention layers: one-head ``SelfAttention`` (seeds 001/004) and ``MultiheadAttention``
-(seeds 000/002/003, mirroring ``torch.nn.MultiheadAttention``).
+"""Attention layers: the trainable one-head ``SelfAttention`` and ``MultiheadAttention``
+(mirroring ``torch.nn.MultiheadAttention``).
 
 Layers own parameters and call the functional core; the attention function is a parameter
 (``attention_fn``), so a faster kernel drops in without a second copy of the math.
@@ -21,9 +21,8 @@ from attnlab._validation import (
     probability,
     shape_error,
 )
-from attnlab.core.attention import (
-    attend,
-    check_attention_args,
+from attnlab.core.dispatch import (
+    attention_weights,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
@@ -56,6 +55,9 @@ class SelfAttention(Module):
         qkv_bias: give the projections a bias.
         rng: Generator for the initial weights (torch ``nn.Linear``'s initialisation).
         dtype: ``np.float32`` or ``np.float64``.
+        attention_fn: computes the context; defaults to
+            :func:`attnlab.scaled_dot_product_attention` and takes its signature. The
+            returned weights come from :func:`attnlab.attention_weights`.
 
     Call with ``x`` of shape ``(T, d_in)`` or ``(B, T, d_in)`` (and optionally ``attn_mask``
     or ``is_causal``); returns ``(context (..., T, d_out), weights (..., T, T))``.
@@ -66,8 +68,12 @@ class SelfAttention(Module):
     ((6, 2), (6, 6))
     """
 
-    def __init__(self, d_in: int, d_out: int, *, qkv_bias: bool = False, rng=None, dtype=np.float32):
+    def __init__(
+        self, d_in: int, d_out: int, *, qkv_bias: bool = False, rng=None, dtype=np.float32,
+        attention_fn: Callable[..., np.ndarray] | None = None,
+    ):
         super().__init__()
+        self.attention_fn = attention_fn or scaled_dot_product_attention
         self.d_in = positive_int(d_in, "d_in")
         self.d_out = positive_int(d_out, "d_out")
         rng = generator(rng)
@@ -81,8 +87,8 @@ class SelfAttention(Module):
         if x.ndim not in (2, 3):
             raise shape_error("x", x.shape, f"(T, {self.d_in}) or (B, T, {self.d_in})")
         q, k, v = self.W_q(x), self.W_k(x), self.W_v(x)
-        spec = check_attention_args(q, k, v, attn_mask, 0.0, is_causal)
-        context, weights = attend(spec)
+        context = self.attention_fn(q, k, v, attn_mask=attn_mask, is_causal=is_causal)
+        weights = attention_weights(q, k, attn_mask=attn_mask, is_causal=is_causal)
         self._save(q=q, k=k, v=v, attn_mask=attn_mask, is_causal=is_causal)
         return context, weights
 
@@ -118,8 +124,10 @@ class MultiheadAttention(Module):
         rng: Generator for the initial weights (xavier-uniform projections, zero biases,
             as torch) and for dropout.
         dtype: ``np.float32`` or ``np.float64``.
-        attention_fn: the attention function used when weights are not returned; defaults
-            to :func:`attnlab.scaled_dot_product_attention` and takes its signature.
+        attention_fn: the attention function that computes the output, always; defaults
+            to :func:`attnlab.scaled_dot_product_attention` and takes its signature. With
+            ``need_weights=True`` the maps come from :func:`attnlab.attention_weights`
+            (with the same dropout mask).
 
     Call with ``(query, key, value, key_padding_mask=None, need_weights=True,
     attn_mask=None, average_attn_weights=True, is_causal=False)``:
@@ -328,13 +336,13 @@ class MultiheadAttention(Module):
         p = self.dropout if self.training else 0.0
         rng_state = self._rng.bit_generator.state if p > 0 else None
         weights = None
-        if need_weights:
-            spec = check_attention_args(qh, kh, vh, mask, p, causal_flag)
-            out_h, weights = attend(spec, rng=self._rng)
-        else:
-            out_h = self.attention_fn(
-                qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal_flag, rng=self._rng
+        if need_weights:  # the maps, with the dropout mask the output is about to draw
+            weights = attention_weights(
+                qh, kh, mask, p, causal_flag, rng=_replay(self._rng, rng_state) or self._rng
             )
+        out_h = self.attention_fn(
+            qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal_flag, rng=self._rng
+        )
         # (N, H, L, D) -> (N, L, E)
         out = self.out_proj(out_h.transpose(0, 2, 1, 3).reshape(N, L, E))
         self._save(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from attnlab.core._reduce import col_sum, row_mean
+
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """``x @ weight.T + bias``: ``(..., in) -> (..., out)``, weight ``(out, in)`` as in torch."""
@@ -214,26 +216,13 @@ def gelu_backward(grad_y: np.ndarray, x: np.ndarray, *, approximate: str = "none
 
 
 # ---- layer norm ----------------------------------------------------------------------
-def _row_mean(a: np.ndarray) -> np.ndarray:
-    """``a.mean(-1, keepdims=True)`` as one BLAS matrix-vector product (NumPy's reduction
-    over a short last axis loops per row)."""
-    n = a.shape[-1]
-    w = np.full(n, 1.0 / n, dtype=a.dtype)
-    return (a.reshape(-1, n) @ w).reshape(*a.shape[:-1], 1)
-
-
-def _col_sum(a2: np.ndarray) -> np.ndarray:
-    """``a2.sum(0)`` for a 2-D array, as one matrix-vector product."""
-    return np.ones(a2.shape[0], dtype=a2.dtype) @ a2
-
-
 def layer_norm(
     x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
     (biased variance, as torch)."""
-    xc = x - _row_mean(x)
-    rstd = 1.0 / np.sqrt(_row_mean(xc * xc) + x.dtype.type(eps))
+    xc = x - row_mean(x)
+    rstd = 1.0 / np.sqrt(row_mean(xc * xc) + x.dtype.type(eps))
     x_hat = xc * rstd
     y = x_hat * weight if weight is not None else x_hat.copy()
     if bias is not None:
@@ -247,10 +236,10 @@ def layer_norm_backward(
     """``(grad_x, grad_weight, grad_bias)`` for :func:`layer_norm` (batch dims summed)."""
     D = x_hat.shape[-1]
     g2 = grad_y.reshape(-1, D)
-    grad_b = _col_sum(g2)
-    grad_w = _col_sum(g2 * x_hat.reshape(-1, D)) if weight is not None else None
+    grad_b = col_sum(g2)
+    grad_w = col_sum(g2 * x_hat.reshape(-1, D)) if weight is not None else None
     gx_hat = grad_y * weight if weight is not None else grad_y
-    grad_x = (gx_hat - _row_mean(gx_hat) - x_hat * _row_mean(gx_hat * x_hat)) * rstd
+    grad_x = (gx_hat - row_mean(gx_hat) - x_hat * row_mean(gx_hat * x_hat)) * rstd
     return grad_x, grad_w, grad_b
 
 

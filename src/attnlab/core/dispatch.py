@@ -1,0 +1,236 @@
+"""The public attention functions: validate once, then pick a kernel.
+
+:func:`scaled_dot_product_attention` and its backward run the naive kernel
+(:mod:`attnlab.core.naive`) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
+is faster for the problem's size; both give the same numbers. :func:`attention_weights` and
+:func:`attention_scores` return the intermediate arrays that the layers, the trace and the
+pictures show: they are the naive kernel's own, so what is shown is what is computed.
+Axis legend: see :mod:`attnlab.core.spec`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from attnlab._validation import as_float_array, fmt_shape, same_dtype, shape_error
+from attnlab.core import blockwise, naive
+from attnlab.core.spec import AttentionSpec, check_attention_args
+
+__all__ = [
+    "attention_scores",
+    "attention_weights",
+    "scaled_dot_product_attention",
+    "scaled_dot_product_attention_backward",
+    "simple_attention",
+]
+
+
+def scaled_dot_product_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """Attention as ``torch.nn.functional.scaled_dot_product_attention`` computes it.
+
+    Equivalent to::
+
+        scores = query @ key.swapaxes(-1, -2) * scale     # (..., Hq, L, S)
+        scores[~attn_mask] = -inf  or  scores += attn_mask # bool or float mask
+        weights = softmax(scores, axis=-1)                 # rows sum to 1
+        weights = dropout(weights, dropout_p, rng)         # only if dropout_p > 0
+        return weights @ value                             # (..., Hq, L, Ev)
+
+    A query with nothing to attend to (a fully masked row, or ``S == 0``) outputs zeros,
+    never NaN. NaN or inf in the inputs propagate. float32 and float64 are kept.
+
+    Args:
+        query: ``(..., Hq, L, E)`` (any leading dims; ``(L, E)`` works too).
+        key: ``(..., H, S, E)``; ``H == Hq`` unless ``enable_gqa``.
+        value: ``(..., H, S, Ev)``.
+        attn_mask: bool (True = takes part) or float (added to the scores), broadcastable
+            to ``(..., Hq, L, S)``. Not together with ``is_causal``.
+        dropout_p: probability of dropping a weight; dropout happens only if ``> 0``.
+        is_causal: apply a top-left aligned causal mask (query ``i`` sees keys ``j <= i``).
+            For bottom-right alignment pass ``causal_mask(L, S, align="bottom-right")``.
+        scale: factor on the scores; ``None`` means ``1 / sqrt(E)``.
+        enable_gqa: grouped-query attention: each of the ``H`` key/value heads serves
+            ``Hq // H`` consecutive query heads (``repeat_interleave``, as in torch).
+        rng: the ``np.random.Generator`` that draws the dropout mask; ``None`` takes a
+            fresh unseeded one.
+
+    Returns:
+        ``(..., Hq, L, Ev)``, the dtype of ``query``.
+
+    Raises:
+        TypeError: non-float or mixed dtypes, a mask that is neither bool nor float.
+        ValueError: shapes that do not fit (the message names the argument and both
+            shapes), both ``attn_mask`` and ``is_causal``, ``dropout_p`` outside ``[0, 1)``.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 2, 4, 8))  # each (H=2, L=S=4, E=8)
+    >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
+    (2, 4, 8)
+    """
+    spec = check_attention_args(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    if use_blockwise(spec):
+        return blockwise.forward_spec(spec)
+    return naive.forward(spec, rng=rng)
+
+
+# Blockwise beats materialising the scores from about this many scores per head, or from
+# 256 x 256 per head when the whole batch holds this many (measured on 2 cores).
+BLOCKWISE_MIN_SCORES_PER_HEAD = 512 * 512
+BLOCKWISE_MIN_SCORES_TOTAL = 2**22
+
+
+def use_blockwise(spec: AttentionSpec) -> bool:
+    """The blockwise kernel is exact for everything but dropout; pick it where it is faster."""
+    if spec.dropout_p > 0 or spec.query.dtype not in (np.float32, np.float64):
+        return False
+    per_head = spec.L * spec.S
+    total = per_head * math.prod(spec.batch_shape)
+    return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD or (
+        total >= BLOCKWISE_MIN_SCORES_TOTAL and per_head >= 256 * 256
+    )
+
+
+def _keys_only(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> AttentionSpec:
+    """A spec for functions that take no values (a zero-width value stands in)."""
+    key_arr = np.asarray(key)
+    dummy_v = np.empty((*key_arr.shape[:-1], 0), dtype=key_arr.dtype)
+    return check_attention_args(query, key, dummy_v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def attention_scores(
+    query: np.ndarray,
+    key: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> np.ndarray:
+    """The masked, scaled scores ``query @ key^T * scale + mask``: ``(..., Hq, L, S)``.
+
+    What :func:`attention_weights` feeds its softmax: a bool mask's False entries (and, with
+    ``is_causal``, the future keys) are ``-inf``, a float mask is added. The same arguments
+    as :func:`scaled_dot_product_attention` without value and dropout.
+
+    >>> q = k = np.eye(2)
+    >>> attention_scores(q, k, is_causal=True, scale=1.0)
+    array([[ 1., -inf],
+           [ 0.,  1.]])
+    """
+    return naive.scores(_keys_only(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa))
+
+
+def attention_weights(
+    query: np.ndarray,
+    key: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """The attention weights ``dropout(softmax(query @ key^T * scale + mask))``: ``(..., Hq, L, S)``.
+
+    The same arguments and semantics as :func:`scaled_dot_product_attention` without
+    ``value``; ``scaled_dot_product_attention(q, k, v, ...)`` equals
+    ``attention_weights(q, k, ...) @ v`` (for the same ``rng`` state with dropout, since
+    both draw the same mask). Each row sums to 1 (before dropout), or is all zeros when
+    every key is masked. For teaching, inspection and pictures; the layers return these
+    as their ``need_weights`` maps.
+
+    >>> q = k = np.eye(3)
+    >>> attention_weights(q, k, is_causal=True).round(2)
+    array([[1.  , 0.  , 0.  ],
+           [0.36, 0.64, 0.  ],
+           [0.26, 0.26, 0.47]])
+    """
+    spec = _keys_only(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return naive.weights(spec, rng=rng)
+
+
+def scaled_dot_product_attention_backward(
+    grad_out: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    rng: np.random.Generator | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Gradients of a loss through :func:`scaled_dot_product_attention`.
+
+    Recomputes the forward pass's weights. With ``dropout_p > 0`` pass a Generator in the
+    same state as the forward pass had (e.g. a fresh ``np.random.default_rng(seed)`` with
+    the same seed): it draws the same dropout mask.
+
+    Args:
+        grad_out: dLoss/doutput, ``(..., Hq, L, Ev)``.
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng: as
+            given to the forward pass.
+
+    Returns:
+        ``(grad_query, grad_key, grad_value)`` with the shapes of ``query``, ``key`` and
+        ``value`` (GQA and broadcast dims summed back).
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 4, 8))
+    >>> dq, dk, dv = scaled_dot_product_attention_backward(np.ones((4, 8)), q, k, v)
+    >>> dq.shape, dk.shape, dv.shape
+    ((4, 8), (4, 8), (4, 8))
+    """
+    spec = check_attention_args(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    grad_out = as_float_array(grad_out, "grad_out")
+    out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
+    if grad_out.shape != out_shape:
+        raise shape_error("grad_out", grad_out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
+    same_dtype(grad_out=grad_out, query=spec.query)
+    if use_blockwise(spec):
+        return blockwise.backward_from_spec(spec, grad_out)
+    return naive.backward(spec, grad_out, rng=rng)
+
+
+def simple_attention(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weight-free self-attention: the inputs are their own queries, keys and values.
+
+    ``scores = x @ x^T`` (no scaling), ``weights = softmax(scores)``, ``context = weights @ x``.
+
+    Args:
+        x: ``(..., T, D)`` token vectors.
+
+    Returns:
+        ``(context (..., T, D), weights (..., T, T))``.
+
+    >>> x = np.array([[0.43, 0.15, 0.89], [0.55, 0.87, 0.66], [0.57, 0.85, 0.64],
+    ...               [0.22, 0.58, 0.33], [0.77, 0.25, 0.10], [0.05, 0.80, 0.55]])
+    >>> context, weights = simple_attention(x)   # "Your journey starts with one step"
+    >>> weights[1].round(4)                       # how "journey" attends
+    array([0.1385, 0.2379, 0.2333, 0.124 , 0.1082, 0.1581])
+    >>> context[1].round(4)
+    array([0.4419, 0.6515, 0.5683])
+    """
+    x = as_float_array(x, "x", min_ndim=2, layout="(..., T, D)")
+    spec = check_attention_args(x, x, x, scale=1.0)
+    w = naive.weights(spec)
+    return np.matmul(w, spec.value), w
