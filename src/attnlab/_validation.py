@@ -96,3 +96,37 @@ def float_dtype(dtype: object, name: str = "dtype") -> np.dtype:
     if dt.type not in (np.float32, np.float64):
         raise TypeError(f"{name} must be float32 or float64, got {dt}")
     return dt
+
+
+def layer_number(layer: object, n_layers: int, *, name: str = "layer", embeddings: bool = True) -> int:
+    """``layer`` as a number in ``0..n_layers`` (or ``1..n_layers``), negatives from the end.
+
+    attnlab's one layer numbering, in Python, the CLI, JSON, the report and plot titles:
+    layer 0 is the embeddings (static vectors; it has no attention), layer ``k`` is the
+    output of the ``k``-th transformer block, ``k = 1..n_layers``; ``-1`` is the last
+    block. With ``embeddings=False`` (something only blocks have, such as attention maps)
+    layer 0 is refused with a message that says why.
+
+    >>> layer_number(-1, 6), layer_number(0, 6), layer_number(6, 6)
+    (6, 0, 6)
+    >>> layer_number(0, 6, embeddings=False)
+    Traceback (most recent call last):
+    ...
+    ValueError: layer 0 is the embeddings, which have no attention; pick a layer in 1..6 (or -6..-1)
+    """
+    if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
+        raise TypeError(f"{name} must be an int, got {type(layer).__name__}")
+    layer = int(layer)
+    lo = 0 if embeddings else 1
+    if layer == 0 and not embeddings:
+        raise ValueError(
+            f"{name} 0 is the embeddings, which have no attention; pick a {name} in "
+            f"1..{n_layers} (or -{n_layers}..-1)"
+        )
+    k = layer + n_layers + 1 if layer < 0 else layer
+    if not lo <= k <= n_layers:
+        raise ValueError(
+            f"{name} must be in {lo}..{n_layers} (or -{n_layers}..-1) for a model with "
+            f"{n_layers} layers, got {layer}"
+        )
+    return k
