@@ -9,26 +9,29 @@ import numpy as np
 import pytest
 
 from attnlab.cli import main
-from attnlab.explain import Explanation
+from attnlab.explain import MODELS, Explanation
 
 
-def _fake_minilm(text, *, seed=0, checkpoint=None, **_):
-    rng = np.random.default_rng(seed)
+def _fake_minilm(text, *, layer=None, head=None, trace=None):
+    from attnlab.explain.backends import _place
+
+    rng = np.random.default_rng(0)
     tokens = ["[CLS]", *text.lower().split(), "[SEP]"]
     T = len(tokens)
     att = rng.random((3, 5, T, T))
     att /= att.sum(-1, keepdims=True)
+    k, h = _place(layer, head, 3, 5)
     return Explanation(text=text, tokens=tokens, model="fake MiniLM (3 layers, 5 heads)",
                        attentions=att, static=rng.standard_normal((T, 12)),
-                       contextual=rng.standard_normal((T, 12)))
+                       contextual=rng.standard_normal((T, 12)), model_name="minilm", layer=k, head=h)
 
 
 @pytest.fixture
 def fake_bert(monkeypatch):
     mod = types.ModuleType("attnlab.models.bert")
     mod.minilm_available = lambda: True
-    mod.explain_minilm = _fake_minilm
     monkeypatch.setitem(sys.modules, "attnlab.models.bert", mod)
+    monkeypatch.setitem(MODELS, "minilm", _fake_minilm)
     return mod
 
 
@@ -36,7 +39,7 @@ def test_default_model_is_minilm_when_available(fake_bert, capsys):
     assert main(["explain", "The bank of the river"]) == 0
     out = capsys.readouterr().out
     assert "fake MiniLM" in out and "(--model minilm)" in out
-    assert "layer 2 of 3, head 0 of 5" in out  # default: the last layer
+    assert "layer 3 of 3, head 0 of 5" in out  # default: the last layer
 
 
 def test_default_model_is_random_without_pretrained(monkeypatch, capsys):
@@ -52,15 +55,24 @@ def test_layer_and_head_pick_the_map(fake_bert, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "layer 1 of 3, head 4 of 5" in out
     assert {p.name for p in tmp_path.iterdir()} == {"heatmap.png", "heads.png", "embeddings.png"}
-    assert main(["explain", "a b c", "--layer", "3"]) == 2
-    assert "--layer 3 is out of range: this model has 3 layers (0 to 2)" in capsys.readouterr().err
+    assert main(["explain", "a b c", "--layer", "-3", "--head", "-1"]) == 0
+    assert "layer 1 of 3, head 4 of 5" in capsys.readouterr().out  # negatives count back
+    assert main(["explain", "a b c", "--layer", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("attnlab explain: error: --layer must be in 1..3 (or -3..-1) for a model with 3 layers, "
+                   "got 4")
+    assert main(["explain", "a b c", "--layer", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("attnlab explain: error: --layer 0 is the embeddings, which have no attention; pick a "
+                   "layer in 1..3 (or -3..-1)")
     assert main(["explain", "a b c", "--head", "-6"]) == 2
-    assert "--head -6 is out of range" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "attnlab explain: error: --head must be in 0..4 (or -5..-1), got -6"
 
 
-def test_steps_need_the_tutorial_trace(fake_bert, capsys):
+def test_steps_from_a_model_that_records_no_trace_is_one_error(fake_bert, capsys):
     assert main(["explain", "a b", "--steps"]) == 2
-    assert "--model random" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip()
+    assert err == "attnlab explain: error: --steps: model minilm recorded no step-by-step trace"
 
 
 def test_random_only_options_are_noted(fake_bert, capsys):
@@ -93,7 +105,7 @@ def test_failing_report_leaves_no_file(monkeypatch, tmp_path, capsys):
 
 def test_colour_only_on_a_tty(monkeypatch):
     from attnlab.cli.explain import print_summary
-    from attnlab.text import explain_random
+    from attnlab.explain import random_model as explain_random
 
     class TTY(io.StringIO):
         def isatty(self):
@@ -103,6 +115,6 @@ def test_colour_only_on_a_tty(monkeypatch):
     monkeypatch.setenv("TERM", "xterm-256color")
     e = explain_random("a b a", dim=8, heads=2)
     tty, plain = TTY(), io.StringIO()
-    print_summary(e, "random", 0, 0, out=tty)
-    print_summary(e, "random", 0, 0, out=plain)
+    print_summary(e, out=tty)
+    print_summary(e, out=plain)
     assert "\x1b[" in tty.getvalue() and "\x1b[" not in plain.getvalue()

@@ -63,8 +63,9 @@ def test_demo_prints_tables_and_writes_pictures(tmp_path):
     out = tmp_path / "pics"
     proc = run("demo", "--model", "random", "--out", str(out), check_rc=0)
     text = proc.stdout
-    assert "random (tutorial): embed_dim 128, 4 heads, seed 0" in text
-    assert "(1, 6, 128)" in text and "(1, 4, 6, 6)" in text
+    assert "random (teaching model): embed_dim 128, 4 heads, seed 0" in text
+    assert "token vectors (static, layer 0)" in text and "(6, 128)" in text and "(1, 4, 6, 6)" in text
+    assert "attention weights, layer 1 of 1, head 0 of 4" in text
     header = next(line for line in text.splitlines() if line.split() == TOKENS)
     assert header  # the weights table is labelled by the tokens
     rows = [line.split() for line in text.splitlines() if line.split()[:1] == ["cat"]]
@@ -87,7 +88,7 @@ def test_demo_default_out_dir_and_model_named(tmp_path):
 def test_demo_seed_changes_weights(tmp_path):
     a = run("demo", "--model", "random", "--seed", "1", "--out", str(tmp_path / "a"), check_rc=0)
     b = run("demo", "--model", "random", "--seed", "2", "--out", str(tmp_path / "b"), check_rc=0)
-    marker = "attention weights, head"
+    marker = "attention weights, layer"
     assert a.stdout.split(marker)[1] != b.stdout.split(marker)[1]
 
 
@@ -99,6 +100,7 @@ def test_explain_steps_walk_through():
                  "scaled_scores  (6, 6)", "weights  (6, 6)", "head_output  (6, 8)",
                  "concat  (6, 16)", "output  (6, 16)"):
         assert step in text, step
+    assert "step by step: layer 1, head 1" in text
     assert "head 0" not in text.split("step by step")[1].replace("other heads", "")
     assert "1/sqrt(8)" in text
 
@@ -124,6 +126,16 @@ def test_explain_long_text_is_truncated_in_print():
     text = " ".join(f"w{i}" for i in range(30))
     proc = run("explain", text, "--model", "random", "--dim", "8", "--heads", "2", check_rc=0)
     assert "showing the first 24 of 30 tokens" in proc.stdout
+    assert f"text    {text!r}" in proc.stdout  # short enough: whole
+
+
+def test_explain_very_long_text_is_shortened_on_the_text_line():
+    text = " ".join(f"w{i % 50}" for i in range(1000))
+    proc = run("explain", text, "--model", "random", "--dim", "8", "--heads", "2", check_rc=0)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("text "))
+    assert len(line) < 160 and f"({len(text):,} characters, 1,000 words)" in line
+    tokens = next(x for x in proc.stdout.splitlines() if x.startswith("tokens "))
+    assert tokens.startswith("tokens  1000: w0 | w1") and tokens.endswith("\u2026 936 more")
 
 
 def test_explain_fixed_vocabulary_warns_about_unknown_words(tmp_path):
@@ -144,8 +156,9 @@ def test_explain_fixed_vocabulary_warns_about_unknown_words(tmp_path):
     (["the cat", "--model", "random", "--heads", "-2"], "--heads must be a positive integer"),
     (["the cat", "--model", "random", "--dim", str(10**9)], "GiB"),
     (["the cat", "--model", "random", "--dim", "10**9"], "invalid int value"),
-    (["the cat", "--model", "random", "--layer", "1"], "--layer 1 is out of range"),
-    (["the cat", "--model", "random", "--head", "4"], "--head 4 is out of range"),
+    (["the cat", "--model", "random", "--layer", "2"], "--layer must be in 1..1 (or -1..-1)"),
+    (["the cat", "--model", "random", "--layer", "0"], "--layer 0 is the embeddings, which have no attention"),
+    (["the cat", "--model", "random", "--head", "4"], "--head must be in 0..3 (or -4..-1), got 4"),
     (["the cat", "--model", "random", "--seed", "-1"], "--seed"),
     (["the cat", "--model", "nope"], "invalid choice"),
     (["the cat", "--model", "checkpoint"], "--checkpoint"),

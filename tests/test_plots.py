@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="matplotlib (the viz extra) is not installed")
 
-from attnlab.text import explain_random  # noqa: E402
+from attnlab.explain import random_model as explain_random  # noqa: E402
 from attnlab.viz.plots import pca_2d, plot_attention, plot_embeddings, plot_heads  # noqa: E402
 
 TOKENS = ["the", "cat", "sat", "on", "the", "mat"]

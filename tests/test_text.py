@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attnlab.explain import random_model as explain_random
 from attnlab.text import (
     Embedding,
     Tokenizer,
     Vocabulary,
-    explain_random,
     one_hot,
     sinusoidal_positions,
     text_to_embeddings,
@@ -185,7 +185,7 @@ def test_word2vec_embedding_trains_on_own_sentences():
 
 
 # ---- the tutorial model -----------------------------------------------------------------------
-def test_explain_random_matches_seed_000():
+def test_explain_random_is_reproducible_from_its_seed():
     e = explain_random(SENTENCE, seed=0)
     assert e.tokens == ["the", "cat", "sat", "on", "the", "mat"]
     assert e.attentions.shape == (1, 4, 6, 6)

@@ -11,7 +11,6 @@ to stderr) and, with --out, also saves it as DIR/explanation.json.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import warnings
@@ -52,11 +51,11 @@ def default_model() -> str:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=model_names(), default=None,
-                   help="which model: 'random' is the tutorial model (random weights), 'minilm' "
+                   help="which model: 'random' is the teaching model (random weights), 'minilm' "
                    "the pretrained MiniLM, 'checkpoint' a trained checkpoint "
                    "(default: minilm when installed, else random)")
     p.add_argument("--seed", type=int, default=0,
-                   help="random seed of the tutorial model (default 0)")
+                   help="random seed of the teaching model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
 
 
@@ -67,29 +66,31 @@ def register(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
-        "  attnlab explain \"The cat sat on the mat\" --model random --steps\n"
+        "  attnlab explain \"The cat sat on the mat\" --steps\n"
         "  attnlab explain \"The bank of the river\" --layer 2 --head 5 --out pictures\n"
         "  attnlab explain \"A dog barked\" --format json > explanation.json",
     )
     p.add_argument("text", metavar="TEXT", help="the text to explain (quote it)")
     add_model_options(p)
     p.add_argument("--dim", type=int, default=None,
-                   help=f"embedding width of the tutorial model (default {DEFAULT_DIM})")
+                   help=f"embedding width of the teaching model (default {DEFAULT_DIM})")
     p.add_argument("--heads", type=int, default=None,
-                   help="attention heads of the tutorial model; must divide --dim "
+                   help="attention heads of the teaching model; must divide --dim "
                    f"(default {DEFAULT_HEADS})")
     p.add_argument("--positions", action="store_true",
-                   help="tutorial model: add sinusoidal position codes (without them equal "
+                   help="teaching model: add sinusoidal position codes (without them equal "
                    "words get equal contextual vectors)")
     p.add_argument("--vocab", metavar="JSON", default=None,
-                   help="tutorial model: a fixed vocabulary (attnlab.text.Vocabulary JSON); "
+                   help="teaching model: a fixed vocabulary (attnlab.text.Vocabulary JSON); "
                    "unknown words become <unk>")
     p.add_argument("--steps", action="store_true",
                    help="print every step of the attention call with its shape and values")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text tables (default) or one JSON document on stdout")
     p.add_argument("--layer", type=int, default=None,
-                   help="which layer's attention to print and plot (default: the last)")
+                   help="which layer's attention to print, plot and trace: 1 to the number of "
+                   "layers, negatives count back (default: the last; 0 is the embeddings, "
+                   "which have no attention)")
     p.add_argument("--head", type=int, default=None, help="which head (default 0)")
     p.add_argument("--checkpoint", metavar="PATH", default=None,
                    help="explain with a trained checkpoint (implies --model checkpoint)")
@@ -117,20 +118,13 @@ def _not_available(model: str) -> str:
     return f"model {model} is not available: {_HINTS.get(model, 'install it')}"
 
 
-def load_backend(model: str):
-    from attnlab.explain import MODELS
-
-    module, func = MODELS[model].split(":")
-    try:
-        return getattr(importlib.import_module(module), func)
-    except ImportError:
-        raise CLIError(_not_available(model)) from None
-
-
 def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | None,
             checkpoint: str | None = None, positions: bool = False, vocab: str | None = None,
+            layer: int | None = None, head: int | None = None, trace: bool | None = None,
             warn_stream=None):
-    """Validate the options, run the backend, return the Explanation (or raise CLIError)."""
+    """Validate the options, run the model, return the Explanation (or raise CLIError)."""
+    from attnlab.explain import explain
+
     warn_stream = warn_stream or sys.stderr
     if not text.strip():
         raise CLIError("TEXT is empty: give a sentence, e.g. \"The cat sat on the mat\"")
@@ -138,31 +132,29 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
     _check_size(heads, "--heads")
     if seed < 0:
         raise CLIError(f"--seed must be a non-negative integer, got {seed}")
-    options: dict = {"seed": seed, "checkpoint": checkpoint}
+    options: dict = {}
     if model == "random":
         d = DEFAULT_DIM if dim is None else dim
         h = DEFAULT_HEADS if heads is None else heads
         if d % h:
             raise CLIError(f"--heads {h} must divide --dim {d} (each head gets dim/heads columns)")
-        options.update(dim=d, heads=h, positions=positions, vocab=vocab)
+        options.update(seed=seed, dim=d, heads=h, positions=positions, vocab=vocab)
     else:
-        for flag, value in (("--dim", dim), ("--heads", heads), ("--vocab", vocab)):
-            if value is not None:
-                print(f"attnlab: note: {flag} applies to the random model only; ignored",
-                      file=warn_stream)
-        if positions:
-            print("attnlab: note: --positions applies to the random model only; ignored",
-                  file=warn_stream)
-    if model == "checkpoint" and checkpoint is None:
-        raise CLIError("--model checkpoint needs --checkpoint PATH")
-    backend = load_backend(model)
+        ignored = [flag for flag, value in (("--dim", dim), ("--heads", heads), ("--vocab", vocab),
+                                            ("--positions", positions or None)) if value is not None]
+        for flag in ignored:
+            print(f"attnlab: note: {flag} applies to the random model only; ignored", file=warn_stream)
+    if model == "checkpoint":
+        if checkpoint is None:
+            raise CLIError("--model checkpoint needs --checkpoint PATH")
+        options["path"] = checkpoint
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            expl = backend(text, **options)
+            expl = explain(text, model=model, layer=layer, head=head, trace=trace, **options)
         except (ValueError, TypeError, KeyError) as exc:
             msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-            raise CLIError(str(msg)) from None
+            raise CLIError(_flag_names(str(msg))) from None
         except FileNotFoundError as exc:
             raise CLIError(f"file not found: {exc.filename or exc}") from None
         except ImportError:
@@ -177,18 +169,12 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
     return expl
 
 
-def pick(expl, layer: int | None, head: int | None) -> tuple[int, int]:
-    """Resolve ``--layer``/``--head`` against the attentions' shape (negatives count back)."""
-    n_layers, n_heads = expl.attentions.shape[:2]
-    layer = n_layers - 1 if layer is None else layer
-    head = 0 if head is None else head
-    if not -n_layers <= layer < n_layers:
-        raise CLIError(f"--layer {layer} is out of range: this model has {n_layers} layer"
-                       f"{'s' if n_layers > 1 else ''} (0 to {n_layers - 1})")
-    if not -n_heads <= head < n_heads:
-        raise CLIError(f"--head {head} is out of range: this model has {n_heads} heads "
-                       f"(0 to {n_heads - 1})")
-    return layer % n_layers, head % n_heads
+def _flag_names(msg: str) -> str:
+    """Library messages name arguments (``layer 0 is ...``); the CLI's user typed flags."""
+    for name in ("layer", "head"):
+        if msg.startswith(f"{name} "):
+            return f"--{msg}"
+    return msg
 
 
 # ---- text output --------------------------------------------------------------------------
@@ -200,38 +186,43 @@ def _trim(labels: list[str], width: int = 12) -> list[str]:
     return [t if len(t) <= width else t[: width - 1] + "…" for t in labels]
 
 
-def print_summary(expl, model: str, layer: int, head: int, *, out=None) -> None:
+def _short_text(text: str, limit: int = 120) -> str:
+    """``text`` for one line: long texts are cut, with their length said."""
+    if len(text) <= limit:
+        return repr(text)
+    words = len(text.split())
+    return f"{text[: limit - 20]!r}… ({len(text):,} characters, {words:,} words)"
+
+
+def print_summary(expl, *, out=None) -> None:
     out = out or sys.stdout
     color = use_color(out)
     T = len(expl.tokens)
-    L, H = expl.attentions.shape[:2]
+    n_layers, H = expl.n_layers, expl.n_heads
+    layer, head = expl.layer, expl.head
     bold = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)
-    print(f"{bold('model')}   {expl.model}  (--model {model})", file=out)
-    print(f"{bold('text')}    {expl.text!r}", file=out)
-    print(f"{bold('tokens')}  {T}: " + " | ".join(expl.tokens), file=out)
+    print(f"{bold('model')}   {expl.model}  (--model {expl.model_name})", file=out)
+    print(f"{bold('text')}    {_short_text(expl.text)}", file=out)
+    shown = expl.tokens if T <= 64 else [*expl.tokens[:64], f"… {T - 64} more"]
+    print(f"{bold('tokens')}  {T}: " + " | ".join(shown), file=out)
     print("", file=out)
     print(bold("shapes"), file=out)
-    D = expl.static.shape[-1]
-    static = f"(1, {T}, {D})" if expl.trace is not None else _shape(expl.static.shape)
-    rows = [("token vectors (static)", static)]
+    rows = [("token vectors (static, layer 0)", _shape(expl.static.shape))]
     tr = expl.trace
     if tr is not None:
         q = tr.get("Q", 0)
         rows.append((f"queries, keys, values per head (x{tr.num_heads})", _shape(q.shape)))
         rows.append((f"scores and weights per head (x{tr.num_heads})", f"({T}, {T})"))
-        rows.append(("contextual vectors", f"(1, {T}, {expl.contextual.shape[-1]})"))
-    else:
-        rows.append(("contextual vectors", _shape(expl.contextual.shape)))
+    rows.append((f"contextual vectors (layer {n_layers})", _shape(expl.contextual.shape)))
     rows.append(("attention weights (layers, heads, T, T)", _shape(expl.attentions.shape)))
     w = max(len(r[0]) for r in rows)
     for name, shape in rows:
         print(f"  {name.ljust(w)}  {shape}", file=out)
     print("", file=out)
-    where = f"layer {layer} of {L}, head {head} of {H}" if L > 1 else f"head {head} of {H}"
-    print(bold(f"attention weights, {where}"), file=out)
+    print(bold(f"attention weights, layer {layer} of {n_layers}, head {head} of {H}"), file=out)
     print("  row: a token; columns: how much it attends to each token (each row sums to 1)",
           file=out)
-    weights = expl.attentions[layer, head]
+    weights = expl.weights()
     labels = _trim(list(expl.tokens))
     n = min(T, MAX_TABLE)
     print(format_table(weights[:n, :n], labels[:n], labels[:n], decimals=2, color=color), file=out)
@@ -247,17 +238,15 @@ _TOKEN_COLS = {"scores", "scaled_scores", "masked_scores", "weights"}
 
 
 def print_steps(expl, head: int, *, out=None) -> None:
-    """Seed 001's walk-through from the trace: every step, its shape, rounded values."""
+    """The step-by-step walk through one attention call: every step, its shape, values."""
     out = out or sys.stdout
     tr = expl.trace
-    if tr is None:
-        raise CLIError("--steps needs the tutorial model's trace: use --model random")
     color = use_color(out)
     tok = _trim(list(tr.tokens))
     steps = [s for s in tr.steps if s.head in (None, head)]
     print("", file=out)
-    heads_note = f" (head {head}; other heads: --head N)" if tr.num_heads > 1 else ""
-    print(f"step by step{heads_note}", file=out)
+    heads_note = f", head {head} (other heads: --head N)" if tr.num_heads > 1 else ""
+    print(f"step by step: layer {expl.layer}{heads_note}", file=out)
     for i, s in enumerate(steps, 1):
         where = "" if s.head is None else f"  head {s.head}"
         title = f"{i:>2}. {s.name}  {_shape(s.shape)}{where}: {s.description}"
@@ -284,63 +273,7 @@ def print_steps(expl, head: int, *, out=None) -> None:
             print(f"  ... {', '.join(more)} (--format json has every value)", file=out)
 
 
-# ---- JSON ---------------------------------------------------------------------------------
-def _array(a) -> dict:
-    import numpy as np
-
-    a = np.asarray(a, dtype=np.float64)
-    return {"shape": list(a.shape), "values": a.tolist()}
-
-
-def to_json(expl, model: str, layer: int, head: int) -> dict:
-    """The document ``--format json`` prints (``"format": "attnlab-explanation"``)."""
-    return {
-        "format": "attnlab-explanation",
-        "version": 1,
-        "model_name": model,
-        "model": expl.model,
-        "text": expl.text,
-        "tokens": list(expl.tokens),
-        "created": expl.created,
-        "notes": list(expl.notes),
-        "layer": layer,
-        "head": head,
-        "attentions": _array(expl.attentions),
-        "static": _array(expl.static),
-        "contextual": _array(expl.contextual),
-        "trace": None if expl.trace is None else expl.trace.to_dict(),
-    }
-
-
 # ---- files --------------------------------------------------------------------------------
-def draw(expl, layer: int, head: int) -> dict:
-    """The figures, drawn in memory: {file name: Figure}."""
-    try:
-        from attnlab.viz import plots
-    except ImportError:
-        raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
-    try:
-        plots._pyplot()
-    except ImportError:
-        raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
-    L, H = expl.attentions.shape[:2]
-    short = expl.model.split(":")[0]
-    where = f"layer {layer}, head {head}" if L > 1 else f"head {head}"
-    text = expl.text if len(expl.text) <= 60 else expl.text[:57] + "..."
-    return {
-        "heatmap.png": plots.plot_attention(
-            expl.attentions[layer, head], expl.tokens,
-            title=f"Attention weights, {where} \u00b7 {short}\n\u201c{text}\u201d"),
-        "heads.png": plots.plot_heads(
-            expl.attentions[layer], expl.tokens,
-            title=f"All {H} heads" + (f" of layer {layer}" if L > 1 else "") + f" \u00b7 {short}"
-                  + f"\n\u201c{text}\u201d"),
-        "embeddings.png": plots.plot_embeddings(
-            expl.static, expl.contextual, expl.tokens,
-            title=f"Static \u2192 contextual token vectors \u00b7 {short}\n\u201c{text}\u201d"),
-    }
-
-
 def write_files(out_dir: Path, figures: dict, extra: dict | None = None) -> list[Path]:
     from attnlab.viz.plots import save_figure
 
@@ -377,6 +310,7 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
     info = sys.stderr if fmt == "json" else sys.stdout
     model = choose_model(args)
     html = getattr(args, "html", None)
+    steps = getattr(args, "steps", False)
     out_path = prepare_out_dir(out_dir) if out_dir is not None else None
     if html is not None:
         prepare_out_dir(Path(html).parent)
@@ -384,22 +318,21 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         text, model, seed=args.seed, dim=getattr(args, "dim", None),
         heads=getattr(args, "heads", None), checkpoint=getattr(args, "checkpoint", None),
         positions=getattr(args, "positions", False), vocab=getattr(args, "vocab", None),
+        layer=getattr(args, "layer", None), head=getattr(args, "head", None),
+        trace=True if steps else None,
     )
-    layer, head = pick(expl, getattr(args, "layer", None), getattr(args, "head", None))
-    if getattr(args, "steps", False) and expl.trace is None:
-        raise CLIError(f"--steps needs the tutorial model's trace; model {model} has none "
-                       "(use --model random)")
-    figures = draw(expl, layer, head) if out_path is not None else {}
+    if steps and expl.trace is None:
+        raise CLIError(f"--steps: model {expl.model_name} recorded no step-by-step trace")
+    figures = _figures(expl) if out_path is not None else {}
 
     document = None
     if fmt == "json":
-        document = json.dumps(to_json(expl, model, layer, head), ensure_ascii=False,
-                              allow_nan=False)
+        document = json.dumps(expl.to_dict(), ensure_ascii=False, allow_nan=False)
         sys.stdout.write(document + "\n")
     else:
-        print_summary(expl, model, layer, head)
-        if getattr(args, "steps", False):
-            print_steps(expl, head)
+        print_summary(expl)
+        if steps:
+            print_steps(expl, expl.head)
 
     written = []
     if out_path is not None:
@@ -413,14 +346,22 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         width = max(len(str(p)) for p in written)
         for p in written:
             what = {
-                "heatmap.png": f"attention of head {head}"
-                + (f", layer {layer}" if expl.attentions.shape[0] > 1 else ""),
-                "heads.png": "every head side by side",
+                "heatmap.png": f"attention of layer {expl.layer}, head {expl.head}",
+                "heads.png": f"every head of layer {expl.layer} side by side",
                 "embeddings.png": "static -> contextual token vectors (PCA)",
                 "explanation.json": "the explanation as JSON",
             }.get(p.name, "interactive report")
             print(f"  {str(p).ljust(width)}  {what}", file=info)
     return 0
+
+
+def _figures(expl) -> dict:
+    try:
+        from attnlab.viz.figures import explanation_figures
+
+        return explanation_figures(expl)
+    except ImportError:
+        raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
 
 
 def run(args) -> int:

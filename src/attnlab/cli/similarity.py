@@ -52,6 +52,8 @@ def _load():
 
 
 def run(args) -> int:
+    from attnlab.explain import compare_word
+
     word = args.word.strip()
     if not word:
         raise CLIError("--word is empty: give the word to compare, e.g. --word bank")
@@ -59,38 +61,29 @@ def run(args) -> int:
         if not text.strip():
             raise CLIError(f"{name} is empty: give a sentence that contains {word!r}")
     model = _load()
-    from attnlab.models.bert import cosine
-
-    n = model.config.num_hidden_layers
-    layer = n if args.layer is None else args.layer
-    if not -n <= layer <= n:
-        raise CLIError(f"--layer {layer} is out of range: this model has {n} layers "
-                       f"(1 to {n}; 0 = static embedding rows; negatives count back)")
-    layer %= n + 1
-
-    pieces, vectors, statics, caught = [], [], [], []
-    for name, text in (("SENTENCE_A", args.sentence_a), ("SENTENCE_B", args.sentence_b)):
-        with warnings.catch_warnings(record=True) as got:
-            warnings.simplefilter("always")
-            try:
-                positions = model.find_word(text, word)
-            except ValueError as exc:
-                raise CLIError(f"{name}: {exc}") from None
-            analysis = model.analyze(text)
-        caught += [f"{name}: {w.message}" for w in got]
-        pieces.append([analysis.tokens[i] for i in positions])
-        vectors.append(analysis.hidden_states[layer][positions].mean(axis=0))
-        statics.append(analysis.static[positions].mean(axis=0))
-    for msg in caught:
+    layer = -1 if args.layer is None else args.layer
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cmp = compare_word(model, args.sentence_a, args.sentence_b, word, layer=layer)
+        except ValueError as exc:
+            msg = str(exc)
+            for flag, arg in (("--layer", "layer "), ("SENTENCE_A", "sentence_a"), ("SENTENCE_B", "sentence_b")):
+                if msg.startswith(arg):
+                    msg = flag + msg[len(arg.rstrip()):]
+            raise CLIError(msg) from None
+    for w in caught:
+        msg = str(w.message).replace("sentence_a", "SENTENCE_A").replace("sentence_b", "SENTENCE_B")
         print(f"attnlab: warning: {msg}", file=sys.stderr)
 
-    label = "static word-embedding rows" if layer == 0 else f"output of layer {layer} of {n}"
+    n = cmp.n_layers
+    label = "layer 0, the static word-embedding rows" if cmp.layer == 0 else f"output of layer {cmp.layer} of {n}"
     print(f"model    {model.name} (attnlab NumPy BERT, {n} layers)")
-    for name, text, ps in (("A", args.sentence_a, pieces[0]), ("B", args.sentence_b, pieces[1])):
+    for name, text, ps in (("A", args.sentence_a, cmp.pieces[0]), ("B", args.sentence_b, cmp.pieces[1])):
         print(f"{name}        {text}")
         print(f"         {word!r} -> {' '.join(ps)}  ({len(ps)} word piece{'s' * (len(ps) > 1)})")
-    print(f"contextual cosine ({label}): {cosine(*vectors):.4f}")
-    print(f"static cosine (word-embedding rows, no context): {cosine(*statics):.4f}")
-    if any(len(ps) > 1 for ps in pieces):
+    print(f"contextual cosine ({label}): {cmp.contextual:.4f}")
+    print(f"static cosine (layer 0, word-embedding rows, no context): {cmp.static:.4f}")
+    if any(len(ps) > 1 for ps in cmp.pieces):
         print(f"note: {word!r} is split into several word pieces; its vector is their average")
     return 0

@@ -888,47 +888,6 @@ def shared_minilm() -> BertEncoder:
     return load_minilm()
 
 
-def explain_minilm(
-    text: str,
-    *,
-    seed: int = 0,
-    dim: int = 128,
-    heads: int = 4,
-    checkpoint=None,
-    **_,
-):
-    """:class:`attnlab.explain.Explanation` of ``text`` through all-MiniLM-L6-v2.
-
-    The registry's ``"minilm"`` backend. ``static`` is the tokens' word-embedding rows,
-    ``contextual`` the last layer's output, ``attentions`` ``(6, 12, T, T)``. ``seed``,
-    ``dim``, ``heads`` and ``checkpoint`` belong to other backends and are ignored.
-    """
-    from attnlab.explain import Explanation
-
-    model = shared_minilm()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        analysis = model.analyze(text)
-    notes = [
-        "static = word-embedding rows (before position embeddings and LayerNorm); "
-        f"contextual = output of layer {model.config.num_hidden_layers}",
-        "tokens are BERT word pieces (lower-cased; '##' marks a piece continuing a word)",
-    ]
-    notes += [str(w.message) for w in caught]
-    c = model.config
-    return Explanation(
-        text=text,
-        tokens=analysis.tokens,
-        # "name: details", as the other backends (plots title with the part before ":")
-        model=f"all-MiniLM-L6-v2 (pretrained BERT): {MINILM_NAME}, {c.num_hidden_layers} "
-        f"layers, {c.num_attention_heads} heads, {c.hidden_size} dims, run by attnlab in NumPy",
-        attentions=analysis.attentions,
-        static=analysis.static,
-        contextual=analysis.last_hidden_state,
-        notes=notes,
-    )
-
-
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     """Cosine similarity of two vectors (0 when either is zero).
 

@@ -4,12 +4,12 @@
 (``<pad>``/``<unk>``, JSON), :func:`one_hot`, :class:`Embedding` (a random table from a
 Generator; it is :class:`attnlab.nn.Embedding`), :func:`sinusoidal_positions`,
 :class:`Word2VecEmbedding` (gensim, optional) and :func:`text_to_embeddings`.
-:func:`explain_random` runs seed 000's tutorial model.
+:func:`attnlab.explain.random_model` runs the random-weight teaching model on them.
 """
 
 from attnlab.nn.layers import Embedding
 from attnlab.text.embedding import Word2VecEmbedding, one_hot, sinusoidal_positions
-from attnlab.text.pipeline import explain_random, text_to_embeddings
+from attnlab.text.pipeline import text_to_embeddings
 from attnlab.text.tokenizer import Token, Tokenizer
 from attnlab.text.vocab import PAD, UNK, Vocabulary
 
@@ -21,7 +21,6 @@ __all__ = [
     "Tokenizer",
     "Vocabulary",
     "Word2VecEmbedding",
-    "explain_random",
     "one_hot",
     "sinusoidal_positions",
     "text_to_embeddings",

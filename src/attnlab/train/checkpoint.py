@@ -1,5 +1,4 @@
-"""Checkpoints of a trained :class:`~attnlab.models.TinyTransformer` and the ``explain``
-backend that reads them.
+"""Checkpoints of a trained :class:`~attnlab.models.TinyTransformer`.
 
 A checkpoint is an ``.npz`` file (read with ``allow_pickle=False``; never pickle): one array
 per parameter under its ``state_dict`` name, plus ``__attnlab__``, a JSON string with the
@@ -19,7 +18,7 @@ from attnlab._validation import fmt_shape
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.train.tasks import RecallTask
 
-__all__ = ["explain_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["load_checkpoint", "save_checkpoint"]
 
 FORMAT = "attnlab-tiny-transformer-1"
 META_KEY = "__attnlab__"
@@ -89,62 +88,3 @@ def load_checkpoint(path: str | os.PathLike) -> tuple[TinyTransformer, RecallTas
             )
     model.load_state_dict(arrays)
     return model, task, header.get("meta", {})
-
-
-def explain_checkpoint(
-    text: str, *, seed: int = 0, dim: int = 128, heads: int = 4, checkpoint=None, **_
-):
-    """The ``explain`` backend for a trained recall model (``attnlab explain --checkpoint``).
-
-    ``text`` is a space-separated sequence of the task's tokens, e.g.
-    ``"k1 v5 k2 v9 k1"``; the last layer shows each queried key attending to the pair of
-    its first occurrence (the value right after the matching key, which the first layer
-    has tagged with that key). ``seed``, ``dim`` and ``heads`` do not apply (the
-    checkpoint fixes the model).
-
-    Raises:
-        ValueError: no checkpoint given, unknown tokens, or a text longer than the model's
-            context.
-    """
-    from attnlab.explain import Explanation
-
-    if checkpoint is None:
-        raise ValueError("the 'checkpoint' model needs checkpoint=PATH (a file from attnlab train)")
-    model, task, _meta = load_checkpoint(checkpoint)
-    ids = task.encode(text)
-    if len(ids) > model.config.context_length:
-        raise ValueError(
-            f"text has {len(ids)} tokens, but the model's context holds "
-            f"{model.config.context_length}"
-        )
-    out = model.inspect(ids)
-    tokens = text.split()
-    probs = np.exp(out["logits"] - out["logits"].max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    notes = []
-    last = out["attentions"][-1].mean(axis=0)  # (T, T), heads averaged
-    for t, tok in enumerate(tokens):
-        earlier = [j for j in range(t) if tokens[j] == tok]
-        if not tok.startswith("k") or not earlier:
-            continue
-        j = earlier[0]
-        guess = int(probs[t].argmax())
-        focus = int(last[t].argmax())
-        notes.append(
-            f"query {tok!r} at position {t}: predicts {task.vocab[guess]!r} "
-            f"(p={probs[t, guess]:.2f}); the last layer attends most to position {focus} "
-            f"({tokens[focus]!r}); the matching key is at {j}, its value at {j + 1}"
-        )
-    c = model.config
-    return Explanation(
-        text=text,
-        tokens=tokens,
-        model=(
-            f"TinyTransformer ({c.n_layers} layers, {c.n_heads} heads, d_model {c.d_model}) "
-            f"trained on associative recall: {Path(checkpoint).name}"
-        ),
-        attentions=out["attentions"].astype(np.float64),
-        static=out["static"].astype(np.float64),
-        contextual=out["contextual"].astype(np.float64),
-        notes=notes,
-    )

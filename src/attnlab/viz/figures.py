@@ -1,0 +1,37 @@
+"""The pictures of an :class:`~attnlab.explain.Explanation`, as matplotlib figures."""
+
+from __future__ import annotations
+
+
+def explanation_figures(expl) -> dict:
+    """``{file name: Figure}``: ``heatmap.png`` (the explanation's layer and head),
+    ``heads.png`` (every head of that layer) and ``embeddings.png`` (the
+    static-vs-contextual view, PCA). Layers are numbered as everywhere (1..n).
+
+    Raises:
+        ImportError: matplotlib (the ``viz`` extra) is missing.
+
+    >>> from attnlab.explain import explain
+    >>> sorted(explanation_figures(explain("a cat sat", dim=8, heads=2)))
+    ['embeddings.png', 'heads.png', 'heatmap.png']
+    """
+    from attnlab.viz import plots
+
+    plots._pyplot()  # ImportError without matplotlib, before anything is drawn
+    layer, head, n_layers = expl.layer, expl.head, expl.n_layers
+    short = expl.model.split(":")[0]
+    text = expl.text if len(expl.text) <= 60 else expl.text[:57] + "..."
+    return {
+        "heatmap.png": plots.plot_attention(
+            expl.weights(), expl.tokens,
+            title=f"Attention weights, layer {layer} of {n_layers}, head {head} \u00b7 {short}"
+                  f"\n\u201c{text}\u201d"),
+        "heads.png": plots.plot_heads(
+            expl.attentions[layer - 1], expl.tokens,
+            title=f"All {expl.n_heads} heads of layer {layer} of {n_layers} \u00b7 {short}"
+                  f"\n\u201c{text}\u201d"),
+        "embeddings.png": plots.plot_embeddings(
+            expl.static, expl.contextual, expl.tokens,
+            title=f"Static (layer 0) \u2192 contextual (layer {n_layers}) token vectors \u00b7 {short}"
+                  f"\n\u201c{text}\u201d"),
+    }
