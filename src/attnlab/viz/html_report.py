@@ -276,6 +276,9 @@ def _payload(explanation: object) -> dict:
         steps.append(step)
 
     layers, heads = att.shape[:2]
+    # The view opens on the explanation's layer (numbered 1..n; index layer - 1) and head.
+    layer = getattr(explanation, "layer", None) or layers
+    head = getattr(explanation, "head", None) or 0
     return {
         "format": 1,
         "model": str(explanation.model),
@@ -285,6 +288,8 @@ def _payload(explanation: object) -> dict:
         "tokens": tokens,
         "layers": int(layers),
         "heads": int(heads),
+        "layer": min(max(int(layer), 1), int(layers)) - 1,
+        "head": int(head) % int(heads),
         "T": T,
         "embedding": pca_2d(static, contextual),
         "steps": steps,

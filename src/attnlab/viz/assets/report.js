@@ -143,7 +143,8 @@
     data.steps.forEach(function (s) { if (s.head !== null) stepHeads[s.head] = true; });
     this.stepHeads = Object.keys(stepHeads).map(Number).sort(function (a, b) { return a - b; });
     this.state = {
-      view: "head", layer: 0, head: 0, heads: [], gain: 1, stepHead: this.stepHeads.length ? this.stepHeads[0] : 0
+      view: "head", layer: data.layer || 0, head: data.head || 0, heads: [], gain: 1,
+      stepHead: this.stepHeads.indexOf(data.head || 0) >= 0 ? (data.head || 0) : (this.stepHeads.length ? this.stepHeads[0] : 0)
     };
     for (var h = 0; h < this.H; h++) this.state.heads.push(true);
 
@@ -228,7 +229,7 @@
       var lab = el("label", null, "Layer ");
       var sel = el("select", { "class": "al-layer", "aria-label": "layer" });
       for (var l = 0; l < this.L; l++) {
-        var o = el("option", { value: String(l) }, String(l));
+        var o = el("option", { value: String(l) }, String(l + 1));  // layers are numbered 1..n
         if (l === s.layer) o.selected = true;
         sel.appendChild(o);
       }
@@ -340,7 +341,7 @@
     var visible = [];
     s.heads.forEach(function (on, h) { if (on) visible.push(h); });
     svg.appendChild(sv("text", { x: pad, y: 15, "font-size": 12, fill: "#1d2330", "font-weight": 600 },
-      "layer " + s.layer + ", heads " + (visible.length ? compact(visible) : "none")));
+      "layer " + (s.layer + 1) + ", heads " + (visible.length ? compact(visible) : "none")));
     svg.appendChild(sv("text", { x: x1 - 4, y: 33, "text-anchor": "end", "font-size": 11, fill: "#5b6475" }, "query"));
     svg.appendChild(sv("text", { x: x2 + 4, y: 33, "text-anchor": "start", "font-size": 11, fill: "#5b6475" }, "key"));
     var lines = sv("g", { "class": "al-lines", fill: "none", "stroke-linecap": "round" });
@@ -486,7 +487,7 @@
     for (var l = 0; l < L; l++) {
       var y = top + l * (cell + gapc);
       svg.appendChild(sv("text", { x: left - 8, y: y + cell / 2, "text-anchor": "end", "dominant-baseline": "central",
-        "font-size": 11, fill: "#5b6475" }, "layer " + l));
+        "font-size": 11, fill: "#5b6475" }, "layer " + (l + 1)));
       for (h = 0; h < H; h++) {
         var x = left + h * (cell + gapc);
         var g = sv("g", { "class": "al-thumb", "data-layer": String(l), "data-head": String(h) });
@@ -495,7 +496,7 @@
         var current = l === s.layer && h === s.head;
         g.appendChild(sv("rect", { x: x - 0.5, y: y - 0.5, width: cell + 1, height: cell + 1, fill: "none",
           stroke: current ? "#2f5dd0" : "#c4c9d3", "stroke-width": current ? 2.5 : 1 }));
-        g.appendChild(sv("title", null, "layer " + l + ", head " + h + ": click to open in the head view"));
+        g.appendChild(sv("title", null, "layer " + (l + 1) + ", head " + h + ": click to open in the head view"));
         svg.appendChild(g);
       }
     }
@@ -525,7 +526,7 @@
     var W = Math.max(380, left + size + 80), Hh = top + size + 16;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
-      "layer " + l + ", head " + h + " (rows: queries, columns: keys)"));
+      "layer " + (l + 1) + ", head " + h + " (rows: queries, columns: keys)"));
     var mx = 0;
     for (var i = 0; i < T; i++) for (var j = 0; j < T; j++) mx = Math.max(mx, this.value(l, h, i, j));
     var inv = mx > 0 ? 255 / mx : 0;
@@ -749,7 +750,7 @@
 
   Report.prototype.fileName = function (ext) {
     var s = this.state, name = "attnlab-" + s.view;
-    if (s.view === "head" || s.view === "heatmap") name += "-layer" + s.layer;
+    if (s.view === "head" || s.view === "heatmap") name += "-layer" + (s.layer + 1);
     if (s.view === "heatmap") name += "-head" + s.head;
     if (s.view === "steps") name += "-head" + s.stepHead;
     return name + "." + ext;
