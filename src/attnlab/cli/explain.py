@@ -1,11 +1,14 @@
 """attnlab explain TEXT: run a text through a model and show its attention.
 
 Prints the tokens, the shapes and one head's attention weights as a table labelled by the
-tokens; --steps walks through every intermediate of the attention call (the tutorial
-model); --out DIR also draws heatmap.png (the chosen head), heads.png (every head of
-the chosen layer) and embeddings.png (static -> contextual vectors, PCA);
+tokens; --steps walks through every intermediate of the chosen layer's attention call (any
+model); --out DIR also draws heatmap.png (the chosen head), heads.png (every head of the
+chosen layer) and embeddings.png (static -> contextual vectors, PCA);
 --format json prints the whole explanation as one JSON document on stdout (messages go
 to stderr) and, with --out, also saves it as DIR/explanation.json.
+
+Layers are numbered 1 to the number of layers (layer 0 is the embeddings, which have no
+attention); negative numbers count back from the last.
 """
 
 from __future__ import annotations

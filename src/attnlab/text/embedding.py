@@ -1,6 +1,6 @@
 """Token vectors: one-hot codes, sinusoidal positions, word2vec.
 
-The random lookup table of seed 000 is :class:`attnlab.nn.Embedding` (re-exported as
+The random lookup table of the static-vs-contextual view is :class:`attnlab.nn.Embedding` (re-exported as
 ``attnlab.text.Embedding``): ``N(0, 1)`` rows drawn from the Generator you pass.
 
 Shapes: ``T`` tokens, ``V`` vocabulary size, ``D`` embedding width.
@@ -29,7 +29,7 @@ def _check_ids(ids, vocab_size: int, name: str = "ids") -> np.ndarray:
 
 
 def one_hot(ids, vocab_size: int, *, dtype=np.float32) -> np.ndarray:
-    """One-hot codes (seed 003): ``(...,)`` ids -> ``(..., V)`` with a single 1 per row.
+    """One-hot codes (as in cross-attention of one-hot words): ``(...,)`` ids -> ``(..., V)`` with a single 1 per row.
 
     Multiplying a one-hot row by a ``(V, D)`` table picks that table row, which is all an
     embedding lookup is.
@@ -81,7 +81,7 @@ def _stable_hash(text: str) -> int:
 
 
 class Word2VecEmbedding:
-    """Word vectors trained with gensim's Word2Vec on your own sentences (seed 002).
+    """Word vectors trained with gensim's Word2Vec on your own sentences (the polysemy problem: one vector per word).
 
     Needs the ``word2vec`` extra (``pip install 'attnlab[word2vec]'``); gensim is imported
     when you train. Training uses one worker thread and a process-independent hash, so the

@@ -23,7 +23,7 @@ class Token:
 class Tokenizer:
     """Split text into words and punctuation marks, keeping each token's character span.
 
-    Seed 000 lower-cases and splits on spaces, so "mat." would be one unknown word; here
+    Lower-casing and splitting on spaces alone would make "mat." one unknown word; here
     punctuation is a token of its own and the span points back into the original text
     (for highlighting, or for mapping tokens to word pieces).
 

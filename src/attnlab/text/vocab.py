@@ -24,7 +24,7 @@ class Vocabulary:
     ``<unk>``.
 
     A word not in the vocabulary maps to ``<unk>`` and a warning names it: it is never
-    dropped silently (seed 000's ``if token in vocab`` loses words and shifts every
+    dropped silently (a plain ``if token in vocab`` filter loses words and shifts every
     position after them).
 
     Args:
