@@ -1,6 +1,7 @@
 """Backward passes of the layers against torch autograd (weights copied across) and
 finite differences: Linear, SelfAttention, MultiheadAttention (every option), Embedding,
-LayerNorm, GELU, ReLU, Dropout, FeedForward, TransformerBlock, CrossEntropyLoss."""
+LayerNorm, GELU, ReLU, Dropout, FeedForward, TransformerBlock (pre- and post-norm),
+CrossEntropyLoss."""
 
 from __future__ import annotations
 
@@ -469,6 +470,42 @@ def test_transformer_block_backward_matches_torch(dtype, causal):
     assert rel_err(out, t_out.detach().numpy()) <= TOL[dtype]
     assert rel_err(gx, tx.grad.numpy()) <= TOL[dtype]
     assert_param_grads(block, tblock, dtype)
+
+
+# torch.nn.TransformerEncoderLayer's names for the post-norm block's parameters
+_POST_NORM_NAMES = {
+    "attn.in_proj_weight": "self_attn.in_proj_weight", "attn.in_proj_bias": "self_attn.in_proj_bias",
+    "attn.out_proj.weight": "self_attn.out_proj.weight", "attn.out_proj.bias": "self_attn.out_proj.bias",
+    "ln_1.weight": "norm1.weight", "ln_1.bias": "norm1.bias", "ln_2.weight": "norm2.weight",
+    "ln_2.bias": "norm2.bias", "mlp.0.weight": "linear1.weight", "mlp.0.bias": "linear1.bias",
+    "mlp.2.weight": "linear2.weight", "mlp.2.bias": "linear2.bias",
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_post_norm_block_matches_torch_encoder_layer(dtype):
+    """The BERT-style block (post-norm, GELU, padding mask): forward and backward."""
+    rng = np.random.default_rng(8)
+    block = attnlab.TransformerBlock(8, 2, 12, causal=False, norm_first=False, layer_norm_eps=1e-12,
+                                     rng=rng, dtype=dtype)
+    perturb(block, rng, 0.1)
+    tlayer = torch.nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, activation="gelu", batch_first=True,
+                                              norm_first=False, layer_norm_eps=1e-12, dtype=TDTYPE[dtype])
+    tlayer.load_state_dict({_POST_NORM_NAMES[k]: torch.from_numpy(v.copy()) for k, v in block.state_dict().items()})
+    x = rng.standard_normal((2, 5, 8)).astype(dtype)
+    g = rng.standard_normal(x.shape).astype(dtype)
+    keep = np.ones((2, 5), bool)
+    keep[1, 3:] = False
+    out = block(x, key_padding_mask=keep)
+    gx = block.backward(g)
+    tx = torch.tensor(x, requires_grad=True)
+    t_out = tlayer(tx, src_key_padding_mask=torch.from_numpy(~keep))
+    t_out.backward(torch.tensor(g))
+    assert rel_err(out, t_out.detach().numpy()) <= TOL[dtype]
+    assert rel_err(gx, tx.grad.numpy()) <= TOL[dtype]
+    tparams = dict(tlayer.named_parameters())
+    for name, p in block.named_parameters():
+        assert rel_err(p.grad, tparams[_POST_NORM_NAMES[name]].grad.numpy()) <= TOL[dtype], name
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -103,7 +103,7 @@ def test_mha_matches_torch(dtype, options, batch_first, batched, masks):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mha_eval_mode_and_cross_attention(dtype):
-    """Eval mode (torch may take its fused fast path) and L != S cross-attention (seed 003)."""
+    """Eval mode (torch may take its fused fast path) and L != S cross-attention."""
     ours, ref = make_pair(dtype, embed_dim=16, num_heads=4, batch_first=True)
     ours.eval()
     ref.eval()

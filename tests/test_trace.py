@@ -1,4 +1,5 @@
-"""attnlab.trace: every intermediate equals what the core and the layers compute."""
+"""attnlab.trace: every intermediate is what the core and the layer compute; its weights are
+the layer's own (difference 0) for self- and cross-attention."""
 
 import json
 
@@ -121,7 +122,8 @@ def test_self_attention_single_head():
 def test_to_dict_is_json_with_stable_keys():
     t = attnlab.trace(_mha(bias=False), _x(T=3), tokens=["a", "b", "c"])
     d = json.loads(json.dumps(t.to_dict(decimals=4)))
-    assert set(d) == {"tokens", "num_heads", "scale", "steps"}
+    assert set(d) == {"tokens", "key_tokens", "num_heads", "scale", "layer", "head", "steps"}
+    assert d["key_tokens"] == ["a", "b", "c"] and d["layer"] is None and d["head"] is None
     s0 = d["steps"][0]
     assert set(s0) == {"name", "shape", "head", "description", "values"}
     assert s0["name"] == "X" and s0["shape"] == [3, 16] and s0["head"] is None
@@ -138,7 +140,104 @@ def test_trace_rejects_bad_input():
         attnlab.trace(mha, RNG.standard_normal((3, 15)).astype(np.float32))
     with pytest.raises(ValueError, match="tokens has 2 entries"):
         attnlab.trace(mha, _x(T=3), tokens=["a", "b"])
-    with pytest.raises(ValueError, match="not both"):
-        attnlab.trace(mha, _x(T=3), attn_mask=np.ones((3, 3), bool), is_causal=True)
+    with pytest.raises(ValueError, match="key_tokens has 3 entries, but key_value has 4 rows"):
+        attnlab.trace(mha, _x(T=3), _x(T=4), key_tokens=["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"head must be None or in 0..3"):
+        attnlab.trace(mha, _x(T=3), head=4)
+    with pytest.raises(ValueError, match="add_bias_kv"):
+        attnlab.trace(attnlab.MultiheadAttention(8, 2, add_bias_kv=True, rng=np.random.default_rng(0)),
+                      np.zeros((3, 8), np.float32))
+    with pytest.raises(ValueError, match="kdim == vdim"):
+        attnlab.trace(attnlab.MultiheadAttention(8, 2, kdim=4, vdim=5, rng=np.random.default_rng(0)),
+                      np.zeros((3, 8), np.float32), np.zeros((2, 4), np.float32))
     with pytest.raises(KeyError, match="no step"):
         attnlab.trace(mha, _x(T=3)).get("nope")
+
+
+# ---- the trace's weights are the layer's weights: difference 0 ----------------------------
+
+HEAD_DIMS = [(18, 3), (128, 4), (24, 2)]  # head dims 6, 32, 12: not powers of 4
+
+
+@pytest.mark.parametrize("E, H", HEAD_DIMS)
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float"])
+def test_self_attention_trace_is_the_layer_exactly(E, H, mask):
+    mha, x = _mha(E, H), _x(T=7, E=E)
+    kw = {}
+    if mask == "causal":
+        kw = {"is_causal": True}
+    elif mask == "bool":
+        kw = {"attn_mask": np.random.default_rng(3).random((7, 7)) < 0.6}
+    elif mask == "float":
+        kw = {"attn_mask": np.random.default_rng(3).standard_normal((7, 7)).astype(np.float32)}
+    mha.eval()
+    out, w = mha(x, x, x, average_attn_weights=False, **kw)
+    t = attnlab.trace(mha, x, **kw)
+    weights = np.stack([t.get("weights", h) for h in range(H)])
+    assert np.abs(weights - w[0]).max() == 0
+    assert np.abs(t.get("output") - out[0]).max() == 0
+    assert ("masked_scores" in t.names()) == (mask != "none")
+
+
+@pytest.mark.parametrize("E, H", HEAD_DIMS)
+@pytest.mark.parametrize("kdim", [None, 5])
+def test_cross_attention_trace_is_the_layer_exactly(E, H, kdim):
+    L, S = 4, 9
+    mha = attnlab.MultiheadAttention(E, H, kdim=kdim, vdim=kdim, rng=np.random.default_rng(1)).eval()
+    q = RNG.standard_normal((L, E)).astype(np.float32)  # unbatched (L, E)
+    kv = RNG.standard_normal((S, kdim or E)).astype(np.float32)
+    out, w = mha(q, kv, kv, average_attn_weights=False)
+    t = attnlab.trace(mha, q, kv, tokens=list("abcd"))
+    assert t.tokens == list("abcd") and t.key_tokens == [str(i) for i in range(S)]
+    assert t.get("X_kv").shape == (S, kdim or E) and t.get("K", 0).shape == (S, E // H)
+    assert t.get("weights", H - 1).shape == (L, S) and t.get("W_k", 0).shape == (kdim or E, E // H)
+    weights = np.stack([t.get("weights", h) for h in range(H)])
+    assert np.abs(weights - w).max() == 0
+    assert np.abs(t.get("output") - out).max() == 0
+
+
+def test_trace_of_a_sequence_first_layer():
+    mha = attnlab.MultiheadAttention(12, 3, rng=np.random.default_rng(2)).eval()  # (L, N, E)
+    x = RNG.standard_normal((5, 1, 12)).astype(np.float32)
+    out, w = mha(x, x, x, average_attn_weights=False)
+    t = attnlab.trace(mha, x)
+    assert t.get("X").shape == (5, 12)
+    assert np.abs(np.stack([t.get("weights", h) for h in range(3)]) - w[0]).max() == 0
+    assert np.abs(t.get("output") - out[:, 0]).max() == 0
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_single_head_trace_is_the_layer_exactly(cross):
+    layer = attnlab.SelfAttention(6, 3, qkv_bias=True, rng=np.random.default_rng(0))
+    x = RNG.standard_normal((4, 6)).astype(np.float32)
+    kv = RNG.standard_normal((7, 6)).astype(np.float32) if cross else None
+    ctx, w = layer(x, kv, is_causal=not cross)
+    t = attnlab.trace(layer, x, kv, is_causal=not cross)
+    assert np.abs(t.get("weights", 0) - w).max() == 0
+    assert np.abs(t.get("output") - ctx).max() == 0
+    assert t.get("V", 0).shape == ((7, 3) if cross else (4, 3))
+
+
+def test_head_keeps_one_heads_steps():
+    t = attnlab.trace(_mha(), _x(T=3), head=2)
+    assert {s.head for s in t.steps} == {None, 2}
+    assert t.head == 2 and np.array_equal(t.get("weights", 2), attnlab.trace(_mha(), t.get("X")).get("weights", 2))
+
+
+def test_str_shows_the_steps_as_tables():
+    mha = _mha(E=8, H=2)
+    x = _x(T=3, E=8)
+    t = attnlab.trace(mha, x, tokens=["the", "cat", "sat"], is_causal=True)
+    text = str(t)
+    lines = text.splitlines()
+    assert lines[1] == "step by step (head 0 of 2)"
+    assert " 1. X  (3, 8): input token vectors, one row per token" in lines
+    assert any(line.startswith(" 2. W_q  (8, 4)  head 0: ") for line in lines)
+    i = lines.index(next(line for line in lines if ". weights  (3, 3)  head 0:" in line))
+    assert lines[i + 1].split() == ["the", "cat", "sat"]
+    row = lines[i + 2].split()
+    assert row[0] == "the" and [float(v) for v in row[1:]] == [1.0, 0.0, 0.0]
+    assert "head 1" not in text
+    assert "step by step (head 1 of 2)" in t.format(head=1)
+    wide = attnlab.trace(_mha(E=16, H=4), _x(T=10))
+    assert "  ... 2 more rows, 2 more columns (to_dict() has every value)" in str(wide)

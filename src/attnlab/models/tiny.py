@@ -4,7 +4,9 @@
 -> LayerNorm -> Linear head -> logits (B, T, vocab_size)``.
 
 It trains with attnlab's backward passes: ``forward`` in training mode, then
-``backward(grad_logits)`` fills every parameter's ``.grad``.
+``backward(grad_logits)`` fills every parameter's ``.grad``. With a key/value cache
+(:meth:`TinyTransformer.new_cache`) it decodes incrementally: each call feeds only the new
+tokens.
 """
 
 from __future__ import annotations
@@ -13,10 +15,13 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator, positive_int, probability, shape_error
-from attnlab.nn.layers import Embedding, LayerNorm, TransformerBlock
+from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
+from attnlab.nn.attention import KVCache
+from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
+from attnlab.trace import Trace, trace
 
 __all__ = ["TinyTransformer", "TinyTransformerConfig"]
 
@@ -103,7 +108,8 @@ class TinyTransformer(Module):
         for i in range(c.n_layers):
             block = TransformerBlock(
                 c.d_model, c.n_heads, c.d_ff, dropout=c.dropout, activation=c.activation,
-                causal=True, bias=c.bias, attention_fn=attention_fn, rng=rng, dtype=dtype,
+                causal=True, bias=c.bias, norm_first=True, attention_fn=attention_fn, rng=rng,
+                dtype=dtype,
             )
             setattr(self.blocks, str(i), block)
         self.ln_f = LayerNorm(c.d_model, dtype=dtype)
@@ -113,19 +119,56 @@ class TinyTransformer(Module):
     def layers(self) -> list[TransformerBlock]:
         return list(self.blocks._modules.values())
 
-    def forward(self, ids: np.ndarray) -> np.ndarray:
-        """``ids (B, T)`` or ``(T,)`` integer tokens -> ``logits (B, T, vocab_size)``."""
+    def new_cache(self) -> list[KVCache]:
+        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
+        :meth:`forward` ``(ids, cache=...)``."""
+        return [KVCache() for _ in self.layers]
+
+    def _check_ids(self, ids, past: int = 0) -> np.ndarray:
         ids = np.asarray(ids)
         if ids.ndim not in (1, 2):
             raise shape_error("ids", ids.shape, "(B, T) or (T,)")
-        T = ids.shape[-1]
-        if not 1 <= T <= self.config.context_length:
-            raise shape_error(
-                "ids", ids.shape, f"(B, T) with 1 <= T <= context_length={self.config.context_length}"
-            )
-        x = self.tok_emb(ids) + self.pos_emb(np.arange(T))
-        for block in self.layers:
-            x = block(x)
+        T, n = ids.shape[-1], self.config.context_length
+        if not 1 <= past + T <= n or T < 1:
+            need = f"(B, T) with 1 <= T <= context_length={n}"
+            if past:
+                need += f" - {past} cached tokens"
+            raise shape_error("ids", ids.shape, need)
+        return ids
+
+    def _embed(self, ids: np.ndarray, past: int = 0) -> np.ndarray:
+        return self.tok_emb(ids) + self.pos_emb(np.arange(past, past + ids.shape[-1]))
+
+    def forward(self, ids: np.ndarray, *, cache: list[KVCache] | None = None) -> np.ndarray:
+        """``ids (B, T)`` or ``(T,)`` integer tokens -> ``logits (B, T, vocab_size)``.
+
+        With ``cache`` (from :meth:`new_cache`) ``ids`` are the tokens after those already
+        cached: their positions continue from there, their keys and values are appended,
+        and the logits equal those of the whole sequence run at once. No backward pass
+        through a cached call.
+
+        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
+        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
+        >>> ids = np.array([[1, 2, 3, 4]])
+        >>> cache = model.new_cache()
+        >>> step = [model(ids[:, :3], cache=cache), model(ids[:, 3:], cache=cache)]
+        >>> bool(np.abs(np.concatenate(step, axis=1) - model(ids)).max() < 1e-5)
+        True
+        """
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, list | tuple) or len(cache) != len(self.layers) or not all(
+                isinstance(c, KVCache) for c in cache
+            ):
+                raise TypeError(
+                    f"cache must be a list of {len(self.layers)} KVCache (model.new_cache()), "
+                    f"got {type(cache).__name__}"
+                )
+            past = cache[0].length
+        ids = self._check_ids(ids, past)
+        x = self._embed(ids, past)
+        for i, block in enumerate(self.layers):
+            x = block(x, cache=None if cache is None else cache[i])
         return self.head(self.ln_f(x))
 
     def backward(self, grad_logits: np.ndarray) -> None:
@@ -137,40 +180,77 @@ class TinyTransformer(Module):
         # Positions are the same for every sequence: sum over the batch axis first.
         self.pos_emb.backward(g.reshape(-1, *g.shape[-2:]).sum(axis=0))
 
-    def inspect(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        """Everything the explain views show for one sequence ``ids (T,)`` (eval mode; the
-        training mode is restored after): ``attentions (n_layers, n_heads, T, T)``,
-        ``static (T, d_model)`` (token + position embeddings), ``contextual (T, d_model)``
-        (after the final LayerNorm) and ``logits (T, vocab_size)``."""
-        ids = np.asarray(ids)
+    def _one_sequence(self, ids) -> np.ndarray:
+        ids = self._check_ids(ids)
         if ids.ndim != 1:
             raise shape_error("ids", ids.shape, "(T,)")
+        return ids
+
+    def inspect(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Everything the explain views show for one sequence ``ids (T,)`` (eval mode; the
+        training mode is restored after): ``attentions (n_layers, n_heads, T, T)`` (the
+        blocks' attention maps), ``static (T, d_model)`` (token + position embeddings),
+        ``contextual (T, d_model)`` (after the final LayerNorm) and
+        ``logits (T, vocab_size)``."""
+        ids = self._one_sequence(ids)
         was_training = self.training
         self.eval()
-        blocks = self.layers
         try:
-            for b in blocks:
-                object.__setattr__(b, "keep_weights", True)
-            x = static = self.tok_emb(ids) + self.pos_emb(np.arange(len(ids)))
-            for block in blocks:
-                x = block(x)
+            x = static = self._embed(ids)
+            maps = []
+            for block in self.layers:
+                x, w = block.forward_with_weights(x)
+                maps.append(w)
             contextual = self.ln_f(x)
             return {
-                "attentions": np.stack([b.last_weights for b in blocks]),
+                "attentions": np.stack(maps),
                 "static": static,
                 "contextual": contextual,
                 "logits": self.head(contextual),
             }
         finally:
-            for b in blocks:
-                object.__setattr__(b, "keep_weights", False)
-                object.__setattr__(b, "last_weights", None)
             self.train(was_training)
 
     def attention_maps(self, ids: np.ndarray) -> np.ndarray:
         """Per-head attention weights of one sequence: ``ids (T,)`` -> ``(n_layers, n_heads,
         T, T)``, rows summing to 1 (see :meth:`inspect`)."""
         return self.inspect(ids)["attentions"]
+
+    def trace(
+        self, ids: np.ndarray, *, layer: int = -1, head: int | None = None, tokens=None
+    ) -> Trace:
+        """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s attention on one
+        sequence ``ids (T,)``.
+
+        Args:
+            ids: ``(T,)`` token ids.
+            layer: ``1..n_layers`` (the block whose attention is traced), negatives from
+                the end; 0 (the embeddings) has no attention.
+            head: keep only this head's per-head steps (``None``: every head).
+            tokens: ``T`` labels (default: the ids as text).
+
+        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
+        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0))
+        >>> t = model.trace(np.array([1, 2, 3]), layer=1, head=0)
+        >>> t.layer, t.head, t.get("weights", 0).shape
+        (1, 0, (3, 3))
+        """
+        ids = self._one_sequence(ids)
+        k = layer_number(layer, self.config.n_layers, embeddings=False)
+        tokens = [str(int(i)) for i in ids] if tokens is None else tokens
+        was_training = self.training
+        self.eval()
+        try:
+            x = self._embed(ids)
+            for block in self.layers[: k - 1]:
+                x = block(x)
+            block = self.layers[k - 1]
+            t = trace(block.attn, block.attention_input(x), tokens=tokens, is_causal=block.causal,
+                      head=head)
+            t.layer = k
+            return t
+        finally:
+            self.train(was_training)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,16 +1,15 @@
-"""Layers: parameters, initialisers, ``Linear``, the attention layers and what a small
-transformer needs (embeddings, LayerNorm, activations, feed-forward, blocks, loss)."""
+"""Layers: parameters, initialisers, ``Linear``, the attention layers, what a transformer
+needs (embeddings, LayerNorm, activations, loss) and the blocks models are built from."""
 
-from attnlab.nn.attention import MultiheadAttention, SelfAttention
+from attnlab.nn.attention import KVCache, MultiheadAttention, SelfAttention
+from attnlab.nn.blocks import FeedForward, TransformerBlock
 from attnlab.nn.layers import (
     GELU,
     Dropout,
     Embedding,
-    FeedForward,
     LayerNorm,
     ReLU,
     Sequential,
-    TransformerBlock,
 )
 from attnlab.nn.linear import Linear
 from attnlab.nn.loss import CrossEntropyLoss
@@ -22,6 +21,7 @@ __all__ = [
     "Embedding",
     "FeedForward",
     "GELU",
+    "KVCache",
     "LayerNorm",
     "Linear",
     "Module",

@@ -1,6 +1,6 @@
-"""The layers a small transformer needs besides attention: ``Embedding``, ``LayerNorm``,
-``GELU``, ``ReLU``, ``Dropout``, ``Sequential``, ``FeedForward`` and the pre-norm
-``TransformerBlock`` (PyTorch names and parameter names).
+"""The layers a transformer needs besides attention: ``Embedding``, ``LayerNorm``,
+``GELU``, ``ReLU``, ``Dropout`` and ``Sequential`` (PyTorch names and parameter names).
+The blocks built from them are in :mod:`attnlab.nn.blocks`.
 
 Every layer follows :mod:`attnlab.nn.module`'s mechanism: the forward pass in training mode
 keeps a cache; ``backward(grad_output)`` returns the input gradient and adds parameter
@@ -9,23 +9,23 @@ gradients to ``.grad``. Composite layers only call their children's ``backward``
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from attnlab._validation import float_dtype, generator, positive_int, probability, shape_error
+from attnlab._validation import float_dtype, generator, positive_int, probability
 from attnlab.nn import functional as F
-from attnlab.nn.attention import MultiheadAttention
-from attnlab.nn.linear import Linear, check_input
+from attnlab.nn import init
+from attnlab.nn.linear import Linear, check_input  # noqa: F401  (Linear: the doctests)
 from attnlab.nn.module import Module, Parameter
 
 __all__ = [
     "GELU",
     "Dropout",
     "Embedding",
-    "FeedForward",
     "LayerNorm",
     "ReLU",
     "Sequential",
-    "TransformerBlock",
 ]
 
 
@@ -46,7 +46,7 @@ class Embedding(Module):
         self.embedding_dim = positive_int(embedding_dim, "embedding_dim")
         rng = generator(rng)
         shape = (self.num_embeddings, self.embedding_dim)
-        self.weight = Parameter(rng.standard_normal(shape).astype(float_dtype(dtype)))
+        self.weight = Parameter(init.normal(rng, shape, float_dtype(dtype)))
 
     def forward(self, ids: np.ndarray) -> np.ndarray:
         ids = np.asarray(ids)
@@ -99,6 +99,10 @@ class LayerNorm(Module):
     ):
         super().__init__()
         self.normalized_shape = positive_int(normalized_shape, "normalized_shape")
+        if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating | np.integer):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        if not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"eps must be a positive finite float, got {eps}")
         self.eps = float(eps)
         dtype = float_dtype(dtype)
         D = self.normalized_shape
@@ -231,122 +235,3 @@ class Sequential(Module):
         for layer in reversed(self._modules.values()):
             grad_output = layer.backward(grad_output)
         return grad_output
-
-
-def _activation(name: str) -> Module:
-    if name == "gelu":
-        return GELU()
-    if name == "gelu_tanh":
-        return GELU("tanh")
-    if name == "relu":
-        return ReLU()
-    raise ValueError(f"activation must be 'gelu', 'gelu_tanh' or 'relu', got {name!r}")
-
-
-class FeedForward(Sequential):
-    """The transformer MLP ``Linear(d_model, d_ff) -> activation -> Linear(d_ff, d_model)``
-    (-> ``Dropout``): parameter names ``0.weight``, ``0.bias``, ``2.weight``, ``2.bias``.
-
-    Args:
-        d_model: input and output width.
-        d_ff: hidden width.
-        activation: ``"gelu"`` (exact), ``"gelu_tanh"`` or ``"relu"``.
-        dropout: dropout after the second projection (training mode only).
-
-    >>> ff = FeedForward(4, 8, rng=np.random.default_rng(0))
-    >>> sorted(ff.state_dict())
-    ['0.bias', '0.weight', '2.bias', '2.weight']
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        d_ff: int,
-        *,
-        activation: str = "gelu",
-        dropout: float = 0.0,
-        bias: bool = True,
-        rng=None,
-        dtype=np.float32,
-    ):
-        rng = generator(rng)
-        layers = [
-            Linear(d_model, d_ff, bias, rng=rng, dtype=dtype),
-            _activation(activation),
-            Linear(d_ff, d_model, bias, rng=rng, dtype=dtype),
-        ]
-        if probability(dropout, "dropout") > 0:
-            layers.append(Dropout(dropout, rng=rng))
-        super().__init__(*layers)
-
-
-class TransformerBlock(Module):
-    """A pre-norm residual block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``.
-
-    The attention is :class:`~attnlab.MultiheadAttention` (``batch_first``), causal when
-    ``causal=True``; it is called with ``need_weights=False`` so its ``attention_fn`` (a
-    faster kernel) does the work, unless :attr:`keep_weights` asks for the maps.
-
-    Args:
-        d_model: width; ``n_heads`` must divide it.
-        n_heads: attention heads.
-        d_ff: feed-forward hidden width.
-        dropout: dropout in attention weights, after attention and in the MLP.
-        activation: see :class:`FeedForward`.
-        causal: each position attends only to itself and earlier positions.
-        rng, dtype: initialisation and dtype of every parameter.
-
-    Input and output ``(B, T, d_model)`` (or ``(T, d_model)``).
-
-    >>> block = TransformerBlock(8, 2, 16, rng=np.random.default_rng(0))
-    >>> block(np.zeros((1, 5, 8), dtype=np.float32)).shape
-    (1, 5, 8)
-    """
-
-    def __init__(
-        self,
-        d_model: int,
-        n_heads: int,
-        d_ff: int,
-        *,
-        dropout: float = 0.0,
-        activation: str = "gelu",
-        causal: bool = True,
-        bias: bool = True,
-        attention_fn=None,
-        rng=None,
-        dtype=np.float32,
-    ):
-        super().__init__()
-        rng = generator(rng)
-        self.causal = bool(causal)
-        self.ln_1 = LayerNorm(d_model, dtype=dtype)
-        self.attn = MultiheadAttention(
-            d_model, n_heads, dropout=dropout, bias=bias, batch_first=True, rng=rng,
-            dtype=dtype, attention_fn=attention_fn,
-        )
-        self.drop_1 = Dropout(dropout, rng=rng)
-        self.ln_2 = LayerNorm(d_model, dtype=dtype)
-        self.mlp = FeedForward(
-            d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype
-        )
-        object.__setattr__(self, "keep_weights", False)
-        object.__setattr__(self, "last_weights", None)
-
-    def forward(self, x: np.ndarray) -> np.ndarray:
-        if np.ndim(x) not in (2, 3):
-            d = self.attn.embed_dim
-            raise shape_error("x", np.shape(x), f"(B, T, {d}) or (T, {d})")
-        h = self.ln_1(x)
-        a, w = self.attn(
-            h, h, h, need_weights=self.keep_weights, average_attn_weights=False,
-            is_causal=self.causal,
-        )
-        object.__setattr__(self, "last_weights", w)
-        x = x + self.drop_1(a)
-        return x + self.mlp(self.ln_2(x))
-
-    def backward(self, grad_output: np.ndarray) -> np.ndarray:
-        g = grad_output + self.ln_2.backward(self.mlp.backward(grad_output))
-        gq, gk, gv = self.attn.backward(self.drop_1.backward(g))
-        return g + self.ln_1.backward(gq + gk + gv)

@@ -1,0 +1,204 @@
+"""Transformer building blocks shared by every model: ``FeedForward`` and ``TransformerBlock``
+(attention + feed-forward + LayerNorms, pre- or post-norm, optional key/value cache).
+
+A model is an arrangement of these blocks (embeddings, positions and heads are the
+model's own): :class:`~attnlab.models.TinyTransformer` stacks pre-norm causal blocks,
+:class:`~attnlab.models.BertEncoder` post-norm bidirectional ones. The attention inside is
+always :class:`~attnlab.MultiheadAttention`, so its ``attention_fn``, its maps
+(``need_weights``), :func:`attnlab.trace` and its backward pass come with every model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from attnlab._validation import generator, probability, shape_error
+from attnlab.nn.attention import KVCache, MultiheadAttention
+from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
+from attnlab.nn.linear import Linear
+from attnlab.nn.module import Module
+
+__all__ = ["ACTIVATIONS", "FeedForward", "KVCache", "TransformerBlock", "activation_layer"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+
+
+def activation_layer(name: str) -> Module:
+    """The activation layer called ``name``: ``"gelu"`` (exact erf), ``"gelu_tanh"`` or ``"relu"``.
+
+    >>> activation_layer("gelu_tanh")
+    GELU(approximate='tanh')
+    """
+    if name == "gelu":
+        return GELU()
+    if name == "gelu_tanh":
+        return GELU("tanh")
+    if name == "relu":
+        return ReLU()
+    raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {name!r}")
+
+
+class FeedForward(Sequential):
+    """The transformer MLP ``Linear(d_model, d_ff) -> activation -> Linear(d_ff, d_model)``
+    (-> ``Dropout``): parameter names ``0.weight``, ``0.bias``, ``2.weight``, ``2.bias``.
+
+    Args:
+        d_model: input and output width.
+        d_ff: hidden width.
+        activation: ``"gelu"`` (exact), ``"gelu_tanh"`` or ``"relu"``.
+        dropout: dropout after the second projection (training mode only).
+
+    >>> ff = FeedForward(4, 8, rng=np.random.default_rng(0))
+    >>> sorted(ff.state_dict())
+    ['0.bias', '0.weight', '2.bias', '2.weight']
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        *,
+        activation: str = "gelu",
+        dropout: float = 0.0,
+        bias: bool = True,
+        rng=None,
+        dtype=np.float32,
+    ):
+        rng = generator(rng)
+        layers = [
+            Linear(d_model, d_ff, bias, rng=rng, dtype=dtype),
+            activation_layer(activation),
+            Linear(d_ff, d_model, bias, rng=rng, dtype=dtype),
+        ]
+        if probability(dropout, "dropout") > 0:
+            layers.append(Dropout(dropout, rng=rng))
+        super().__init__(*layers)
+
+
+class TransformerBlock(Module):
+    """A residual transformer block: attention, then a feed-forward network.
+
+    Pre-norm (``norm_first=True``, GPT-style): ``x + attn(ln_1(x))`` then
+    ``x + mlp(ln_2(x))``. Post-norm (``norm_first=False``, BERT-style):
+    ``ln_1(x + attn(x))`` then ``ln_2(x + mlp(x))``. The attention is a
+    :class:`~attnlab.MultiheadAttention` (``batch_first``; parameter names
+    ``attn.in_proj_weight``, ``attn.out_proj.weight`` …); the feed-forward network is a
+    :class:`FeedForward` (``mlp.0.weight``, ``mlp.2.weight`` …).
+
+    Args:
+        d_model: width; ``n_heads`` must divide it.
+        n_heads: attention heads.
+        d_ff: feed-forward hidden width.
+        dropout: dropout in attention weights, after attention and in the MLP.
+        activation: see :class:`FeedForward`.
+        causal: each position attends only to itself and earlier positions.
+        bias: biases in every projection.
+        norm_first: pre-norm (True) or post-norm (False).
+        layer_norm_eps: the LayerNorms' ``eps``.
+        separate_projections: separate ``q/k/v_proj_weight`` instead of one fused
+            ``in_proj_weight`` (see :class:`~attnlab.MultiheadAttention`).
+        attention_fn: the attention's ``attention_fn`` (a faster kernel).
+        rng, dtype: initialisation and dtype of every parameter.
+
+    Call with ``x`` ``(B, T, d_model)`` (or ``(T, d_model)``) and optionally
+    ``key_padding_mask`` ``(B, S)`` (True = the key takes part) and ``cache`` (a
+    :class:`~attnlab.nn.KVCache`: ``x`` holds the new tokens, which attend to the cached
+    ones too); returns ``(B, T, d_model)``. :meth:`forward_with_weights` also returns the
+    attention maps.
+
+    >>> block = TransformerBlock(8, 2, 16, rng=np.random.default_rng(0))
+    >>> block(np.zeros((1, 5, 8), dtype=np.float32)).shape
+    (1, 5, 8)
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int,
+        *,
+        dropout: float = 0.0,
+        activation: str = "gelu",
+        causal: bool = True,
+        bias: bool = True,
+        norm_first: bool = True,
+        layer_norm_eps: float = 1e-5,
+        separate_projections: bool = False,
+        attention_fn=None,
+        rng=None,
+        dtype=np.float32,
+    ):
+        super().__init__()
+        rng = generator(rng)
+        self.causal = bool(causal)
+        self.norm_first = bool(norm_first)
+        self.ln_1 = LayerNorm(d_model, layer_norm_eps, dtype=dtype)
+        self.attn = MultiheadAttention(
+            d_model, n_heads, dropout=dropout, bias=bias, batch_first=True,
+            separate_projections=separate_projections, rng=rng, dtype=dtype,
+            attention_fn=attention_fn,
+        )
+        self.drop_1 = Dropout(dropout, rng=rng)
+        self.ln_2 = LayerNorm(d_model, layer_norm_eps, dtype=dtype)
+        self.mlp = FeedForward(
+            d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype
+        )
+
+    def extra_repr(self) -> str:
+        norm = "pre-norm" if self.norm_first else "post-norm"
+        return f"{norm}, causal={self.causal}"
+
+    def attention_input(self, x: np.ndarray) -> np.ndarray:
+        """What the attention reads (its query, key and value): ``ln_1(x)`` pre-norm, else ``x``."""
+        return self.ln_1(x) if self.norm_first else x
+
+    def forward(
+        self,
+        x: np.ndarray,
+        *,
+        key_padding_mask: np.ndarray | None = None,
+        cache: KVCache | None = None,
+    ) -> np.ndarray:
+        return self._run(x, key_padding_mask, cache, need_weights=False)[0]
+
+    def forward_with_weights(
+        self,
+        x: np.ndarray,
+        *,
+        key_padding_mask: np.ndarray | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(output, weights)``: the block's output and its attention's per-head weights,
+        ``(B, H, T, S)`` (``(H, T, S)`` for unbatched ``x``), from the attention's
+        ``need_weights`` maps."""
+        return self._run(x, key_padding_mask, cache, need_weights=True)
+
+    def _run(self, x, key_padding_mask, cache, *, need_weights: bool):
+        if np.ndim(x) not in (2, 3):
+            d = self.attn.embed_dim
+            raise shape_error("x", np.shape(x), f"(B, T, {d}) or (T, {d})")
+        h = self.attention_input(x)
+        a, w = self.attn(
+            h, h, h, key_padding_mask=key_padding_mask, need_weights=need_weights,
+            average_attn_weights=False, is_causal=self.causal, cache=cache,
+        )
+        s = self.drop_1(a)  # a fresh array: the residual is added in place
+        s += x
+        if self.norm_first:
+            m = self.mlp(self.ln_2(s))
+            m += s
+            return m, w
+        s = self.ln_1(s)
+        m = self.mlp(s)
+        m += s
+        return self.ln_2(m), w
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        if self.norm_first:
+            g = grad_output + self.ln_2.backward(self.mlp.backward(grad_output))
+            gq, gk, gv = self.attn.backward(self.drop_1.backward(g))
+            return g + self.ln_1.backward(gq + gk + gv)
+        gm = self.ln_2.backward(grad_output)
+        gs = self.ln_1.backward(gm + self.mlp.backward(gm))
+        gq, gk, gv = self.attn.backward(self.drop_1.backward(gs))
+        return gs + gq + gk + gv

@@ -1,0 +1,128 @@
+"""The shared blocks: the key/value cache (incremental decoding equals a full pass), the
+models' traces (equal to their attention maps) and names that existing checkpoints use."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlab
+from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
+from attnlab.nn import KVCache
+
+
+def _tiny(dtype="float32", seed=0, **kw):
+    cfg = TinyTransformerConfig(vocab_size=11, context_length=12, d_model=16, n_heads=4, n_layers=3,
+                                d_ff=24, activation="gelu", dtype=dtype, **kw)
+    model = TinyTransformer(cfg, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    for p in model.parameters():  # move LayerNorms and biases off their ones and zeros
+        p.data += (rng.standard_normal(p.shape) * 0.1).astype(p.dtype)
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("float64", 1e-12)])
+@pytest.mark.parametrize("steps", [[1] * 10, [4, 1, 3, 2], [10]])
+def test_cached_decoding_equals_the_full_pass(dtype, tol, steps):
+    model = _tiny(dtype)
+    ids = np.random.default_rng(2).integers(0, 11, size=(3, sum(steps)))
+    full = model(ids)
+    cache = model.new_cache()
+    parts, t = [], 0
+    for n in steps:
+        parts.append(model(ids[:, t : t + n], cache=cache))
+        t += n
+    assert [len(c) for c in cache] == [t] * 3
+    assert np.abs(np.concatenate(parts, axis=1) - full).max() < tol
+
+
+def test_greedy_generation_with_and_without_cache():
+    model = _tiny()
+    seq = [1, 2]
+    cache = model.new_cache()
+    logits = model(np.array([seq]), cache=cache)
+    cached = list(seq)
+    for _ in range(6):
+        cached.append(int(logits[0, -1].argmax()))
+        logits = model(np.array([cached[-1:]]), cache=cache)
+        seq.append(int(model(np.array([seq]))[0, -1].argmax()))
+    assert cached == seq
+
+
+def test_cache_errors():
+    model = _tiny()
+    cache = model.new_cache()
+    model(np.zeros((1, 10), np.int64), cache=cache)
+    with pytest.raises(ValueError, match="context_length=12 - 10 cached tokens"):
+        model(np.zeros((1, 3), np.int64), cache=cache)
+    with pytest.raises(ValueError, match=r"key has shape \(2, 4, 1, 4\), but should be \(1, 4, S_new, 4\)"):
+        model(np.zeros((2, 1), np.int64), cache=cache)  # another batch size
+    with pytest.raises(TypeError, match="cache must be a list of 3 KVCache"):
+        model(np.zeros((1, 2), np.int64), cache=[KVCache()])
+    cache[0].reset()
+    assert len(cache[0]) == 0
+    mha = attnlab.MultiheadAttention(8, 2, add_zero_attn=True, rng=np.random.default_rng(0))
+    x = np.zeros((3, 8), np.float32)
+    with pytest.raises(ValueError, match="add_bias_kv or add_zero_attn"):
+        mha(x, x, x, cache=KVCache())
+
+
+def test_no_backward_through_a_cached_call():
+    mha = attnlab.MultiheadAttention(8, 2, batch_first=True, rng=np.random.default_rng(0))
+    x = np.ones((1, 3, 8), np.float32)
+    out, _ = mha(x, x, x, cache=KVCache())
+    with pytest.raises(RuntimeError, match="no backward pass through a call with a KVCache"):
+        mha.backward(np.ones_like(out))
+
+
+def test_mha_cache_attends_bottom_right_over_cached_keys():
+    mha = attnlab.MultiheadAttention(8, 2, batch_first=True, rng=np.random.default_rng(0)).eval()
+    x = np.random.default_rng(1).standard_normal((2, 7, 8)).astype(np.float32)
+    full, w_full = mha(x, x, x, is_causal=True, average_attn_weights=False)
+    cache = KVCache()
+    mha(x[:, :4], x[:, :4], x[:, :4], is_causal=True, cache=cache)
+    last, w = mha(x[:, 4:], x[:, 4:], x[:, 4:], is_causal=True, cache=cache, average_attn_weights=False)
+    assert w.shape == (2, 2, 3, 7)
+    assert np.abs(w - w_full[:, :, 4:]).max() < 1e-6
+    assert np.all(w[..., 0, 5:] == 0) and np.all(w[..., 1, 6:] == 0) and np.all(w[..., 2, :] > 0)
+    assert np.abs(last - full[:, 4:]).max() < 1e-5
+
+
+def test_kv_cache_grows_and_keeps_what_it_holds():
+    cache = KVCache()
+    rng = np.random.default_rng(0)
+    chunks = [rng.standard_normal((1, 2, n, 3)) for n in (5, 20, 1, 40)]
+    for c in chunks:
+        k, v = cache.append(c, 2 * c)
+    everything = np.concatenate(chunks, axis=2)
+    assert np.array_equal(k, everything) and np.array_equal(v, 2 * everything)
+    assert "length=66" in repr(cache)
+
+
+def test_tiny_state_dict_names_are_unchanged():
+    names = list(_tiny().state_dict())
+    block = ["ln_1.weight", "ln_1.bias", "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight",
+             "attn.out_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight",
+             "mlp.2.bias"]
+    assert names == ["tok_emb.weight", "pos_emb.weight",
+                     *[f"blocks.{i}.{n}" for i in range(3) for n in block],
+                     "ln_f.weight", "ln_f.bias", "head.weight"]
+
+
+@pytest.mark.parametrize("layer, k", [(1, 1), (2, 2), (-1, 3), (-3, 1)])
+def test_tiny_trace_is_its_attention_map(layer, k):
+    model = _tiny()
+    ids = np.array([3, 1, 4, 1, 5, 9])
+    maps = model.attention_maps(ids)
+    t = model.trace(ids, layer=layer)
+    assert t.layer == k and t.tokens == ["3", "1", "4", "1", "5", "9"]
+    assert np.abs(np.stack([t.get("weights", h) for h in range(4)]) - maps[k - 1]).max() == 0
+    assert "masked_scores" in t.names()  # causal
+    one = model.trace(ids, layer=layer, head=1, tokens=list("abcdef"))
+    assert {s.head for s in one.steps} == {None, 1} and one.tokens == list("abcdef")
+    assert model.training is False
+
+
+def test_tiny_trace_refuses_layer_zero():
+    with pytest.raises(ValueError, match="layer 0 is the embeddings, which have no attention"):
+        _tiny().trace(np.array([1, 2]), layer=0)
