@@ -566,7 +566,14 @@ def test_cli_similarity():
     )
     assert res.returncode == 0, res.stderr
     assert "contextual cosine (output of layer 6 of 6): 0." in res.stdout
-    assert "static cosine (word-embedding rows, no context): 1.0000" in res.stdout
+    assert "static cosine (layer 0, word-embedding rows, no context): 1.0000" in res.stdout
+    res = subprocess.run(
+        [_attnlab(), "similarity", "We sat on the bank of the river.",
+         "The bank approved our loan.", "--word", "bank", "--layer", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr  # layer 0 is the static vectors: cosine 1, as word_vector
+    assert "contextual cosine (layer 0, the static word-embedding rows): 1.0000" in res.stdout
     res = subprocess.run(
         [_attnlab(), "similarity", "The riverbank flooded.", "A riverbank path.",
          "--word", "riverbank", "--layer", "2"],
@@ -581,7 +588,8 @@ def test_cli_similarity():
     "argv, message",
     [
         (["The cat sat.", "The bank.", "--word", "bank"], "SENTENCE_A: word 'bank' does not occur"),
-        (["The bank.", "The bank.", "--word", "bank", "--layer", "7"], "--layer 7 is out of range"),
+        (["The bank.", "The bank.", "--word", "bank", "--layer", "7"],
+         "--layer must be in 0..6 (or -6..-1) for a model with 6 layers, got 7"),
         (["The bank.", "  ", "--word", "bank"], "SENTENCE_B is empty"),
         (["The bank.", "The bank."], "--word"),
     ],
@@ -593,6 +601,15 @@ def test_cli_similarity_errors(argv, message):
     assert message in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     assert res.stdout == ""
+
+
+def test_cli_similarity_warns_when_the_word_is_unknown():
+    res = subprocess.run([_attnlab(), "similarity", "I love \U0001fab8 today.", "A \U0001fab8 here.",
+                          "--word", "\U0001fab8"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    warn = [x for x in res.stderr.splitlines() if "unknown token [UNK]" in x]
+    assert len(warn) == 2 and warn[0].startswith("attnlab: warning: SENTENCE_A:")
+    assert "[UNK]  (1 word piece)" in res.stdout
 
 
 def test_cli_similarity_without_the_model(tmp_path):

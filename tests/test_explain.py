@@ -76,3 +76,37 @@ def test_report_opens_on_the_explained_layer_and_head():
     assert (data["layer"], data["head"]) == (2, 1)  # layer 3 is index 2 of the maps
     data = _payload(render_html(Explanation("a b c", ["a", "b", "c"], "toy", att, np.eye(3), np.eye(3))))
     assert (data["layer"], data["head"]) == (3, 0)  # default: the last layer
+
+
+def test_minilm_steps_are_the_layers_own_weights():
+    from attnlab.models.bert import minilm_available
+
+    if not minilm_available():
+        pytest.skip("the pretrained MiniLM package is not installed")
+    e = explain("The bank of the river", model="minilm", layer=4, head=7)
+    assert (e.layer, e.head, e.trace.layer) == (4, 7, 4)
+    for h in range(12):
+        np.testing.assert_array_equal(e.trace.get("weights", h), e.attentions[3, h])
+    assert e.trace.tokens == e.tokens
+
+
+def test_cli_steps_with_minilm_and_a_checkpoint(tmp_path, capsys):
+    from attnlab.cli import main
+    from attnlab.models.bert import minilm_available
+    from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
+    from attnlab.train.checkpoint import save_checkpoint
+    from attnlab.train.tasks import RecallTask
+
+    if minilm_available():
+        assert main(["explain", "The bank of the river", "--steps", "--layer", "6", "--head", "2"]) == 0
+        out = capsys.readouterr().out
+        assert "attention weights, layer 6 of 6, head 2 of 12" in out
+        assert "step by step (layer 6, head 2 of 12)" in out and "weights  (7, 7)  head 2" in out
+    task = RecallTask()
+    cfg = TinyTransformerConfig(vocab_size=len(task.vocab), context_length=task.seq_len, d_model=16,
+                                n_heads=2, n_layers=2, d_ff=32)
+    path = tmp_path / "c.npz"
+    save_checkpoint(path, TinyTransformer(cfg, rng=np.random.default_rng(0)), task)
+    assert main(["explain", "k1 v5 k2 v9 k1", "--checkpoint", str(path), "--steps", "--layer", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "attention weights, layer 1 of 2, head 0 of 2" in out and "step by step (layer 1, head 0 of 2)" in out

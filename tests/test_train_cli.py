@@ -100,16 +100,22 @@ def test_explain_checkpoint(tmp_path):
     t = _trainer()
     path = tmp_path / "c.npz"
     ckpt.save_checkpoint(path, t.model, t.task)
-    ex = explain("k1 v5 k2 v9 k1", model="checkpoint", checkpoint=path)
+    ex = explain("k1 v5 k2 v9 k1", model="checkpoint", path=path)
     assert isinstance(ex, Explanation)
+    assert (ex.layer, ex.head, ex.model_name) == (2, 0, "checkpoint")
+    for h in range(4):  # the trace is the layer's own computation
+        np.testing.assert_array_equal(ex.trace.get("weights", h), ex.attentions[1, h])
+    assert ex.trace.tokens == ex.tokens and ex.trace.layer == 2
+    first = explain("k1 v5 k2 v9 k1", model="checkpoint", path=path, layer=1, head=3)
+    np.testing.assert_array_equal(first.trace.get("weights", 3), first.attentions[0, 3])
     assert ex.tokens == ["k1", "v5", "k2", "v9", "k1"]
     assert ex.attentions.shape == (2, 4, 5, 5)
     assert np.allclose(ex.attentions.sum(-1), 1)
     assert ex.static.shape == ex.contextual.shape == (5, 64)
-    assert any("query 'k1' at position 4" in n for n in ex.notes)
+    assert any("induction: query 'k1' at position 4" in n for n in ex.notes)
     with pytest.raises(ValueError, match="unknown tokens"):
-        explain("k1 hello", model="checkpoint", checkpoint=path)
-    with pytest.raises(ValueError, match="checkpoint=PATH"):
+        explain("k1 hello", model="checkpoint", path=path)
+    with pytest.raises(ValueError, match="needs path=FILE"):
         explain("k1", model="checkpoint")
 
 

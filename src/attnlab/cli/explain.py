@@ -24,7 +24,6 @@ from attnlab.cli._common import CLIError, atomic_write, format_table, prepare_ou
 DEFAULT_DIM = 128
 DEFAULT_HEADS = 4
 MAX_TABLE = 24  # tokens shown in a printed attention table
-STEP_ROWS, STEP_COLS = 8, 8  # cells shown per --steps table
 
 _HINTS = {
     "random": "it needs only NumPy; reinstall attnlab",
@@ -235,45 +234,11 @@ def print_summary(expl, *, out=None) -> None:
         print(f"note: {note}", file=out)
 
 
-_TOKEN_ROWS = {"X", "Q", "K", "V", "scores", "scaled_scores", "masked_scores", "weights",
-               "head_output", "concat", "output"}
-_TOKEN_COLS = {"scores", "scaled_scores", "masked_scores", "weights"}
-
-
 def print_steps(expl, head: int, *, out=None) -> None:
-    """The step-by-step walk through one attention call: every step, its shape, values."""
+    """The step-by-step walk through the explained layer's attention call (the trace)."""
     out = out or sys.stdout
-    tr = expl.trace
-    color = use_color(out)
-    tok = _trim(list(tr.tokens))
-    steps = [s for s in tr.steps if s.head in (None, head)]
-    print("", file=out)
-    heads_note = f", head {head} (other heads: --head N)" if tr.num_heads > 1 else ""
-    print(f"step by step: layer {expl.layer}{heads_note}", file=out)
-    for i, s in enumerate(steps, 1):
-        where = "" if s.head is None else f"  head {s.head}"
-        title = f"{i:>2}. {s.name}  {_shape(s.shape)}{where}: {s.description}"
-        print("", file=out)
-        print(f"\x1b[1m{title}\x1b[0m" if color else title, file=out)
-        v = s.values
-        if v.ndim == 1:
-            v = v[None, :]
-            rows = [""]
-        elif s.name in _TOKEN_ROWS:
-            rows = tok
-        else:
-            rows = [str(r) for r in range(v.shape[0])]
-        cols = tok if s.name in _TOKEN_COLS else [str(c) for c in range(v.shape[-1])]
-        r, c = min(v.shape[0], STEP_ROWS), min(v.shape[1], STEP_COLS)
-        shaded = color and s.name == "weights"
-        print(format_table(v[:r, :c], rows[:r], cols[:c], decimals=2, color=shaded), file=out)
-        more = []
-        if v.shape[0] > r:
-            more.append(f"{v.shape[0] - r} more rows")
-        if v.shape[1] > c:
-            more.append(f"{v.shape[1] - c} more columns")
-        if more:
-            print(f"  ... {', '.join(more)} (--format json has every value)", file=out)
+    print(expl.trace.format(head, color=use_color(out), more_hint="--format json has every value"),
+          file=out)
 
 
 # ---- files --------------------------------------------------------------------------------

@@ -125,7 +125,10 @@ def random_model(
     mha.eval()
     out, weights = mha(x, x, x, average_attn_weights=False)  # (1, T, D), (1, H, T, T)
     T = len(tokens)
-    tr = attnlab.trace(mha, x, tokens=tokens) if _want_trace(trace, T) else None
+    tr = None
+    if _want_trace(trace, T):
+        tr = attnlab.trace(mha, x, tokens=tokens)
+        tr.layer = k  # the model's one layer
 
     notes = ["random weights: the maps show how attention computes, not what a trained model "
              "has learned"]
@@ -199,7 +202,7 @@ def minilm_model(
 def checkpoint_model(
     text: str,
     *,
-    path: str | os.PathLike,
+    path: str | os.PathLike | None = None,
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
@@ -217,6 +220,8 @@ def checkpoint_model(
     from attnlab.explain import Explanation
     from attnlab.train.checkpoint import load_checkpoint
 
+    if path is None:
+        raise ValueError("the 'checkpoint' model needs path=FILE (a checkpoint written by attnlab train)")
     model, task, _meta = load_checkpoint(path)
     c = model.config
     k, h = _place(layer, head, c.n_layers, c.n_heads)
