@@ -135,7 +135,8 @@ def test_head_model_heatmap_export(session, tmp_path):
     # head view: switching layer and heads changes the drawing
     before = _lines(page)
     assert page.locator('.al-lines path[data-head="0"]').count() > 0
-    page.select_option(".al-layer", "2")
+    assert page.input_value(".al-layer") == "2"  # opens on the explanation's layer: the last
+    page.select_option(".al-layer", "0")
     after_layer = _lines(page)
     assert after_layer != before
     page.click('.al-chip[data-head="0"]')  # hide head 0
@@ -185,7 +186,7 @@ def test_head_model_heatmap_export(session, tmp_path):
 
     # exports: a PNG and an SVG of the current view, made in the page (no network)
     name, png = session.download(".al-export-png")
-    assert name == "attnlab-heatmap-layer1-head3.png"
+    assert name == "attnlab-heatmap-layer2-head3.png"  # layers are numbered 1..n
     w, h = _png_size(png)
     assert w > 300 and h > 300
     pixels = _png_pixels(png)
@@ -197,7 +198,7 @@ def test_head_model_heatmap_export(session, tmp_path):
     assert b"<script" not in svg and b"al-hit" not in svg
     page.click('.al-tab[data-view="head"]')
     name, png = session.download(".al-export-png")
-    assert name == "attnlab-head-layer1.png" and _png_size(png)[1] > 200
+    assert name == "attnlab-head-layer2.png" and _png_size(png)[1] > 200
     session.check_clean()
 
 
