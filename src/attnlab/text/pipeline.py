@@ -43,6 +43,7 @@ def text_to_embeddings(
     Raises:
         ValueError: blank text, or text whose every token is unknown.
 
+    >>> from attnlab.nn import Embedding
     >>> vocab = Vocabulary.from_texts(["The cat sat on the mat"])
     >>> emb = Embedding(len(vocab), 128, rng=np.random.default_rng(0))
     >>> tokens, x = text_to_embeddings("The cat sat on the mat", vocab, emb)
