@@ -31,6 +31,9 @@ from numba.extending import intrinsic
 # "reassoc" lets LLVM vectorise the row sums.
 _FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
 _JIT = {"nogil": True, "fastmath": _FM, "cache": True, "error_model": "numpy", "boundscheck": False}
+# Without "reassoc" where the order of subtraction matters: (x - shift) - log(l) must not
+# become x - (shift + log(l)), which loses log(l) next to a shift of -1e30.
+_JIT_ORDERED = {**_JIT, "fastmath": _FM - {"reassoc"}}
 
 MODE_NONE, MODE_CAUSAL, MODE_BOOL, MODE_FLOAT = 0, 1, 2, 3
 
@@ -167,15 +170,16 @@ def accumulate(acc, pv, alpha):
                 acc[r, e] = acc[r, e] * a + pv[r, e]
 
 
-@nb.njit(**_JIT)
-def backward_probs(s, mode, mask, lim0, lse):
-    """``s`` (scaled scores) becomes ``exp(score + mask - lse)``: the forward pass's
-    probabilities, recomputed from one number per row (0 where masked or the row saw
-    nothing)."""
+@nb.njit(**_JIT_ORDERED)
+def backward_probs(s, mode, mask, lim0, shift, logl):
+    """``s`` (scaled scores) becomes ``exp(score + mask - shift - logl)``: the forward
+    pass's probabilities, recomputed from two numbers per row (0 where masked or the row
+    saw nothing, ``shift = -inf``)."""
     rows, cols = s.shape
     for r in range(rows):
         row = s[r]
-        c = lse[r]
+        c = shift[r]
+        ll = logl[r]
         if c == _NEG_INF:
             for j in range(cols):
                 row[j] = 0.0
@@ -184,14 +188,14 @@ def backward_probs(s, mode, mask, lim0, lse):
         if mode == MODE_BOOL:
             mk = mask[r]
             for j in range(cols):
-                row[j] = _exp(row[j] - c) if mk[j] else _F(0.0)
+                row[j] = _exp((row[j] - c) - ll) if mk[j] else _F(0.0)
         elif mode == MODE_FLOAT:
             mk = mask[r]
             for j in range(cols):
-                row[j] = _exp((row[j] + mk[j]) - c)
+                row[j] = _exp(((row[j] + mk[j]) - c) - ll)
         else:
             for j in range(n):
-                row[j] = _exp(row[j] - c)
+                row[j] = _exp((row[j] - c) - ll)
             for j in range(n, cols):
                 row[j] = 0.0
 

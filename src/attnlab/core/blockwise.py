@@ -8,9 +8,10 @@ far), the running sum ``l`` of ``exp(score - m)`` and an accumulator ``acc`` of
 ``exp(m_old - m_new)``, which is at most 1 and so never overflows, however negative the
 scores (ALiBi biases, ``-1e9`` or ``finfo.min`` masks). The output is ``acc / l`` and the
 forward pass also returns the log-sum-exp ``lse = m + log(l)`` of every row. The backward
-pass recomputes each tile's probabilities as ``exp(score + mask - lse)`` from that one
-number per row, so neither pass ever holds more than one ``(block_q, block_k)`` tile per
-thread: extra memory is ``O(L·E)``.
+pass recomputes each tile's probabilities as ``exp(score + mask - m - log(l))`` from those
+two numbers per row (kept apart, so that ``log(l)`` survives next to a shift of ``-1e30``),
+so neither pass ever holds more than one ``(block_q, block_k)`` tile per thread: extra
+memory is ``O(L·E)``.
 
 Numerics, as ``torch``: a float mask is added to the scaled scores before anything is
 subtracted from them, so a row masked everywhere with the same finite value gives what
@@ -374,14 +375,19 @@ def _plan(
 
 
 def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (*batch, L, Ev), lse (*batch, L))`` in the plan's compute dtype."""
+    """``(out (*batch, L, Ev), stats (*batch, L, 2))`` in the plan's compute dtype.
+
+    ``stats[..., 0]`` is each row's shift ``m`` (``-inf`` for a row that sees nothing),
+    ``stats[..., 1]`` its ``log(l)``: ``lse`` is their sum.
+    """
     L, bq, dt = plan.L, plan.bq, plan.dtype
     out = np.zeros((*plan.batch, L, plan.Ev), dtype=dt)
-    lse = np.full((*plan.batch, L), -np.inf, dtype=dt)
+    stats = np.zeros((*plan.batch, L, 2), dtype=dt)
+    stats[..., 0] = -np.inf
     if out.size == 0 or plan.S == 0:
-        return out, lse
+        return out, stats
     out_h = out.reshape(len(plan.heads), L, plan.Ev)
-    lse_h = lse.reshape(len(plan.heads), L)
+    stats_h = stats.reshape(len(plan.heads), L, 2)
     # Head after head (so only a few heads' key/value copies live at a time), the
     # longest query tiles first (causal: the last ones), so the threads finish together.
     tiles = list(reversed(range(0, L, bq)))
@@ -392,14 +398,14 @@ def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
     def run(unit, scratch):
         n, i0 = unit
         i1 = min(i0 + bq, L)
-        tile_fn(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
+        tile_fn(plan, n, i0, i1, out_h[n, i0:i1], stats_h[n, i0:i1], scratch)
         plan.unit_done(n)
 
     run_units(units, run, plan.threads_for(len(units)))
-    return out, lse
+    return out, stats
 
 
-def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> None:
+def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, stats, scratch) -> None:
     """One query tile of one head with the compiled kernels: exact running maximum."""
     K = plan.kernels
     h = plan.heads[n]
@@ -423,36 +429,35 @@ def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch
         K.forward_tile(s, how[0], how[1], how[2], m, l, alpha, bad)
         np.matmul(s, v[j0:j1], out=pv)
         K.accumulate(out, pv, alpha)
-    _finish_rows(out, lse, m, l, bad > 0)
+    _finish_rows(out, stats, m, l, bad > 0)
 
 
-def _finish_rows(acc, lse, c, l, nan_rows) -> None:
-    """``acc / l`` and ``lse = c + log(l)``; rows that saw nothing give 0 and ``-inf``,
-    rows that met a NaN give NaN."""
+def _finish_rows(acc, stats, c, l, nan_rows) -> None:
+    """``acc / l`` and ``stats = [c, log(l)]``; rows that saw nothing give 0 and
+    ``[-inf, 0]``, rows that met a NaN give NaN."""
     seen = l > 0
     np.divide(acc, l[:, None], out=acc, where=seen[:, None])
     acc[~seen] = 0
-    np.log(l, out=lse, where=seen)
-    lse += np.where(seen, c, 0).astype(lse.dtype, copy=False)
-    lse[~seen] = -np.inf
+    stats[:, 0] = np.where(seen, c, -np.inf)
+    np.log(l, out=stats[:, 1], where=seen)
+    stats[~seen, 1] = 0
     nan_rows = nan_rows | np.isnan(l)
     if nan_rows.any():
         acc[nan_rows] = np.nan
-        lse[nan_rows] = np.nan
+        stats[nan_rows] = np.nan
 
 
 # The NumPy pass lets exp(score - shift) grow up to this before moving the shift up.
 _RESCALE_ABOVE = 2.0**20
 
 
-def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> None:
-    """One query tile of one head with NumPy: rows ``i0:i1`` of ``out`` and ``lse``.
+def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, stats, scratch) -> None:
+    """One query tile of one head with NumPy: rows ``i0:i1`` of ``out`` and ``stats``.
 
     Each row keeps a shift ``c`` (the running maximum of FlashAttention, but allowed to lag
-    behind it), ``l = sum exp(score - c)`` and ``acc = sum exp(score - c) v``. Without a
-    float mask the shift is folded into the score matmul (:meth:`_Plan.head_array`); with
-    one it is subtracted after the mask is added (torch's order of rounding). It starts at
-    the score of key 0 when there is no mask (else at the first tile's row max). A tile
+    behind it), ``l = sum exp(score - c)`` and ``acc = sum exp(score - c) v``. The shift
+    is folded into the score matmul (:meth:`_Plan.head_array`). It starts at the score of
+    key 0 when there is no mask (else at the first tile's row max). A tile
     takes the exact path (row max, subtract, exp) while some row has no shift yet or when
     the fast path overflowed; otherwise the fast path is just ``exp`` of the shifted scores:
     they may then exceed ``c`` (exp up to ``e^88`` stays finite in float32; beyond, the tile
@@ -460,11 +465,15 @@ def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch
     ``_RESCALE_ABOVE``, which keeps ``c`` within ``log(S)`` above the true maximum, so
     nothing that matters underflows. The exact path moves a row's shift only up (or, for
     a row without one, to its first finite maximum), so its rescale factor is at most 1.
+
+    With a float mask the shift is the exact running maximum of ``score + mask``, and both
+    are added before the shift is subtracted (torch's order of rounding): a lagging shift
+    far from the scores (a first tile masked with ``-1e4``) would round them to its grid.
     """
     h = plan.heads[n]
     dt, rows, E = plan.dtype, i1 - i0, plan.E
     fold = not plan.float_mask  # the shift rides along in the matmul
-    qa = _buffer(scratch, "qa", (rows, E + 1), dt)  # [q * scale, -c] (or [q * scale, 0])
+    qa = _buffer(scratch, "qa", (rows, E + 1), dt)  # [q * scale, -c] ([q * scale, 0]: float mask)
     np.multiply(plan.q[h][i0:i1], plan.scale, out=qa[:, :E], casting="unsafe")
     qa[:, E] = 0
     ka = plan.head_array("ka", n)  # (S, E + 1): [k, 1]
@@ -485,17 +494,28 @@ def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch
 
     def scores(s, j0, j1) -> bool:
         np.matmul(qa, ka[j0:j1].T, out=s)  # (rows, bk): scores - c (folded) or scores
-        if not plan.apply_mask(s, h, i0, j0):
-            return False
-        if not fold:
-            s -= c[:, None]
-        return True
+        return plan.apply_mask(s, h, i0, j0)
 
     kend = plan.key_end(i1)
     for j0 in range(0, kend, plan.bk):
         j1 = min(j0 + plan.bk, kend)
         s = _buffer(scratch, "s", (rows, j1 - j0), dt)
         if not scores(s, j0, j1):
+            continue
+        if not fold:  # float mask: s = score + mask; exact running max
+            mt = s.max(axis=1)
+            c_new = np.where(have, np.maximum(c, mt), mt)
+            c_new = np.where(c_new == -np.inf, 0, c_new).astype(dt, copy=False)
+            s -= c_new[:, None]
+            np.exp(s, out=s)
+            alpha = np.exp(np.where(have, c - c_new, 0)).astype(dt, copy=False)  # <= 1
+            pv = s @ va[j0:j1]
+            l *= alpha
+            l += pv[:, -1]
+            acc *= alpha[:, None]
+            acc += pv[:, :-1]
+            c = c_new
+            have |= mt > -np.inf
             continue
         if settled:
             np.exp(s, out=s)
@@ -509,8 +529,7 @@ def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch
                     acc /= grow[:, None]
                     l /= grow
                     c += np.log(grow)
-                    if fold:
-                        qa[:, E] = -c
+                    qa[:, E] = -c
                 continue
             scores(s, j0, j1)  # overflow or NaN: redo the tile exactly
         # Exact path: move each row's shift up to the tile's maximum where that is higher;
@@ -528,19 +547,19 @@ def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch
         acc += pv[:, :-1]
         c += up
         have |= mt > -np.inf
-        if fold:
-            qa[:, E] = -c
+        qa[:, E] = -c
         settled = bool(have.all())
-    _finish_rows(acc, lse, c, l, np.zeros(rows, dtype=bool))
+    _finish_rows(acc, stats, c, l, np.zeros(rows, dtype=bool))
 
 
 # --------------------------------------------------------------------------- backward
 
 
 def _backward(
-    plan: _Plan, grad_out: np.ndarray, out: np.ndarray, lse: np.ndarray
+    plan: _Plan, grad_out: np.ndarray, out: np.ndarray, stats: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dq, dk, dv)`` per head ``(*batch, L|S, E|Ev)`` in the compute dtype."""
+    """``(dq, dk, dv)`` per head ``(*batch, L|S, E|Ev)`` in the compute dtype, from the
+    forward pass's ``out`` and ``stats`` (see :func:`_forward`)."""
     L, S, dt = plan.L, plan.S, plan.dtype
     dq = np.zeros((*plan.batch, L, plan.E), dtype=dt)
     dk = np.zeros((*plan.batch, S, plan.E), dtype=dt)
@@ -550,14 +569,16 @@ def _backward(
     go = np.broadcast_to(grad_out, (*plan.batch, L, plan.Ev))
     # D_i = sum_e dO_ie O_ie = sum_j P_ij dP_ij: the softmax backward's row term.
     D = np.einsum("...le,...le->...l", go.astype(dt, copy=False), out.astype(dt, copy=False))
-    lse = lse.astype(dt, copy=False)
-    fused = plan.fused and bool(np.isfinite(D).all()) and not np.isnan(lse).any()
+    stats = stats.astype(dt, copy=False)
+    fused = plan.fused and bool(np.isfinite(D).all()) and not np.isnan(stats).any()
     if not fused:
-        # A fully masked row (lse = -inf) has every score at -inf already: shift it by 0.
-        lse = np.where(lse == -np.inf, 0, lse).astype(dt, copy=False)
+        # A fully masked row (shift -inf) has every score at -inf already: shift it by 0.
+        stats = np.where(stats == -np.inf, 0, stats).astype(dt, copy=False)
     H = len(plan.heads)
     dq_h, dk_h, dv_h = (a.reshape(H, *a.shape[-2:]) for a in (dq, dk, dv))
-    D_h, lse_h = D.reshape(H, L), lse.reshape(H, L)
+    D_h = D.reshape(H, L)
+    shift_h = np.ascontiguousarray(stats[..., 0]).reshape(H, L)
+    logl_h = np.ascontiguousarray(stats[..., 1]).reshape(H, L)
     # Units own key tiles (so dk, dv need no locks). With fewer heads than threads, each
     # head's key tiles are dealt round-robin to several units with their own partial dq.
     n_key_tiles = -(-S // plan.bk)
@@ -572,12 +593,9 @@ def _backward(
         n, c = unit
         target = dq_h[n] if c == 0 else partial[n][c - 1]
         tiles = range(c * plan.bk, S, split * plan.bk)
-        if fused:
-            _backward_unit_fused(plan, n, tiles, go[plan.heads[n]], lse_h[n], D_h[n], target,
-                                 dk_h[n], dv_h[n], scratch)
-        else:
-            _backward_unit_numpy(plan, n, tiles, go[plan.heads[n]], lse_h[n], D_h[n], target,
-                                 dk_h[n], dv_h[n], scratch)
+        unit_fn = _backward_unit_fused if fused else _backward_unit_numpy
+        unit_fn(plan, n, tiles, go[plan.heads[n]], shift_h[n], logl_h[n], D_h[n], target,
+                dk_h[n], dv_h[n], scratch)
         plan.unit_done(n)
 
     run_units(units, run, plan.threads_for(len(units)))
@@ -588,7 +606,7 @@ def _backward(
     return dq, dk, dv
 
 
-def _backward_unit_fused(plan: _Plan, n, tiles, go, lse, D, dq, dk, dv, scratch) -> None:
+def _backward_unit_fused(plan: _Plan, n, tiles, go, shift, logl, D, dq, dk, dv, scratch) -> None:
     """Key tiles ``tiles`` of head ``n`` against every query tile that sees them, with the
     compiled kernels; ``dq`` (all ``L`` rows, without the factor ``scale``), ``dk`` and
     ``dv`` (all ``S`` rows) are accumulated in place."""
@@ -613,7 +631,7 @@ def _backward_unit_fused(plan: _Plan, n, tiles, go, lse, D, dq, dk, dv, scratch)
                 continue
             p = _buffer(scratch, "s", (rows, cols), dt)
             np.matmul(qs[i0:i1], kt.T, out=p)
-            K.backward_probs(p, how[0], how[1], how[2], lse[i0:i1])
+            K.backward_probs(p, how[0], how[1], how[2], shift[i0:i1], logl[i0:i1])
             dv[j0:j1] += np.matmul(p.T, g[i0:i1], out=dvt)
             dp = _buffer(scratch, "dp", (rows, cols), dt)
             np.matmul(g[i0:i1], vt.T, out=dp)
@@ -622,17 +640,18 @@ def _backward_unit_fused(plan: _Plan, n, tiles, go, lse, D, dq, dk, dv, scratch)
             dk[j0:j1] += np.matmul(dp.T, qs[i0:i1], out=dkt)
 
 
-def _backward_unit_numpy(plan: _Plan, n, tiles, go, lse, D, dq, dk, dv, scratch) -> None:
+def _backward_unit_numpy(plan: _Plan, n, tiles, go, shift, logl, D, dq, dk, dv, scratch) -> None:
     """As :func:`_backward_unit_fused`, with NumPy: ``[q * scale, -lse]`` and ``[dO, -D]``
     times ``[k, 1]`` and ``[v, 1]`` give ``score - lse`` and ``dP - D`` straight out of
-    the matmuls. With a float mask ``lse`` is subtracted after the mask is added instead
-    (torch's order of rounding)."""
+    the matmuls. With a float mask the shift and ``log(l)`` are subtracted one after the
+    other once the mask is added instead (torch's order of rounding; a shift of ``-1e30``
+    would swallow ``log(l)``)."""
     h = plan.heads[n]
     dt = plan.dtype
     fold = not plan.float_mask
     qa = np.empty((plan.L, plan.E + 1), dtype=dt)
     np.multiply(plan.q[h], plan.scale, out=qa[:, :-1], casting="unsafe")
-    qa[:, -1] = -lse if fold else 0
+    qa[:, -1] = -(shift + logl) if fold else 0
     ga = np.empty((plan.L, plan.Ev + 1), dtype=dt)
     ga[:, :-1] = go
     ga[:, -1] = -D
@@ -649,7 +668,8 @@ def _backward_unit_numpy(plan: _Plan, n, tiles, go, lse, D, dq, dk, dv, scratch)
             if not plan.apply_mask(s, h, i0, j0):
                 continue
             if not fold:
-                s -= lse[i0:i1, None]
+                s -= shift[i0:i1, None]
+                s -= logl[i0:i1, None]
             p = np.exp(s, out=s)  # (rows, cols) probabilities
             dv[j0:j1] += p.T @ ga[i0:i1, :-1]
             dp = _buffer(scratch, "dp", (rows, cols), dt)
@@ -707,8 +727,8 @@ def blockwise_attention_forward(
     """
     spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
     plan = _plan(spec, causal_align, block_q, block_k, num_threads)
-    out, lse = _forward(plan)
-    return out.astype(spec.query.dtype, copy=False), lse
+    out, stats = _forward(plan)
+    return out.astype(spec.query.dtype, copy=False), stats[..., 0] + stats[..., 1]
 
 
 def blockwise_attention(
@@ -830,11 +850,23 @@ def blockwise_attention_backward(
 
 
 def backward_spec(plan: _Plan, grad_out, out=None, lse=None):
-    """Backward on a validated plan; sums GQA and broadcast dims back (internal)."""
+    """Backward on a validated plan; sums GQA and broadcast dims back (internal).
+
+    Without ``out`` and ``lse`` the forward pass is recomputed, which keeps each row's
+    shift and ``log(l)`` apart. A given ``lse`` serves as the shift with ``log(l) = 0``;
+    where it is so large that float rounding swallowed ``log(l)`` (a row masked everywhere
+    with ``-1e30``: its ulp exceeds 1), the forward pass is recomputed instead.
+    """
     spec = plan.spec
-    if out is None:
-        out, lse = _forward(plan)
-    dq, dk, dv = _backward(plan, grad_out, out, lse)
+    stats = None
+    if out is not None:
+        lse = np.asarray(lse, dtype=plan.dtype)
+        big = 0.5 / np.finfo(plan.dtype).eps  # from here, ulp(lse) >= 1
+        if not (np.isfinite(lse) & (np.abs(lse) >= big)).any():
+            stats = np.stack([lse, np.zeros_like(lse)], axis=-1)
+    if stats is None:
+        out, stats = _forward(plan)
+    dq, dk, dv = _backward(plan, grad_out, out, stats)
     dtype = spec.query.dtype
     return (
         reduce_to(dq, spec.query.shape, 1).astype(dtype, copy=False),
