@@ -335,10 +335,11 @@ def test_tile_sizes_follow_the_l2_cache():
         t = bw.derive_tuning(CPUInfo("x", frozenset(), 32 * 1024, l2, 32 * 2**20, True))
         return t.block_q, t.block_k
 
-    assert tiles(512 * 1024) == (256, 256)
-    assert tiles(1024 * 1024) == (256, 512)
-    assert tiles(2 * 2**20) == (256, 1024)
-    assert tiles(64 * 1024) == (256, 128)  # clamped
+    assert tiles(512 * 1024) == (512, 512)
+    assert tiles(1024 * 1024) == (512, 1024)
+    assert tiles(2 * 2**20) == (512, 2048)
+    assert tiles(8 * 2**20) == (512, 2048)  # clamped
+    assert tiles(32 * 1024) == (512, 128)
     with bw.tuned(block_k=48, min_scores_per_thread=0) as t:
         assert bw.tuning() is t and t.block_k == 48
     assert bw.tuning() == bw._machine_tuning()
