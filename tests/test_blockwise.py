@@ -96,22 +96,25 @@ def test_equals_naive_for_any_blocks(
 
 @pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 def test_small_problems_start_a_pool_under_test_tuning(fused, monkeypatch):
-    """The property tests above run tiny problems: check that they really use threads."""
-    import threading
+    """The property tests above run tiny problems: check that they really start pools
+    (and not under the machine's tuning, where such sizes stay in one thread)."""
+    pools = []
+    real = bw.run_units
 
-    seen = set()
-    real = bw._forward_tile_fused if fused else bw._forward_tile_numpy
+    def spy(units, run_unit, threads):
+        pools.append(threads)
+        return real(units, run_unit, threads)
 
-    def spy(*args):
-        seen.add(threading.get_ident())
-        return real(*args)
-
-    monkeypatch.setattr(bw, "_forward_tile_fused" if fused else "_forward_tile_numpy", spy)
+    monkeypatch.setattr(bw, "run_units", spy)
     rng = np.random.default_rng(16)
-    q, k, v, _ = inputs(rng, (4,), 2, 2, 40, 30, 4, 4, np.float32)
+    q, k, v, g = inputs(rng, (4,), 2, 2, 40, 30, 4, 4, np.float32)
     with kernel_tuning(fused):
-        blockwise_attention(q, k, v, block_q=4, num_threads=2)
-    assert len(seen) == 2
+        plan = bw._plan(attention_mod.check_attention_args(q, k, v), None, 4, None, 2)
+        blockwise_attention_backward(g, q, k, v, block_q=4, num_threads=2)
+    assert plan.fused == fused and pools == [2, 2]  # forward and backward pools
+    pools.clear()
+    blockwise_attention(q, k, v, block_q=4, num_threads=2)
+    assert pools == [1]
 
 
 @pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
