@@ -4,7 +4,6 @@ torch), half precision, thread safety, no nested pools, and tile sizes from the 
 from __future__ import annotations
 
 import contextlib
-import threading
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
