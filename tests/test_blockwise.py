@@ -22,30 +22,10 @@ from attnlab import (
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive
 from attnlab.core import spec as attention_mod
+from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
-
-
-def rel_err(got: np.ndarray, want: np.ndarray, floor: float = 1e-30) -> float:
-    """Largest absolute difference relative to the reference's largest entry (or ``floor``)."""
-    assert got.shape == want.shape and got.dtype == want.dtype
-    if want.size == 0:
-        return 0.0
-    return float(np.max(np.abs(got - want)) / max(float(np.max(np.abs(want))), floor))
-
-
-def grad_err(got: np.ndarray, want: np.ndarray) -> float:
-    """:func:`rel_err` for gradients, relative to at least 1: the inputs are standard normal,
-    so a gradient that is exactly 0 in theory (``L == S == 1``) is ``O(eps)`` in practice."""
-    return rel_err(got, want, floor=1.0)
-
-
-def inputs(rng, batch, hq, h, L, S, E, Ev, dtype):
-    q = rng.standard_normal((*batch, hq, L, E)).astype(dtype)
-    k = rng.standard_normal((*batch, h, S, E)).astype(dtype)
-    v = rng.standard_normal((*batch, h, S, Ev)).astype(dtype)
-    g = rng.standard_normal((*batch, hq, L, Ev)).astype(dtype)
-    return q, k, v, g
+inputs = attention_inputs
 
 
 def naive_mask(kind, L, S, rng, dtype):
@@ -70,15 +50,18 @@ def naive_mask(kind, L, S, rng, dtype):
     return m, {"attn_mask": m}
 
 
-def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, **blocks):
+def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, fused=False, **blocks):
+    """The blockwise kernel (on the chosen element-wise pass, always on a real pool when
+    ``num_threads > 1``) against the naive path, forward and backward."""
     dtype = q.dtype.type
     mask, kw = naive_mask(kind, q.shape[-2], k.shape[-2], rng, dtype)
-    want = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    want_g = scaled_dot_product_attention_backward(g, q, k, v, attn_mask=mask, enable_gqa=gqa)
-    out, lse = blockwise_attention_forward(q, k, v, enable_gqa=gqa, **kw, **blocks)
+    spec = attention_mod.check_attention_args(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    want, want_g = naive.forward(spec), naive.backward(spec, g)
+    with kernel_tuning(fused):
+        out, lse = blockwise_attention_forward(q, k, v, enable_gqa=gqa, **kw, **blocks)
+        got_g = blockwise_attention_backward(g, q, k, v, enable_gqa=gqa, out=out, lse=lse, **kw, **blocks)
     assert out.dtype == q.dtype and not np.isnan(out).any()
     assert rel_err(out, want) <= TOL[dtype]
-    got_g = blockwise_attention_backward(g, q, k, v, enable_gqa=gqa, out=out, lse=lse, **kw, **blocks)
     for name, a, b in zip("qkv", got_g, want_g, strict=True):
         assert grad_err(a, b) <= TOL[dtype], name
 
@@ -94,27 +77,54 @@ def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, **blocks):
     block_k=st.integers(1, 40),
     kind=st.sampled_from(["none", "causal", "bottom-right", "bool", "float"]),
     dtype=st.sampled_from([np.float32, np.float64]),
-    threads=st.sampled_from([1, 2]),
+    threads=st.sampled_from([1, 2, 3]),
     kv_heads=st.sampled_from([1, 3]),  # 1: GQA, 3 query heads share one key/value head
+    fused=st.sampled_from([False, True] if bw.fused_available() else [False]),
 )
 def test_equals_naive_for_any_blocks(
-    seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads, kv_heads
+    seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads, kv_heads, fused
 ):
+    """Any tile sizes, on both element-wise passes (the compiled one computes float32; a
+    float64 call runs on NumPy), with pools that really start (2 or 3 threads)."""
     rng = np.random.default_rng(seed)
     q, k, v, g = inputs(rng, (2,), 3, kv_heads, L, S, E, Ev, dtype)
     check_against_naive(
         q, k, v, g, kind, rng, gqa=kv_heads != 3, block_q=block_q, block_k=block_k,
-        num_threads=threads,
+        num_threads=threads, fused=fused,
     )
 
 
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_small_problems_start_a_pool_under_test_tuning(fused, monkeypatch):
+    """The property tests above run tiny problems: check that they really start pools
+    (and not under the machine's tuning, where such sizes stay in one thread)."""
+    pools = []
+    real = bw.run_units
+
+    def spy(units, run_unit, threads):
+        pools.append(threads)
+        return real(units, run_unit, threads)
+
+    monkeypatch.setattr(bw, "run_units", spy)
+    rng = np.random.default_rng(16)
+    q, k, v, g = inputs(rng, (4,), 2, 2, 40, 30, 4, 4, np.float32)
+    with kernel_tuning(fused):
+        plan = bw._plan(attention_mod.check_attention_args(q, k, v), None, 4, None, 2)
+        blockwise_attention_backward(g, q, k, v, block_q=4, num_threads=2)
+    assert plan.fused == fused and pools == [2, 2]  # forward and backward pools
+    pools.clear()
+    blockwise_attention(q, k, v, block_q=4, num_threads=2)
+    assert pools == [1]
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("kind", ["none", "causal", "bottom-right", "bool", "float"])
 @pytest.mark.parametrize("L,S", [(100, 77), (77, 100), (130, 130)])
-def test_blocks_dividing_neither_L_nor_S(dtype, kind, L, S):
+def test_blocks_dividing_neither_L_nor_S(dtype, kind, L, S, fused):
     rng = np.random.default_rng(L * S)
     q, k, v, g = inputs(rng, (), 2, 2, L, S, 16, 12, dtype)
-    check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2)
+    check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2, fused=fused)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -142,19 +152,22 @@ def test_broadcast_batch_dims_and_mask_per_head():
         assert a.shape == b.shape and grad_err(a, b) <= 1e-12
 
 
-def test_scale_and_large_scores_stay_finite():
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_scale_and_large_scores_stay_finite(fused):
     rng = np.random.default_rng(3)
     q, k, v, g = inputs(rng, (), 1, 1, 40, 50, 8, 8, np.float32)
     q *= 30  # scores in the hundreds: exp would overflow without the running max
     for scale in (None, 0.5, 3.0):
         want = scaled_dot_product_attention(q, k, v, scale=scale)
-        got = blockwise_attention(q, k, v, scale=scale, block_q=7, block_k=9)
+        with kernel_tuning(fused):
+            got = blockwise_attention(q, k, v, scale=scale, block_q=7, block_k=9)
         assert np.isfinite(got).all() and rel_err(got, want) <= 1e-5
 
 
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("profile", ["jump", "ramp", "drop", "big-values"])
-def test_score_jumps_between_key_tiles(dtype, profile):
+def test_score_jumps_between_key_tiles(dtype, profile, fused):
     """The forward pass lets its shift lag behind the row max between tiles: scores that
     later jump far above it (overflow, redone exactly), creep up (rescaled) or fall far
     below it must all give the naive result."""
@@ -175,7 +188,8 @@ def test_score_jumps_between_key_tiles(dtype, profile):
         v *= 1e30  # exp(score - shift) * v overflows before exp alone does
     g = rng.standard_normal((L, 3)).astype(dtype)
     want = scaled_dot_product_attention(q, k, v, scale=1.0)
-    out, lse = blockwise_attention_forward(q, k, v, scale=1.0, block_q=4, block_k=8)
+    with kernel_tuning(fused):
+        out, lse = blockwise_attention_forward(q, k, v, scale=1.0, block_q=4, block_k=8)
     assert np.isfinite(out).all() and rel_err(out, want) <= TOL[dtype]
     scores = q.astype(np.float64) @ k.T.astype(np.float64)
     top = scores.max(-1)
@@ -183,9 +197,10 @@ def test_score_jumps_between_key_tiles(dtype, profile):
     assert rel_err(lse, want_lse) <= TOL[dtype]
     if profile != "big-values":
         want_g = scaled_dot_product_attention_backward(g, q, k, v, scale=1.0)
-        got_g = blockwise_attention_backward(
-            g, q, k, v, scale=1.0, out=out, lse=lse, block_q=4, block_k=8
-        )
+        with kernel_tuning(fused):
+            got_g = blockwise_attention_backward(
+                g, q, k, v, scale=1.0, out=out, lse=lse, block_q=4, block_k=8
+            )
         # Backward recomputes p = exp(score - lse): with scores in the thousands ("jump")
         # float32 rounds score - lse to eps * |score|, so compare at that scale there.
         floor = float(np.abs(scores).max()) if profile == "jump" else 1.0
@@ -193,20 +208,25 @@ def test_score_jumps_between_key_tiles(dtype, profile):
             assert rel_err(a, b, floor=floor) <= TOL[dtype]
 
 
-def test_fully_masked_rows_and_empty_sizes_give_zeros():
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_fully_masked_rows_and_empty_sizes_give_zeros(fused):
     rng = np.random.default_rng(4)
-    q, k, v, g = (a[0] for a in inputs(rng, (), 1, 1, 6, 5, 4, 3, np.float64))  # (L|S, E)
+    q, k, v, g = (a[0] for a in inputs(rng, (), 1, 1, 6, 5, 4, 3, np.float32))  # (L|S, E)
     mask = np.ones((6, 5), dtype=bool)
     mask[2] = False
-    out = blockwise_attention(q, k, v, mask, block_k=2)
+    with kernel_tuning(fused):
+        out = blockwise_attention(q, k, v, mask, block_k=2)
+        dq, dk, dv = blockwise_attention_backward(np.ones((6, 3), np.float32), q, k, v, mask, block_k=2)
     assert (out[2] == 0).all() and np.isfinite(out).all()
+    assert (dq[2] == 0).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
     # L > S bottom-right: the first L - S queries see nothing.
-    out = blockwise_attention(q, k, v, is_causal=True, causal_align="bottom-right", block_q=4)
+    with kernel_tuning(fused):
+        out = blockwise_attention(q, k, v, is_causal=True, causal_align="bottom-right", block_q=4)
     assert (out[:1] == 0).all() and np.isfinite(out).all()
-    empty_k = np.zeros((0, 4))
-    out, lse = blockwise_attention_forward(q, empty_k, np.zeros((0, 3)))
+    empty_k, empty_v = np.zeros((0, 4), np.float32), np.zeros((0, 3), np.float32)
+    out, lse = blockwise_attention_forward(q, empty_k, empty_v)
     assert out.shape == (6, 3) and (out == 0).all() and (lse == -np.inf).all()
-    dq, dk, dv = blockwise_attention_backward(np.ones((6, 3)), q, empty_k, np.zeros((0, 3)))
+    dq, dk, dv = blockwise_attention_backward(np.ones((6, 3), np.float32), q, empty_k, empty_v)
     assert (dq == 0).all() and dk.shape == (0, 4) and dv.shape == (0, 3)
     assert blockwise_attention(q[:0], k, v).shape == (0, 3)
 
@@ -231,14 +251,27 @@ def test_degenerate_shapes_match_naive(q_shape, k_shape, v_shape):
         assert grad_err(a, b) <= 1e-12
 
 
-def test_nan_propagates_like_naive():
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", ["query", "float mask"])
+def test_nan_propagates_like_naive(dtype, where, fused):
     rng = np.random.default_rng(5)
-    q, k, v, _ = (a[0] for a in inputs(rng, (), 1, 1, 5, 6, 4, 4, np.float64))
-    q[1, 0] = np.nan
-    want = scaled_dot_product_attention(q, k, v)
-    got = blockwise_attention(q, k, v, block_k=4)
+    q, k, v, g = (a[0] for a in inputs(rng, (), 1, 1, 5, 6, 4, 4, dtype))
+    mask = np.zeros((5, 6), dtype=dtype)
+    if where == "query":
+        q[1, 0] = np.nan
+    else:
+        mask[1, 4] = np.nan
+    want = scaled_dot_product_attention(q, k, v, mask)
+    want_g = scaled_dot_product_attention_backward(g, q, k, v, mask)
+    with kernel_tuning(fused):
+        got = blockwise_attention(q, k, v, mask, block_k=4)
+        got_g = blockwise_attention_backward(g, q, k, v, mask, block_k=4)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    assert rel_err(got[[0, 2, 3, 4]], want[[0, 2, 3, 4]]) <= 1e-12
+    assert np.isnan(got[1]).all()
+    assert rel_err(got[[0, 2, 3, 4]], want[[0, 2, 3, 4]]) <= TOL[dtype]
+    for a, b in zip(got_g, want_g, strict=True):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
 
 
 def test_float16_computes_in_float32_and_returns_float16():
@@ -279,14 +312,18 @@ def test_backward_equals_torch_autograd(dtype, kind):
         assert grad_err(a, t.grad.numpy()) <= TOL[dtype]
 
 
-def test_memory_stays_linear_at_16k_tokens():
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_memory_stays_linear_at_16k_tokens(fused):
     L = S = 16384
     rng = np.random.default_rng(9)
     q, k, v = (rng.standard_normal((1, L, 8)).astype(np.float32) for _ in range(3))
     score_matrix = L * S * 4  # 1 GiB: what one naive score matrix would take
+    with bw.tuned(fused=fused):
+        blockwise_attention(q[:, :300], k[:, :300], v[:, :300])  # imports/compiles (untraced)
     tracemalloc.start()
     try:
-        out = blockwise_attention(q, k, v, is_causal=True, block_q=256, block_k=1024)
+        with bw.tuned(fused=fused):
+            out = blockwise_attention(q, k, v, is_causal=True, block_q=256, block_k=1024)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -396,14 +433,20 @@ def test_bench_command_prints_the_table(capsys):
     from attnlab.cli import main
 
     code = main(["bench", "--sizes", "64,96", "--repeats", "1", "--threads", "1",
-                 "--naive-max", "64", "--memory-tokens", "512", "--passes", "both"])
+                 "--naive-max", "64", "--memory-tokens", "512", "--passes", "both",
+                 "--layer-tokens", "64", "--minilm-texts", "0"])
     out = capsys.readouterr().out
     assert code == 0
     assert "SGEMM" in out and "attnlab %SGEMM" in out and "attnlab/torch" in out
+    assert "back-to-back" in out and "below 1 when attnlab is faster" in out
+    assert "avx2 " in out and "avx512f " in out and "attnlab tiles" in out
     assert "naive L=96 fwd: skipped" in out  # above --naive-max
     assert "peak memory, 512 tokens" in out
     lines = [line for line in out.splitlines() if line.strip().startswith(("64 ", "96 "))]
     assert len(lines) == 8  # 2 sizes x causal or not x 2 passes
+    assert all(("attnlab by" in line) != ("torch by" in line) or " even " in line for line in lines)
+    (mha,) = [line for line in out.splitlines() if line.strip().startswith("MultiheadAttention")]
+    assert "need_weights=False, L=64" in mha and "MiniLM" not in out
 
 
 @pytest.mark.parametrize(
@@ -414,6 +457,7 @@ def test_bench_command_prints_the_table(capsys):
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--memory-tokens", "-1"], "--memory-tokens must be >= 0"),
+        (["--minilm-texts", "-1"], "--minilm-texts must be >= 0"),
     ],
 )
 def test_bench_command_bad_arguments(argv, match, capsys):

@@ -1,12 +1,22 @@
 """Threads for attnlab's own parallel loops (the blockwise kernel, the BERT encoder).
 
-NumPy releases the GIL inside matmul and element-wise loops, so a small pool of Python
-threads keeps every core busy, including on the element-wise work that NumPy runs on one
-core. While such a pool runs, BLAS is held to one thread per call (with ``threadpoolctl``,
-the ``fast`` extra) so the cores are not oversubscribed. Without ``threadpoolctl`` the pool
-runs only where the environment already holds BLAS to one thread
-(``OPENBLAS_NUM_THREADS=1``); otherwise the work runs in the calling thread and BLAS uses
-the cores inside each matmul.
+NumPy releases the GIL inside matmul and element-wise loops (and the compiled kernels of
+the ``fast`` extra release it too), so a small pool of Python threads keeps every core busy,
+including on the element-wise work that NumPy runs on one core.
+
+Three rules keep this safe however many Python threads call attnlab at once:
+
+- **BLAS is held to one thread while any pool runs, and restored after the last.** One
+  process-wide limiter counts the pools that run (:class:`_BlasLimiter`): the first sets
+  BLAS to one thread (with ``threadpoolctl``), the last one out sets it back to what it
+  was. Concurrent calls therefore leave BLAS exactly as they found it. While a pool runs,
+  other threads' NumPy matmuls also run on one BLAS thread.
+- **No nested pools.** A unit of work running on a pool (or a caller's unit) that calls
+  an attnlab kernel runs that kernel in its own thread (:func:`in_pool`), so e.g. the BERT
+  encoder's pool never starts the blockwise kernel's.
+- Without ``threadpoolctl`` a pool runs only where the environment already holds BLAS to
+  one thread (``OPENBLAS_NUM_THREADS=1``); otherwise the work runs in the calling thread and
+  BLAS uses the cores inside each matmul.
 """
 
 from __future__ import annotations
@@ -15,15 +25,13 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import numpy as np
 
 from attnlab._validation import positive_int
 
 _num_threads: int | None = None
-_controller = None
-_controller_lock = threading.Lock()
+_local = threading.local()  # .in_pool: this thread runs units of a pool
 
 
 def available_cpus() -> int:
@@ -69,53 +77,122 @@ def blas_single_threaded_by_env() -> bool:
     return False
 
 
+def in_pool() -> bool:
+    """True inside a unit of work of one of attnlab's pools (its calls stay single-threaded).
+
+    >>> in_pool()
+    False
+    """
+    return getattr(_local, "in_pool", False)
+
+
 def pool_threads(num_threads: int | None) -> int:
-    """The threads a pool may use: ``num_threads`` (default :func:`get_num_threads`), or 1
-    when BLAS cannot be held to one thread meanwhile."""
+    """The threads a pool may use: ``num_threads`` (default :func:`get_num_threads`); 1 inside
+    another pool's unit, or when BLAS cannot be held to one thread meanwhile."""
     threads = get_num_threads() if num_threads is None else positive_int(num_threads, "num_threads")
+    if in_pool():
+        return 1
     if threads > 1 and not (have_threadpoolctl() or blas_single_threaded_by_env()):
         return 1  # let BLAS parallelise each matmul instead (no oversubscription)
     return threads
 
 
-def blas_limit(threads: int):
-    """A context that holds BLAS to one thread while ``threads`` pool threads run."""
-    global _controller
-    if threads == 1:
-        return nullcontext()
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return nullcontext()
-    with _controller_lock:
-        if _controller is None:
-            _controller = ThreadpoolController()
-    return _controller.limit(limits=1, user_api="blas")
+class _BlasLimiter:
+    """One per process: BLAS at one thread while at least one pool runs (reference count).
+
+    ``threadpoolctl`` lets only one "controlling" Python thread change OpenBLAS's shared
+    pool and silently ignores the others; the pool that comes last may run on another
+    thread than the one that came first, so the controlling thread is cleared around each
+    change (under this limiter's lock, so no two changes interleave).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._controller = None  # threadpoolctl controller of the BLAS libraries
+        self._limiter = None  # what restores the original limits
+
+    def _blas(self):
+        if self._controller is None:
+            from threadpoolctl import ThreadpoolController
+
+            self._controller = ThreadpoolController().select(user_api="blas")
+        return self._controller
+
+    def _free_controlling_thread(self, controller) -> None:
+        for lib in controller.lib_controllers:
+            clear = getattr(type(lib), "clear_controlling_thread", None)
+            if clear is not None:
+                clear(force=True)
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0 and have_threadpoolctl():
+                blas = self._blas()
+                self._free_controlling_thread(blas)
+                self._limiter = blas.limit(limits=1)
+                self._free_controlling_thread(blas)
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._limiter is not None:
+                blas = self._blas()
+                self._free_controlling_thread(blas)
+                self._limiter.restore_original_limits()
+                self._free_controlling_thread(blas)
+                self._limiter = None
+
+    @property
+    def users(self) -> int:
+        """Pools running now (0 when BLAS is as the process had it)."""
+        return self._users
+
+
+BLAS_LIMITER = _BlasLimiter()
 
 
 def run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
     """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
 
-    Each thread keeps its own ``scratch`` dict of reusable buffers and pulls the next unit
-    from a shared iterator, so long units balance out with short ones.
+    The calling thread works too (it is one of the ``threads``). Each thread keeps its own
+    ``scratch`` dict of reusable buffers and pulls the next unit from a shared iterator, so
+    long units balance out with short ones. Inside a unit, :func:`in_pool` is True, so
+    attnlab calls made there run single-threaded (no nested pools). Inside another pool's
+    unit, this runs every unit in the calling thread.
     """
     it = iter(units)
     lock = threading.Lock()
+    if in_pool():
+        threads = 1
 
     def loop() -> None:
         scratch: dict = {}
-        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            while True:
-                with lock:
-                    unit = next(it, None)
-                if unit is None:
-                    return
-                run_unit(unit, scratch)
+        outer = getattr(_local, "in_pool", False)
+        _local.in_pool = True
+        try:
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+                while True:
+                    with lock:
+                        unit = next(it, None)
+                    if unit is None:
+                        return
+                    run_unit(unit, scratch)
+        finally:
+            _local.in_pool = outer
 
     if threads == 1:
         loop()
         return
-    with blas_limit(threads), ThreadPoolExecutor(threads, thread_name_prefix="attnlab") as ex:
-        futures = [ex.submit(loop) for _ in range(threads)]
-        for f in futures:
-            f.result()
+    BLAS_LIMITER.acquire()
+    try:
+        with ThreadPoolExecutor(threads - 1, thread_name_prefix="attnlab") as ex:
+            futures = [ex.submit(loop) for _ in range(threads - 1)]
+            try:
+                loop()
+            finally:
+                for f in futures:
+                    f.result()
+    finally:
+        BLAS_LIMITER.release()

@@ -3,6 +3,14 @@
 The library part of ``attnlab bench`` and ``benchmarks/attention.py``: it measures and
 returns numbers; the command line formats and prints them. Nothing here is a test.
 
+Every cell is timed twice, the implementations taking turns in the same run: once after a
+settle pause before each call (:data:`SETTLE_SECONDS`: a thread pool's idle threads have
+stopped spinning, so each call starts from an idle machine) and once back to back (blocks
+of consecutive calls of one implementation, then the next: warm thread pools, as in a
+training loop). Two layer-level rows compare whole layers the same way:
+``MultiheadAttention(need_weights=False)`` against ``torch.nn.MultiheadAttention`` and
+MiniLM's ``encode`` against sentence-transformers, at the same thread count.
+
 FLOPs follow the FlashAttention papers' convention: a forward pass is the two matmuls,
 ``4·B·H·L·S·E`` (``S·E`` replaced by the average ``S·E / 2`` under a causal mask, the work
 that is not masked away), a backward pass ``2.5x`` the forward (five matmuls instead of
@@ -26,7 +34,7 @@ import numpy as np
 from attnlab._threads import have_threadpoolctl
 from attnlab._validation import positive_int
 
-# The issue's configuration: fp32, B=1, H=8, E=64, L = S.
+# The configuration of the table: fp32, B=1, H=8, E=64, L = S.
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 FULL_SIZES = (512, 1024, 2048, 4096, 8192)
 QUICK_SIZES = (512, 1024, 2048)
@@ -42,6 +50,7 @@ class Row:
     flops: float
     seconds: dict[str, float | None] = field(default_factory=dict)  # None: skipped
     notes: dict[str, str] = field(default_factory=dict)
+    back_to_back: dict[str, float] = field(default_factory=dict)  # the same, without pauses
 
     def gflops(self, impl: str) -> float | None:
         s = self.seconds.get(impl)
@@ -49,8 +58,10 @@ class Row:
             return None
         return (SGEMM_FLOPS if impl == "sgemm" else self.flops) / s / 1e9
 
-    def ratio(self, impl: str, to: str = "torch") -> float | None:
-        a, b = self.seconds.get(impl), self.seconds.get(to)
+    def ratio(self, impl: str, to: str = "torch", *, back_to_back: bool = False) -> float | None:
+        """``impl``'s time over ``to``'s (< 1: ``impl`` is faster)."""
+        times = self.back_to_back if back_to_back else self.seconds
+        a, b = times.get(impl), times.get(to)
         return None if a is None or b is None else a / b
 
 
@@ -184,10 +195,146 @@ def run_benchmark(
                 say(f"L={L} causal={causal} {p}")
                 with blas_threads(threads):
                     row.seconds.update(interleaved_medians(fns, repeats))
+                    row.back_to_back.update(back_to_back_medians(fns, repeats))
                 for impl in ("naive", "attnlab", "torch"):
                     row.seconds.setdefault(impl, None)
                 rows.append(row)
     return rows
+
+
+def back_to_back_medians(
+    fns: dict[str, Callable[[], object]], repeats: int, *, rounds: int = 2
+) -> dict[str, float]:
+    """Median wall time of each function, called ``repeats`` times in a row (no pause), the
+    functions taking turns in such blocks ``rounds`` times (one untimed call opens each
+    block, so every timed call follows a call of the same function)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            fn()
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+@dataclass
+class LayerRow:
+    """A layer-level comparison: attnlab's layer against torch's, at the same threads."""
+
+    name: str
+    seconds: dict[str, float] = field(default_factory=dict)  # settled: "attnlab", "torch"
+    back_to_back: dict[str, float] = field(default_factory=dict)
+    note: str = ""  # why it was skipped, or what was compared
+
+    def ratio(self, *, back_to_back: bool = False) -> float | None:
+        """attnlab's time over torch's (< 1: attnlab is faster)."""
+        times = self.back_to_back if back_to_back else self.seconds
+        a, b = times.get("attnlab"), times.get("torch")
+        return None if a is None or b is None else a / b
+
+
+def layer_rows(
+    *, threads: int, repeats: int, mha_tokens: int = 4096, minilm_texts: int = 256,
+    progress: Callable[[str], None] | None = None,
+) -> list[LayerRow]:
+    """Whole layers, attnlab against torch at ``threads`` threads (0 tokens/texts: skipped).
+
+    - ``MultiheadAttention(512, 8, batch_first=True)`` forward with ``need_weights=False``
+      on ``(1, mha_tokens, 512)`` float32 inputs, against ``torch.nn.MultiheadAttention``
+      with the same weights;
+    - MiniLM (all-MiniLM-L6-v2) ``encode`` of ``minilm_texts`` short sentences at batch
+      size 32 against ``SentenceTransformer.encode`` (skipped, with a note, when the model
+      package or sentence-transformers is missing).
+    """
+    say = progress or (lambda _msg: None)
+    torch = _torch()
+    rows = []
+    if mha_tokens:
+        row = LayerRow(f"MultiheadAttention(512, 8) fwd, need_weights=False, L={mha_tokens}")
+        if torch is None:
+            row.note = "torch not installed"
+        else:
+            say(row.name)
+            fns = _mha_fns(torch, mha_tokens, threads)
+            with blas_threads(threads):
+                row.seconds = interleaved_medians(fns, repeats)
+                row.back_to_back = back_to_back_medians(fns, repeats)
+        rows.append(row)
+    if minilm_texts:
+        row = LayerRow(f"MiniLM encode, {minilm_texts} sentences, batch 32")
+        fns = _minilm_fns(torch, minilm_texts, threads, row)
+        if fns is not None:
+            say(row.name)
+            with blas_threads(threads):
+                row.seconds = interleaved_medians(fns, repeats)
+                row.back_to_back = back_to_back_medians(fns, repeats)
+        rows.append(row)
+    return rows
+
+
+def _mha_fns(torch, tokens: int, threads: int) -> dict[str, Callable[[], object]]:
+    import attnlab
+
+    torch.set_num_threads(threads)
+    attnlab.set_num_threads(threads)
+    E, H = 512, 8
+    ours = attnlab.MultiheadAttention(E, H, batch_first=True, rng=np.random.default_rng(0))
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    with torch.no_grad():  # the same weights (the time does not depend on them)
+        theirs.in_proj_weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.in_proj_weight.data)))
+        theirs.in_proj_bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.in_proj_bias.data)))
+        theirs.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.weight.data)))
+        theirs.out_proj.bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.bias.data)))
+    x = np.random.default_rng(1).standard_normal((1, tokens, E), dtype=np.float32)
+    tx = torch.from_numpy(x)
+
+    def run_torch():
+        with torch.no_grad():
+            return theirs(tx, tx, tx, need_weights=False)
+
+    return {"attnlab": lambda: ours(x, x, x, need_weights=False), "torch": run_torch}
+
+
+def benchmark_sentences(n: int) -> list[str]:
+    """``n`` short, varied English sentences (8 to 20 word pieces), the same every run."""
+    rng = np.random.default_rng(0)
+    words = ("the river bank engineer quietly measured an old bridge before morning rain "
+             "while our committee announced results of its long experiment near a quiet "
+             "street and everyone celebrated the new song").split()
+    return [" ".join(rng.choice(words, size=int(rng.integers(6, 17)))).capitalize() + "."
+            for _ in range(n)]
+
+
+def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
+    import importlib.util
+
+    import attnlab
+    from attnlab.models.bert import load_minilm, minilm_available, minilm_path
+
+    missing = [m for m in ("sentence_transformers",) if importlib.util.find_spec(m) is None]
+    if torch is None or missing or not minilm_available():
+        row.note = ("skipped: needs the MiniLM model package (pretrained extra) and "
+                    "sentence-transformers")
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from sentence_transformers import SentenceTransformer
+
+    torch.set_num_threads(threads)
+    attnlab.set_num_threads(threads)
+    ours = load_minilm()
+    theirs = SentenceTransformer(str(minilm_path()), device="cpu")
+    texts = benchmark_sentences(n)
+    diff = np.abs(ours.encode(texts) - theirs.encode(texts, show_progress_bar=False)).max()
+    row.note = f"max |embedding difference| {diff:.1e}"
+
+    def run_torch():
+        with torch.inference_mode():
+            return theirs.encode(texts, batch_size=32, show_progress_bar=False)
+
+    return {"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}
 
 
 # Pause before each timed call. After a parallel call, OpenBLAS's and OpenMP's worker

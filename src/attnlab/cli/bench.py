@@ -1,13 +1,20 @@
 """``attnlab bench``: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
 
 fp32, B=1, H=8, E=64, L = S, causal and not, forward and forward+backward, side by side
-in one run with the same thread count: the median of ``--repeats`` runs (the three take
-turns, so a busy machine slows them alike), GFLOP/s, the ratio to torch and the share of
-the SGEMM rate (a 2048^3 float32 matmul that takes the same turns); then the peak memory
-(RSS, in a fresh process) of a single-head forward pass over ``--memory-tokens`` tokens.
+in one run with the same thread count. Each cell is timed twice, the implementations
+taking turns: the median of ``--repeats`` calls each made after a settle pause (idle thread
+pools), and the median of calls made back to back (warm thread pools). Printed: the CPU
+(model, avx2/avx512f, caches) and attnlab's tile sizes, the times, GFLOP/s, attnlab's time
+over torch's in both timings (below 1: attnlab is faster; the "faster" column names the
+winner of the settled timing and by how much) and the share of the SGEMM rate (a 2048^3
+float32 matmul that takes the same turns). Then two layer-level rows:
+MultiheadAttention(need_weights=False) forward against torch.nn.MultiheadAttention, and
+MiniLM's encode against sentence-transformers (skipped with a note when the model package
+is missing), and the peak memory (RSS, in a fresh process) of a single-head forward pass
+over ``--memory-tokens`` tokens.
 
-The default is a quick run (L up to 2048, about a minute on 2 cores); ``--full`` runs the
-issue's sizes (L up to 8192 and a 65536-token memory run, several minutes).
+The default is a quick run (L up to 2048); ``--full`` runs L up to 8192 and a 65536-token
+memory run (many minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ def register(sub) -> None:
         description=__doc__,
     )
     p.add_argument("--full", action="store_true",
-                   help="the issue's sizes 512..8192 and a 65536-token memory run")
+                   help="sizes 512..8192 and a 65536-token memory run")
     p.add_argument("--sizes", type=str, default=None,
                    help="comma-separated L = S values (default 512,1024,2048; --full: "
                         "512,1024,2048,4096,8192)")
@@ -51,6 +58,10 @@ def register(sub) -> None:
     p.add_argument("--memory-tokens", type=int, default=None,
                    help="tokens of the single-head peak-memory run; 0 skips it "
                         "(default 16384; --full: 65536)")
+    p.add_argument("--layer-tokens", type=int, default=4096,
+                   help="tokens of the MultiheadAttention row; 0 skips it (default 4096)")
+    p.add_argument("--minilm-texts", type=int, default=256,
+                   help="sentences of the MiniLM encode row; 0 skips it (default 256)")
     p.set_defaults(run=run)
 
 
@@ -58,26 +69,72 @@ def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
+def faster(ratio: float | None) -> str:
+    """Which side a time ratio (attnlab / torch) favours, in words.
+
+    >>> faster(0.8), faster(1.25), faster(1.0)
+    ('attnlab by 1.25x', 'torch by 1.25x', 'even')
+    """
+    if ratio is None:
+        return "-"
+    if abs(ratio - 1) < 0.005:
+        return "even"
+    return f"attnlab by {1 / ratio:.2f}x" if ratio < 1 else f"torch by {ratio:.2f}x"
+
+
+def _table(head: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
+    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
+    return "\n".join(out)
+
+
+def _pct(part, whole) -> str:
+    return _fmt(None if part is None or not whole else 100 * part / whole, ".0f") + "%"
+
+
 def format_rows(rows) -> str:
     """The side-by-side table (plain text)."""
     head = ["L=S", "causal", "pass"]
-    head += [f"{i} ms" for i in IMPLS] + [f"{i} GF/s" for i in IMPLS]
-    head += ["attnlab/torch", "naive/torch", "SGEMM GF/s", "attnlab %SGEMM"]
+    head += [f"{i} ms" for i in IMPLS] + ["attnlab GF/s", "torch GF/s"]
+    head += ["attnlab/torch", "back-to-back", "faster", "SGEMM GF/s", "attnlab %SGEMM",
+             "torch %SGEMM"]
     lines = []
     for r in rows:
         cells = [str(r.L), "yes" if r.causal else "no", r.passes]
         cells += [_fmt(None if r.seconds.get(i) is None else 1e3 * r.seconds[i], ".1f")
                   for i in IMPLS]
-        cells += [_fmt(r.gflops(i), ".0f") for i in IMPLS]
-        cells += [_fmt(r.ratio("attnlab"), ".2f"), _fmt(r.ratio("naive"), ".2f")]
-        gf, ceiling = r.gflops("attnlab"), r.gflops("sgemm")
-        cells += [_fmt(ceiling, ".0f")]
-        cells += [_fmt(None if gf is None or not ceiling else 100 * gf / ceiling, ".0f") + "%"]
+        cells += [_fmt(r.gflops(i), ".0f") for i in ("attnlab", "torch")]
+        ratio = r.ratio("attnlab")
+        cells += [_fmt(ratio, ".2f"), _fmt(r.ratio("attnlab", back_to_back=True), ".2f"),
+                  faster(ratio)]
+        ceiling = r.gflops("sgemm")
+        cells += [_fmt(ceiling, ".0f"), _pct(r.gflops("attnlab"), ceiling),
+                  _pct(r.gflops("torch"), ceiling)]
         lines.append(cells)
-    widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
-    return "\n".join(out)
+    return _table(head, lines)
+
+
+def format_layer_rows(rows) -> str:
+    """The layer-level table (plain text)."""
+    head = ["layer", "attnlab ms", "torch ms", "attnlab/torch", "back-to-back", "faster", "note"]
+    lines = []
+    for r in rows:
+        ms = [_fmt(None if r.seconds.get(i) is None else 1e3 * r.seconds[i], ".1f")
+              for i in ("attnlab", "torch")]
+        ratio = r.ratio()
+        lines.append([r.name, *ms, _fmt(ratio, ".2f"), _fmt(r.ratio(back_to_back=True), ".2f"),
+                      faster(ratio), r.note])
+    return _table(head, lines)
+
+
+def _load() -> str:
+    import os
+
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def run(args) -> int:
@@ -87,6 +144,7 @@ def run(args) -> int:
     import numpy as np
 
     from attnlab import benchmark as bm
+    from attnlab._cpu import cpu_info
     from attnlab.core import blockwise as bw
 
     sizes = _sizes(args.sizes) if args.sizes else list(bm.FULL_SIZES if args.full else bm.QUICK_SIZES)
@@ -99,16 +157,29 @@ def run(args) -> int:
         mem_tokens = 65536 if args.full else 16384
     if mem_tokens < 0:
         raise CLIError(f"--memory-tokens must be >= 0, got {mem_tokens}")
+    for flag, value in (("--layer-tokens", args.layer_tokens), ("--minilm-texts", args.minilm_texts)):
+        if value < 0:
+            raise CLIError(f"{flag} must be >= 0, got {value}")
     passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
     threads = args.threads or bw.get_num_threads()
 
     torch = bm._torch()
     print(f"attnlab bench: fp32, B={bm.BATCH}, H={bm.HEADS}, E={bm.HEAD_DIM}, L=S in {sizes}, "
           f"{threads} thread(s), median of {args.repeats} runs taken in turns")
+    print(f"CPU: {cpu_info().describe()}; load average {_load()}")
+    tuning = bw.tuning()
+    if bw.fused_available() and tuning.fused is not False:
+        from importlib.metadata import version
+
+        passes_note = (f"compiled (numba {version('numba')}) from {tuning.fused_min_scores} "
+                       "scores per call, NumPy below")
+    else:
+        passes_note = "NumPy (numba not installed or turned off)"
+    print(f"attnlab tiles {tuning.block_q} x {tuning.block_k} ({tuning.source}); "
+          f"element-wise pass: {passes_note}")
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
-          f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}, "
-          f"{platform.processor() or platform.machine()}")
+          f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}")
     sgemm = bm.sgemm_gflops(threads)
     print(f"SGEMM (2048^3 float32 matmul, {threads} thread(s)): best of 10 now {sgemm:.0f} "
           f"GFLOP/s; each row's ceiling is the median of SGEMM runs taken in turns with it")
@@ -123,6 +194,8 @@ def run(args) -> int:
     )
     print()
     print(format_rows(rows))
+    print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster; first "
+          "with a settle pause before every call, then back to back.")
     notes = []
     for r in rows:
         for impl, note in r.notes.items():
@@ -141,6 +214,12 @@ def run(args) -> int:
             halves.append(f"L={L} {p}: {r.seconds['attnlab'] / full.seconds['attnlab']:.2f}")
     if halves:
         print("attnlab causal / non-causal time: " + ", ".join(halves))
+
+    if args.layer_tokens or args.minilm_texts:
+        layers = bm.layer_rows(threads=threads, repeats=args.repeats, mha_tokens=args.layer_tokens,
+                               minilm_texts=args.minilm_texts, progress=progress)
+        print()
+        print(format_layer_rows(layers))
 
     if mem_tokens:
         print()

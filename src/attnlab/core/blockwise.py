@@ -2,57 +2,205 @@
 
 The naive path materialises the ``(L, S)`` score matrix per head. Here queries are cut
 into tiles of ``block_q`` rows and keys into tiles of ``block_k`` rows; each query tile
-walks over the key tiles keeping, per query row, the running maximum ``m`` of the scores,
-the running sum ``l`` of ``exp(score - m)`` and an accumulator ``acc`` of
-``exp(score - m) @ value``. When a tile raises the maximum, ``l`` and ``acc`` are rescaled
-by ``exp(m_old - m_new)``. The output is ``acc / l`` and the forward pass also returns the
-log-sum-exp ``lse = m + log(l)`` of every row. The backward pass recomputes each tile's
-probabilities as ``exp(score - lse)`` from that one number per row, so neither pass ever
-holds more than one ``(block_q, block_k)`` tile per thread: extra memory is ``O(L·E)``.
+walks over the key tiles keeping, per query row, a running shift ``m`` (the row maximum so
+far), the running sum ``l`` of ``exp(score - m)`` and an accumulator ``acc`` of
+``exp(score - m) @ value``. When a tile raises the shift, ``l`` and ``acc`` are rescaled by
+``exp(m_old - m_new)``, which is at most 1 and so never overflows, however negative the
+scores (ALiBi biases, ``-1e9`` or ``finfo.min`` masks). The output is ``acc / l`` and the
+forward pass also returns the log-sum-exp ``lse = m + log(l)`` of every row. The backward
+pass recomputes each tile's probabilities as ``exp(score + mask - m - log(l))`` from those
+two numbers per row (kept apart, so that ``log(l)`` survives next to a shift of ``-1e30``),
+so neither pass ever holds more than one ``(block_q, block_k)`` tile per thread: extra
+memory is ``O(L·E)``.
+
+Numerics, as ``torch``: a float mask is added to the scaled scores before anything is
+subtracted from them, so a row masked everywhere with the same finite value gives what
+float rounding gives there (a uniform average for ``-1e9`` or ``finfo.min``, as in torch);
+a row with nothing to attend to (``-inf`` or ``False`` everywhere) outputs 0. Inputs
+narrower than float32 (float16) are computed in float32; the output has the input dtype.
+
+Two implementations of the element-wise pass between the two matmuls of a tile give the
+same numbers (to float32 rounding): compiled kernels (:mod:`attnlab.core._fused`, numba,
+the ``fast`` extra) for large float32 problems, and NumPy otherwise. The NumPy pass lets
+the shift lag behind the maximum to save passes over the tile (see
+:func:`_forward_tile_numpy`).
+
+Parallelism: the work is split into independent units (a query tile of one head in the
+forward pass; a set of key tiles of one head in the backward pass) that a pool of threads
+pulls from a shared queue; while it runs BLAS is held to one thread (see
+:mod:`attnlab._threads`, which also keeps pools from nesting and concurrent calls from
+disturbing each other).
+
+Tile sizes and thresholds come from the machine (:func:`tuning`), not from constants tuned
+on one CPU.
 
 Axis legend (as everywhere in attnlab): ``...`` batch dims, ``Hq``/``H`` query/key-value
 heads, ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head
 dim. Boolean masks are True where a query may attend to a key; float masks are added to
 the scores.
-
-Parallelism: the work is split into independent units (a query tile of one head in the
-forward pass; a set of key tiles of one head in the backward pass) that a pool of threads
-pulls from a shared queue. NumPy releases the GIL inside matmul and the element-wise
-loops, so the threads run on separate cores; while the pool runs, BLAS is limited to one
-thread per call (with ``threadpoolctl`` when it is installed) so that the cores are not
-oversubscribed. Without ``threadpoolctl`` (the ``fast`` extra) the pool runs only if the
-environment already holds BLAS to one thread (``OPENBLAS_NUM_THREADS=1``); otherwise the
-tiles run one after the other and BLAS uses the cores inside each matmul, which measured
-several times slower on 2 shared cores (benchmarks/attention.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import importlib.util
+import os
 import threading
 
 import numpy as np
 
+from attnlab._cpu import CPUInfo, cpu_info
 from attnlab._threads import get_num_threads, pool_threads, run_units, set_num_threads
 from attnlab._validation import as_float_array, fmt_shape, positive_int, same_dtype, shape_error
 from attnlab.core.masks import ALIGNMENTS
 from attnlab.core.spec import AttentionSpec, check_attention_args, reduce_to
 
 __all__ = [
+    "Tuning",
     "blockwise_attention",
     "blockwise_attention_backward",
     "blockwise_attention_forward",
+    "fused_available",
     "get_num_threads",
     "set_num_threads",
+    "tuned",
+    "tuning",
 ]
 
-# Defaults measured on a 2-core AVX-512 machine (1 MiB L2 per core): a 256 x 512 float32
-# score tile (512 KiB) stays in L2 next to its operands; 64- or 128-row tiles were 5-25%
-# slower, bigger ones no faster. The causal diagonal wastes about block_q / 2 keys per row.
-DEFAULT_BLOCK_Q = 256
-DEFAULT_BLOCK_K = 512
 
-# Below this many scores in a call, starting threads costs more than it saves.
-MIN_SCORES_PER_THREAD = 2**18
+# --------------------------------------------------------------------------- tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Tile sizes and thresholds of the blockwise kernel (see :func:`tuning`).
+
+    Attributes:
+        block_q: query rows per tile.
+        block_k: key rows per tile.
+        min_scores_per_thread: calls with fewer scores (all heads together) run in one
+            thread; starting threads would cost more than it saves.
+        fused_min_scores: float32 calls with at least this many scores use the compiled
+            kernels when numba is installed (smaller ones stay on NumPy, whose first call
+            costs nothing to import or compile).
+        fused: ``None`` (compiled kernels where installed and the call is large enough),
+            ``False`` (NumPy only) or ``True`` (compiled kernels for every float32 call;
+            an error without numba).
+        source: how the sizes were chosen (one line).
+    """
+
+    block_q: int
+    block_k: int
+    min_scores_per_thread: int
+    fused_min_scores: int
+    fused: bool | None = None
+    source: str = ""
+
+
+# Tile sizes from the per-core L2 cache: the score tile (block_q x block_k float32) is
+# twice the L2, with 512 query rows. Measured in CPU time on one thread of a 2-core AVX2
+# EPYC (512 KiB L2), L = S = 4096, E = 64, compiled pass, % of SGEMM: forward 256 x 256
+# 63%, 256 x 512 67%, 512 x 512 70%, 512 x 1024 72%; forward+backward 70%, 74%, 76%, 74%;
+# the NumPy pass 51%, 52%, 55% (forward). Larger tiles amortise the per-tile cost (two
+# BLAS calls packing their operands, a Python loop step) until the tile no longer stays
+# in the cache levels below L3; the range keeps causal diagonals (about block_q / 2
+# wasted keys per row) and tiny caches in bounds.
+_TILE_L2_SHARE = 2.0
+_BLOCK_Q = 512
+_BLOCK_K_RANGE = (128, 2048)
+# Starting a pool (threads, BLAS limit) costs ~0.2 ms; a score costs ~1 ns per thread.
+_MIN_SCORES_PER_THREAD = 2**18
+# numba's import costs ~0.3 s per process: compiled kernels from about 0.1 s of work.
+_FUSED_MIN_SCORES = 2**23
+
+
+def derive_tuning(info: CPUInfo) -> Tuning:
+    """Tile sizes from the CPU's caches (the rule is documented above this function).
+
+    >>> from attnlab._cpu import CPUInfo
+    >>> t = derive_tuning(CPUInfo("x", frozenset({"avx2"}), 32768, 512 * 1024, 2**25, True))
+    >>> t.block_q, t.block_k
+    (512, 512)
+    >>> derive_tuning(CPUInfo("x", frozenset(), 32768, 2 * 2**20, 2**25, True)).block_k
+    2048
+    """
+    tile_floats = int(info.l2 * _TILE_L2_SHARE) // 4
+    block_k = tile_floats // _BLOCK_Q
+    block_k = 1 << max(0, block_k.bit_length() - 1)  # a power of two, rounded down
+    block_k = min(max(block_k, _BLOCK_K_RANGE[0]), _BLOCK_K_RANGE[1])
+    return Tuning(
+        block_q=_BLOCK_Q,
+        block_k=block_k,
+        min_scores_per_thread=_MIN_SCORES_PER_THREAD,
+        fused_min_scores=_FUSED_MIN_SCORES,
+        fused=False if os.environ.get("ATTNLAB_NO_NUMBA", "").strip() not in ("", "0") else None,
+        source=f"{_BLOCK_Q} x {block_k} float32 score tile ~ {_TILE_L2_SHARE:g}x the "
+        f"{info.l2 // 1024} KiB L2{'' if info.from_os else ' (assumed)'}",
+    )
+
+
+_override: Tuning | None = None
+_override_lock = threading.Lock()
+
+
+def tuning() -> Tuning:
+    """The tile sizes and thresholds in force: derived from this machine's caches
+    (:func:`derive_tuning`), unless changed with :func:`tuned`.
+
+    >>> tuning().block_q
+    512
+    """
+    return _override if _override is not None else _machine_tuning()
+
+
+@functools.cache
+def _machine_tuning() -> Tuning:
+    return derive_tuning(cpu_info())
+
+
+@contextlib.contextmanager
+def tuned(**changes):
+    """Change fields of :func:`tuning` inside a ``with`` block (process-wide), e.g. small
+    thresholds so that small problems also run on several threads or on the compiled
+    kernels, as the tests do.
+
+    >>> with tuned(block_k=64, min_scores_per_thread=0):
+    ...     tuning().block_k
+    64
+    """
+    global _override
+    with _override_lock:
+        before = _override
+        _override = dataclasses.replace(tuning(), **changes)
+    try:
+        yield _override
+    finally:
+        with _override_lock:
+            _override = before
+
+
+def fused_available() -> bool:
+    """True when numba is installed (the ``fast`` extra), so the compiled kernels can run.
+
+    >>> isinstance(fused_available(), bool)
+    True
+    """
+    return importlib.util.find_spec("numba") is not None
+
+
+def _fused_kernels(use: bool | None, dtype, n_scores: int, t: Tuning):
+    """The compiled-kernel module for this call, or None for the NumPy pass."""
+    if dtype != np.float32 or t.fused is False or use is False:
+        return None
+    forced = use is True or t.fused is True
+    if not forced and (n_scores < t.fused_min_scores or not fused_available()):
+        return None
+    from attnlab.core import _fused  # imports numba; raises ImportError without it
+
+    return _fused
+
 
 def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
     """A reusable per-thread buffer of at least ``shape``, viewed as exactly ``shape``."""
@@ -64,7 +212,21 @@ def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
+def compute_dtype(dtype) -> np.dtype:
+    """The dtype attention is computed in: float32 for narrower floats (float16), else
+    ``dtype`` itself.
+
+    >>> compute_dtype(np.float16), compute_dtype(np.float64)
+    (dtype('float32'), dtype('float64'))
+    """
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
+
+
 # --------------------------------------------------------------------------- the plan
+
+_NO_MASK = np.zeros((1, 1), dtype=np.float32)
+_MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 
 
 class _Plan:
@@ -77,9 +239,11 @@ class _Plan:
         block_q: int | None,
         block_k: int | None,
         num_threads: int | None,
+        fused: bool | None = None,
     ):
+        t = tuning()
         self.spec = spec
-        self.dtype = np.result_type(spec.query.dtype, np.float32)  # float16 computes in fp32
+        self.dtype = compute_dtype(spec.query.dtype)
         self.L, self.S = spec.L, spec.S
         self.E, self.Ev = spec.query.shape[-1], spec.value.shape[-1]
         self.batch = spec.batch_shape
@@ -91,50 +255,61 @@ class _Plan:
         if spec.attn_mask is not None:
             self.mask = np.broadcast_to(spec.attn_mask, (*self.batch, self.L, self.S))
         self.bool_mask = self.mask is not None and self.mask.dtype == np.bool_
+        self.float_mask = self.mask is not None and not self.bool_mask
         # Causal: query i sees key j iff j <= i + offset (0: top-left, S - L: bottom-right).
         self.offset = causal_offset
         self.scale = self.dtype.type(spec.scale)
-        self.bq = DEFAULT_BLOCK_Q if block_q is None else positive_int(block_q, "block_q")
-        self.bk = DEFAULT_BLOCK_K if block_k is None else positive_int(block_k, "block_k")
+        self.bq = t.block_q if block_q is None else positive_int(block_q, "block_q")
+        self.bk = t.block_k if block_k is None else positive_int(block_k, "block_k")
         self.threads = pool_threads(num_threads)
-        self._aug: dict = {}
-        self._aug_lock = threading.Lock()
+        self.min_scores_per_thread = t.min_scores_per_thread
+        self.kernels = _fused_kernels(fused, self.dtype, len(self.heads) * self.L * self.S, t)
+        self._per_head: dict = {}
+        self._lock = threading.Lock()
 
-    def augmented(self, which: str, n: int) -> np.ndarray:
-        """Head ``n``'s keys (``which="k"``) or values (``"v"``) with a column of ones
-        appended, ``(S, E + 1)``, in the compute dtype; built once per head and pass,
-        dropped after the head's last unit (:meth:`unit_done`).
+    @property
+    def fused(self) -> bool:
+        return self.kernels is not None
 
-        A query row ``[q, -c]`` times ``[k, 1]`` gives ``q·k - c``: the shift of the
-        online softmax (and in the backward pass ``-lse`` and ``-D``) rides along in the
-        matmul instead of costing a pass over the tile.
+    def head_array(self, which: str, n: int) -> np.ndarray:
+        """Head ``n``'s keys or values in the compute dtype, built once per head and pass
+        and dropped after the head's last unit (:meth:`unit_done`).
+
+        ``"k"``/``"v"``: ``(S, E)``/``(S, Ev)``, C-contiguous (a view when the input already
+        is). ``"ka"``/``"va"``: with a column of ones appended, ``(S, E + 1)``: a query row
+        ``[q, -c]`` times ``[k, 1]`` gives ``q·k - c``, so the NumPy pass's shift (and in the
+        backward pass ``-lse`` and ``-D``) rides along in the matmul instead of costing a
+        pass over the tile.
         """
         key = (which, n)
-        with self._aug_lock:
-            arr = self._aug.get(key)
+        with self._lock:
+            arr = self._per_head.get(key)
         if arr is None:
-            src = (self.k if which == "k" else self.v)[self.heads[n]]
-            arr = np.empty((src.shape[0], src.shape[1] + 1), dtype=self.dtype)
-            arr[:, :-1] = src
-            arr[:, -1] = 1
-            with self._aug_lock:
-                arr = self._aug.setdefault(key, arr)
+            src = (self.k if which[0] == "k" else self.v)[self.heads[n]]
+            if len(which) == 1:
+                arr = np.ascontiguousarray(src, dtype=self.dtype)
+            else:
+                arr = np.empty((src.shape[0], src.shape[1] + 1), dtype=self.dtype)
+                arr[:, :-1] = src
+                arr[:, -1] = 1
+            with self._lock:
+                arr = self._per_head.setdefault(key, arr)
         return arr
 
     def expect_units(self, per_head: int) -> None:
-        """Each head will run ``per_head`` units; its augmented arrays go after the last."""
+        """Each head will run ``per_head`` units; its cached arrays go after the last."""
         self._left = [per_head] * len(self.heads)
 
     def unit_done(self, n: int) -> None:
-        with self._aug_lock:
+        with self._lock:
             self._left[n] -= 1
             if self._left[n] == 0:
-                self._aug.pop(("k", n), None)
-                self._aug.pop(("v", n), None)
+                for which in ("k", "v", "ka", "va"):
+                    self._per_head.pop((which, n), None)
 
     def threads_for(self, n_units: int) -> int:
         """Threads worth starting: none beyond the units, one for small problems."""
-        if len(self.heads) * self.L * self.S < MIN_SCORES_PER_THREAD:
+        if len(self.heads) * self.L * self.S < self.min_scores_per_thread:
             return 1
         return max(1, min(self.threads, n_units))
 
@@ -150,8 +325,25 @@ class _Plan:
             return 0
         return min(self.L, max(0, j0 - self.offset))
 
+    def mask_tile(self, h: tuple, i0: int, i1: int, j0: int, j1: int):
+        """How the compiled kernels mask the tile (rows ``i0:i1``, keys ``j0:j1``):
+        ``(mode, mask tile, lim0)``, or None when every entry is masked out (skip it)."""
+        if self.offset is not None:
+            lim0 = i0 + self.offset - j0 + 1  # row r sees the tile's columns < lim0 + r
+            if lim0 + (i1 - i0) - 1 <= 0:
+                return None
+            if lim0 >= j1 - j0:
+                return _MODE_NONE, _NO_MASK, 0
+            return _MODE_CAUSAL, _NO_MASK, lim0
+        if self.mask is None:
+            return _MODE_NONE, _NO_MASK, 0
+        tile = self.mask[h][i0:i1, j0:j1]
+        if self.bool_mask:
+            return (_MODE_BOOL, tile, 0) if tile.any() else None
+        return _MODE_FLOAT, tile.astype(self.dtype, copy=False), 0
+
     def apply_mask(self, s: np.ndarray, h: tuple, i0: int, j0: int) -> bool:
-        """Mask the score tile ``s`` (rows ``i0..``, cols ``j0..``) in place.
+        """Mask the score tile ``s`` (rows ``i0..``, cols ``j0..``) in place (NumPy pass).
 
         Returns False when every entry of the tile is masked out (the caller skips it).
         """
@@ -174,68 +366,122 @@ class _Plan:
 
 
 def _plan(
-    spec: AttentionSpec, causal_align: str | None, block_q, block_k, num_threads
+    spec: AttentionSpec, causal_align: str | None, block_q, block_k, num_threads, fused=None
 ) -> _Plan:
     offset = None
     if spec.is_causal:
         align = "top-left" if causal_align is None else causal_align
         offset = 0 if align == "top-left" else spec.S - spec.L
-    return _Plan(spec, offset, block_q, block_k, num_threads)
+    return _Plan(spec, offset, block_q, block_k, num_threads, fused)
 
 
 # --------------------------------------------------------------------------- forward
 
 
 def _forward(plan: _Plan) -> tuple[np.ndarray, np.ndarray]:
-    """``(out (*batch, L, Ev), lse (*batch, L))`` in the plan's compute dtype."""
+    """``(out (*batch, L, Ev), stats (*batch, L, 2))`` in the plan's compute dtype.
+
+    ``stats[..., 0]`` is each row's shift ``m`` (``-inf`` for a row that sees nothing),
+    ``stats[..., 1]`` its ``log(l)``: ``lse`` is their sum.
+    """
     L, bq, dt = plan.L, plan.bq, plan.dtype
     out = np.zeros((*plan.batch, L, plan.Ev), dtype=dt)
-    lse = np.full((*plan.batch, L), -np.inf, dtype=dt)
+    stats = np.zeros((*plan.batch, L, 2), dtype=dt)
+    stats[..., 0] = -np.inf
     if out.size == 0 or plan.S == 0:
-        return out, lse
+        return out, stats
     out_h = out.reshape(len(plan.heads), L, plan.Ev)
-    lse_h = lse.reshape(len(plan.heads), L)
-    # Head after head (so only a few heads' augmented keys/values live at a time), the
+    stats_h = stats.reshape(len(plan.heads), L, 2)
+    # Head after head (so only a few heads' key/value copies live at a time), the
     # longest query tiles first (causal: the last ones), so the threads finish together.
     tiles = list(reversed(range(0, L, bq)))
     units = [(n, i0) for n in range(len(plan.heads)) for i0 in tiles]
     plan.expect_units(len(tiles))
+    tile_fn = _forward_tile_fused if plan.fused else _forward_tile_numpy
 
     def run(unit, scratch):
         n, i0 = unit
         i1 = min(i0 + bq, L)
-        _forward_tile(plan, n, i0, i1, out_h[n, i0:i1], lse_h[n, i0:i1], scratch)
+        tile_fn(plan, n, i0, i1, out_h[n, i0:i1], stats_h[n, i0:i1], scratch)
         plan.unit_done(n)
 
     run_units(units, run, plan.threads_for(len(units)))
-    return out, lse
+    return out, stats
 
 
-# The fast path lets exp(score - shift) grow up to this before moving the shift up.
+def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, stats, scratch) -> None:
+    """One query tile of one head with the compiled kernels: exact running maximum."""
+    K = plan.kernels
+    h = plan.heads[n]
+    dt, rows = plan.dtype, i1 - i0
+    qs = _buffer(scratch, "qs", (rows, plan.E), dt)  # q * scale
+    np.multiply(plan.q[h][i0:i1], plan.scale, out=qs, casting="unsafe")
+    k, v = plan.head_array("k", n), plan.head_array("v", n)
+    m = np.full(rows, -np.inf, dtype=dt)
+    l = np.zeros(rows, dtype=dt)
+    alpha = np.empty(rows, dtype=dt)
+    bad = np.zeros(rows, dtype=np.int32)
+    pv = _buffer(scratch, "pv", (rows, plan.Ev), dt)
+    kend = plan.key_end(i1)
+    for j0 in range(0, kend, plan.bk):
+        j1 = min(j0 + plan.bk, kend)
+        how = plan.mask_tile(h, i0, i1, j0, j1)
+        if how is None:
+            continue
+        s = _buffer(scratch, "s", (rows, j1 - j0), dt)
+        np.matmul(qs, k[j0:j1].T, out=s)
+        K.forward_tile(s, how[0], how[1], how[2], m, l, alpha, bad)
+        np.matmul(s, v[j0:j1], out=pv)
+        K.accumulate(out, pv, alpha)
+    _finish_rows(out, stats, m, l, bad > 0)
+
+
+def _finish_rows(acc, stats, c, l, nan_rows) -> None:
+    """``acc / l`` and ``stats = [c, log(l)]``; rows that saw nothing give 0 and
+    ``[-inf, 0]``, rows that met a NaN give NaN."""
+    seen = l > 0
+    np.divide(acc, l[:, None], out=acc, where=seen[:, None])
+    acc[~seen] = 0
+    stats[:, 0] = np.where(seen, c, -np.inf)
+    np.log(l, out=stats[:, 1], where=seen)
+    stats[~seen, 1] = 0
+    nan_rows = nan_rows | np.isnan(l)
+    if nan_rows.any():
+        acc[nan_rows] = np.nan
+        stats[nan_rows] = np.nan
+
+
+# The NumPy pass lets exp(score - shift) grow up to this before moving the shift up.
 _RESCALE_ABOVE = 2.0**20
 
 
-def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> None:
-    """One query tile of one head: rows ``i0:i1`` of ``out`` and ``lse``.
+def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, stats, scratch) -> None:
+    """One query tile of one head with NumPy: rows ``i0:i1`` of ``out`` and ``stats``.
 
     Each row keeps a shift ``c`` (the running maximum of FlashAttention, but allowed to lag
     behind it), ``l = sum exp(score - c)`` and ``acc = sum exp(score - c) v``. The shift
-    is folded into the score matmul (:meth:`_Plan.augmented`) and starts at the score of
-    key 0 when there is no mask (else at the first tile's row max). A tile takes the exact
-    path (row max, subtract, exp) while some row has no shift yet or when the fast path
-    overflowed; otherwise the fast path is just ``exp`` of the matmul's output: scores may
-    then exceed ``c`` (exp up to ``e^88`` stays finite in float32; beyond, the tile is
-    redone exactly), and ``c`` moves up by ``log(l)`` once ``l`` passes
+    is folded into the score matmul (:meth:`_Plan.head_array`). It starts at the score of
+    key 0 when there is no mask (else at the first tile's row max). A tile
+    takes the exact path (row max, subtract, exp) while some row has no shift yet or when
+    the fast path overflowed; otherwise the fast path is just ``exp`` of the shifted scores:
+    they may then exceed ``c`` (exp up to ``e^88`` stays finite in float32; beyond, the tile
+    is redone exactly), and ``c`` moves up by ``log(l)`` once ``l`` passes
     ``_RESCALE_ABOVE``, which keeps ``c`` within ``log(S)`` above the true maximum, so
-    nothing that matters underflows.
+    nothing that matters underflows. The exact path moves a row's shift only up (or, for
+    a row without one, to its first finite maximum), so its rescale factor is at most 1.
+
+    With a float mask the shift is the exact running maximum of ``score + mask``, and both
+    are added before the shift is subtracted (torch's order of rounding): a lagging shift
+    far from the scores (a first tile masked with ``-1e4``) would round them to its grid.
     """
     h = plan.heads[n]
     dt, rows, E = plan.dtype, i1 - i0, plan.E
-    qa = _buffer(scratch, "qa", (rows, E + 1), dt)  # [q * scale, -c]
+    fold = not plan.float_mask  # the shift rides along in the matmul
+    qa = _buffer(scratch, "qa", (rows, E + 1), dt)  # [q * scale, -c] ([q * scale, 0]: float mask)
     np.multiply(plan.q[h][i0:i1], plan.scale, out=qa[:, :E], casting="unsafe")
     qa[:, E] = 0
-    ka = plan.augmented("k", n)  # (S, E + 1): [k, 1]
-    va = plan.augmented("v", n)  # (S, Ev + 1): [v, 1], so p @ va also sums p's rows
+    ka = plan.head_array("ka", n)  # (S, E + 1): [k, 1]
+    va = plan.head_array("va", n)  # (S, Ev + 1): [v, 1], so p @ va also sums p's rows
     c = np.zeros(rows, dtype=dt)  # the shift, valid where `have`
     have = np.zeros(rows, dtype=bool)
     if plan.mask is None and plan.key_end(i1) > 0:
@@ -249,12 +495,31 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
     settled = bool(have.all()) and rows > 0  # every row has a shift: fast path allowed
     l = np.zeros(rows, dtype=dt)
     acc = out  # (rows, Ev), zero on entry; written in place
+
+    def scores(s, j0, j1) -> bool:
+        np.matmul(qa, ka[j0:j1].T, out=s)  # (rows, bk): scores - c (folded) or scores
+        return plan.apply_mask(s, h, i0, j0)
+
     kend = plan.key_end(i1)
     for j0 in range(0, kend, plan.bk):
         j1 = min(j0 + plan.bk, kend)
         s = _buffer(scratch, "s", (rows, j1 - j0), dt)
-        np.matmul(qa, ka[j0:j1].T, out=s)  # (rows, bk): scores - c
-        if not plan.apply_mask(s, h, i0, j0):
+        if not scores(s, j0, j1):
+            continue
+        if not fold:  # float mask: s = score + mask; exact running max
+            mt = s.max(axis=1)
+            c_new = np.where(have, np.maximum(c, mt), mt)
+            c_new = np.where(c_new == -np.inf, 0, c_new).astype(dt, copy=False)
+            s -= c_new[:, None]
+            np.exp(s, out=s)
+            alpha = np.exp(np.where(have, c - c_new, 0)).astype(dt, copy=False)  # <= 1
+            pv = s @ va[j0:j1]
+            l *= alpha
+            l += pv[:, -1]
+            acc *= alpha[:, None]
+            acc += pv[:, :-1]
+            c = c_new
+            have |= mt > -np.inf
             continue
         if settled:
             np.exp(s, out=s)
@@ -270,15 +535,15 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
                     c += np.log(grow)
                     qa[:, E] = -c
                 continue
-            np.matmul(qa, ka[j0:j1].T, out=s)  # overflow or NaN: redo the tile exactly
-            plan.apply_mask(s, h, i0, j0)
-        # Exact path: move each row's shift up to the tile's maximum where that is higher.
+            scores(s, j0, j1)  # overflow or NaN: redo the tile exactly
+        # Exact path: move each row's shift up to the tile's maximum where that is higher;
+        # a row without a shift yet takes the tile's maximum (its l and acc are still 0).
         mt = s.max(axis=1)
         up = np.where(have, np.maximum(mt, 0), mt)
         up = np.where(up == -np.inf, 0, up).astype(dt, copy=False)  # nothing seen: keep
         s -= up[:, None]
         np.exp(s, out=s)
-        alpha = np.exp(-up)
+        alpha = np.exp(-np.where(have, up, 0)).astype(dt, copy=False)  # <= 1
         pv = s @ va[j0:j1]
         l *= alpha
         l += pv[:, -1]
@@ -288,25 +553,17 @@ def _forward_tile(plan: _Plan, n: int, i0: int, i1: int, out, lse, scratch) -> N
         have |= mt > -np.inf
         qa[:, E] = -c
         settled = bool(have.all())
-    seen = l > 0
-    np.divide(acc, l[:, None], out=acc, where=seen[:, None])
-    acc[~seen] = 0  # fully masked rows output 0 (and NaN rows stay NaN via l = NaN)
-    np.log(l, out=lse, where=seen)
-    lse += np.where(seen, c, 0).astype(dt, copy=False)
-    lse[~seen] = -np.inf
-    nan_rows = np.isnan(l)
-    if nan_rows.any():
-        acc[nan_rows] = np.nan
-        lse[nan_rows] = np.nan
+    _finish_rows(acc, stats, c, l, np.zeros(rows, dtype=bool))
 
 
 # --------------------------------------------------------------------------- backward
 
 
 def _backward(
-    plan: _Plan, grad_out: np.ndarray, out: np.ndarray, lse: np.ndarray
+    plan: _Plan, grad_out: np.ndarray, out: np.ndarray, stats: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(dq, dk, dv)`` per head ``(*batch, L|S, E|Ev)`` in the compute dtype."""
+    """``(dq, dk, dv)`` per head ``(*batch, L|S, E|Ev)`` in the compute dtype, from the
+    forward pass's ``out`` and ``stats`` (see :func:`_forward`)."""
     L, S, dt = plan.L, plan.S, plan.dtype
     dq = np.zeros((*plan.batch, L, plan.E), dtype=dt)
     dk = np.zeros((*plan.batch, S, plan.E), dtype=dt)
@@ -316,11 +573,16 @@ def _backward(
     go = np.broadcast_to(grad_out, (*plan.batch, L, plan.Ev))
     # D_i = sum_e dO_ie O_ie = sum_j P_ij dP_ij: the softmax backward's row term.
     D = np.einsum("...le,...le->...l", go.astype(dt, copy=False), out.astype(dt, copy=False))
-    # A fully masked row (lse = -inf) has every score at -inf already: shift it by 0.
-    lse = np.where(lse == -np.inf, 0, lse).astype(dt, copy=False)
+    stats = stats.astype(dt, copy=False)
+    fused = plan.fused and bool(np.isfinite(D).all()) and not np.isnan(stats).any()
+    if not fused:
+        # A fully masked row (shift -inf) has every score at -inf already: shift it by 0.
+        stats = np.where(stats == -np.inf, 0, stats).astype(dt, copy=False)
     H = len(plan.heads)
     dq_h, dk_h, dv_h = (a.reshape(H, *a.shape[-2:]) for a in (dq, dk, dv))
-    D_h, lse_h = D.reshape(H, L), lse.reshape(H, L)
+    D_h = D.reshape(H, L)
+    shift_h = np.ascontiguousarray(stats[..., 0]).reshape(H, L)
+    logl_h = np.ascontiguousarray(stats[..., 1]).reshape(H, L)
     # Units own key tiles (so dk, dv need no locks). With fewer heads than threads, each
     # head's key tiles are dealt round-robin to several units with their own partial dq.
     n_key_tiles = -(-S // plan.bk)
@@ -333,20 +595,11 @@ def _backward(
 
     def run(unit, scratch):
         n, c = unit
-        h = plan.heads[n]
-        # [q * scale, -lse] and [dO, -D]: times [k, 1] and [v, 1] they give
-        # score - lse and dP - D straight out of the matmuls.
-        qa = np.empty((L, plan.E + 1), dtype=dt)
-        np.multiply(plan.q[h], plan.scale, out=qa[:, :-1], casting="unsafe")
-        qa[:, -1] = -lse_h[n]
-        ga = np.empty((L, plan.Ev + 1), dtype=dt)
-        ga[:, :-1] = go[h]
-        ga[:, -1] = -D_h[n]
         target = dq_h[n] if c == 0 else partial[n][c - 1]
-        for j0 in range(c * plan.bk, S, split * plan.bk):
-            j1 = min(j0 + plan.bk, S)
-            _backward_key_tile(plan, n, j0, j1, qa, ga, target, dk_h[n, j0:j1], dv_h[n, j0:j1],
-                               scratch)
+        tiles = range(c * plan.bk, S, split * plan.bk)
+        unit_fn = _backward_unit_fused if fused else _backward_unit_numpy
+        unit_fn(plan, n, tiles, go[plan.heads[n]], shift_h[n], logl_h[n], D_h[n], target,
+                dk_h[n], dv_h[n], scratch)
         plan.unit_done(n)
 
     run_units(units, run, plan.threads_for(len(units)))
@@ -357,31 +610,77 @@ def _backward(
     return dq, dk, dv
 
 
-def _backward_key_tile(plan: _Plan, n, j0, j1, qa, ga, dq, dk, dv, scratch) -> None:
-    """Key tile ``j0:j1`` of head ``n`` against every query tile that sees it.
-
-    ``qa = [q * scale, -lse]`` and ``ga = [dO, -D]`` are ``(L, E + 1)`` and
-    ``(L, Ev + 1)``; ``dq`` (all ``L`` rows, without the factor ``scale``), ``dk`` and
-    ``dv`` (this tile's rows) are accumulated in place.
-    """
+def _backward_unit_fused(plan: _Plan, n, tiles, go, shift, logl, D, dq, dk, dv, scratch) -> None:
+    """Key tiles ``tiles`` of head ``n`` against every query tile that sees them, with the
+    compiled kernels; ``dq`` (all ``L`` rows, without the factor ``scale``), ``dk`` and
+    ``dv`` (all ``S`` rows) are accumulated in place."""
+    K = plan.kernels
     h = plan.heads[n]
-    dt, cols = plan.dtype, j1 - j0
-    ka = plan.augmented("k", n)[j0:j1]  # (cols, E + 1): [k, 1]
-    va = plan.augmented("v", n)[j0:j1]  # (cols, Ev + 1): [v, 1]
-    for i0 in range(plan.query_start(j0) // plan.bq * plan.bq, plan.L, plan.bq):
-        i1 = min(i0 + plan.bq, plan.L)
-        rows = i1 - i0
-        s = _buffer(scratch, "s", (rows, cols), dt)
-        np.matmul(qa[i0:i1], ka.T, out=s)  # scale * q·k - lse
-        if not plan.apply_mask(s, h, i0, j0):
-            continue
-        p = np.exp(s, out=s)  # (rows, cols) probabilities
-        dv += p.T @ ga[i0:i1, :-1]
-        dp = _buffer(scratch, "dp", (rows, cols), dt)
-        np.matmul(ga[i0:i1], va.T, out=dp)  # dP - D
-        dp *= p  # dScores / scale
-        dq[i0:i1] += dp @ ka[:, :-1]
-        dk += dp.T @ qa[i0:i1, :-1]
+    dt = plan.dtype
+    qs = np.empty((plan.L, plan.E), dtype=dt)  # q * scale
+    np.multiply(plan.q[h], plan.scale, out=qs, casting="unsafe")
+    g = np.ascontiguousarray(go, dtype=dt)  # (L, Ev)
+    k, v = plan.head_array("k", n), plan.head_array("v", n)
+    for j0 in tiles:
+        j1 = min(j0 + plan.bk, plan.S)
+        cols = j1 - j0
+        kt, vt = k[j0:j1], v[j0:j1]
+        dkt = _buffer(scratch, "dk", (cols, plan.E), dt)
+        dvt = _buffer(scratch, "dv", (cols, plan.Ev), dt)
+        for i0 in range(plan.query_start(j0) // plan.bq * plan.bq, plan.L, plan.bq):
+            i1 = min(i0 + plan.bq, plan.L)
+            rows = i1 - i0
+            how = plan.mask_tile(h, i0, i1, j0, j1)
+            if how is None:
+                continue
+            p = _buffer(scratch, "s", (rows, cols), dt)
+            np.matmul(qs[i0:i1], kt.T, out=p)
+            K.backward_probs(p, how[0], how[1], how[2], shift[i0:i1], logl[i0:i1])
+            dv[j0:j1] += np.matmul(p.T, g[i0:i1], out=dvt)
+            dp = _buffer(scratch, "dp", (rows, cols), dt)
+            np.matmul(g[i0:i1], vt.T, out=dp)
+            K.backward_dscores(dp, p, D[i0:i1])
+            dq[i0:i1] += np.matmul(dp, kt, out=_buffer(scratch, "dq", (rows, plan.E), dt))
+            dk[j0:j1] += np.matmul(dp.T, qs[i0:i1], out=dkt)
+
+
+def _backward_unit_numpy(plan: _Plan, n, tiles, go, shift, logl, D, dq, dk, dv, scratch) -> None:
+    """As :func:`_backward_unit_fused`, with NumPy: ``[q * scale, -lse]`` and ``[dO, -D]``
+    times ``[k, 1]`` and ``[v, 1]`` give ``score - lse`` and ``dP - D`` straight out of
+    the matmuls. With a float mask the shift and ``log(l)`` are subtracted one after the
+    other once the mask is added instead (torch's order of rounding; a shift of ``-1e30``
+    would swallow ``log(l)``)."""
+    h = plan.heads[n]
+    dt = plan.dtype
+    fold = not plan.float_mask
+    qa = np.empty((plan.L, plan.E + 1), dtype=dt)
+    np.multiply(plan.q[h], plan.scale, out=qa[:, :-1], casting="unsafe")
+    qa[:, -1] = -(shift + logl) if fold else 0
+    ga = np.empty((plan.L, plan.Ev + 1), dtype=dt)
+    ga[:, :-1] = go
+    ga[:, -1] = -D
+    ka_all, va_all = plan.head_array("ka", n), plan.head_array("va", n)
+    for j0 in tiles:
+        j1 = min(j0 + plan.bk, plan.S)
+        cols = j1 - j0
+        ka, va = ka_all[j0:j1], va_all[j0:j1]  # (cols, E + 1): [k, 1]; (cols, Ev + 1)
+        for i0 in range(plan.query_start(j0) // plan.bq * plan.bq, plan.L, plan.bq):
+            i1 = min(i0 + plan.bq, plan.L)
+            rows = i1 - i0
+            s = _buffer(scratch, "s", (rows, cols), dt)
+            np.matmul(qa[i0:i1], ka.T, out=s)  # scale * q·k - lse (or scale * q·k)
+            if not plan.apply_mask(s, h, i0, j0):
+                continue
+            if not fold:
+                s -= shift[i0:i1, None]
+                s -= logl[i0:i1, None]
+            p = np.exp(s, out=s)  # (rows, cols) probabilities
+            dv[j0:j1] += p.T @ ga[i0:i1, :-1]
+            dp = _buffer(scratch, "dp", (rows, cols), dt)
+            np.matmul(ga[i0:i1], va.T, out=dp)  # dP - D
+            dp *= p  # dScores / scale
+            dq[i0:i1] += dp @ ka[:, :-1]
+            dk[j0:j1] += dp.T @ qa[i0:i1, :-1]
 
 
 # --------------------------------------------------------------------------- public API
@@ -420,7 +719,9 @@ def blockwise_attention_forward(
     Returns:
         ``(output (..., Hq, L, Ev), lse (..., Hq, L))`` where
         ``lse = log(sum_j exp(scale * q·k_j + mask_j))`` over the keys a row may see
-        (``-inf`` for a row that sees none). Both in the dtype of ``query``.
+        (``-inf`` for a row that sees none). The output in the dtype of ``query``, ``lse``
+        in the dtype it was computed in (float32 for float16 inputs, so that the backward
+        pass recomputes the probabilities from it exactly).
 
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 6, 4))
@@ -430,8 +731,8 @@ def blockwise_attention_forward(
     """
     spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
     plan = _plan(spec, causal_align, block_q, block_k, num_threads)
-    out, lse = _forward(plan)
-    return out.astype(spec.query.dtype, copy=False), lse.astype(spec.query.dtype, copy=False)
+    out, stats = _forward(plan)
+    return out.astype(spec.query.dtype, copy=False), stats[..., 0] + stats[..., 1]
 
 
 def blockwise_attention(
@@ -466,8 +767,8 @@ def blockwise_attention(
         enable_gqa: each of the ``H`` key/value heads serves ``Hq // H`` query heads.
         causal_align: ``"top-left"`` (PyTorch's ``is_causal``; the default) or
             ``"bottom-right"`` (KV-cache decoding); only with ``is_causal=True``.
-        block_q: query rows per tile (default 256).
-        block_k: key rows per tile (default 512). Any sizes work, also ones that divide
+        block_q: query rows per tile (default: :func:`tuning`, derived from the CPU).
+        block_k: key rows per tile (default: :func:`tuning`). Any sizes work, also ones that divide
             neither ``L`` nor ``S``.
         num_threads: threads to use; ``None`` means :func:`get_num_threads`.
 
@@ -553,11 +854,23 @@ def blockwise_attention_backward(
 
 
 def backward_spec(plan: _Plan, grad_out, out=None, lse=None):
-    """Backward on a validated plan; sums GQA and broadcast dims back (internal)."""
+    """Backward on a validated plan; sums GQA and broadcast dims back (internal).
+
+    Without ``out`` and ``lse`` the forward pass is recomputed, which keeps each row's
+    shift and ``log(l)`` apart. A given ``lse`` serves as the shift with ``log(l) = 0``;
+    where it is so large that float rounding swallowed ``log(l)`` (a row masked everywhere
+    with ``-1e30``: its ulp exceeds 1), the forward pass is recomputed instead.
+    """
     spec = plan.spec
-    if out is None:
-        out, lse = _forward(plan)
-    dq, dk, dv = _backward(plan, grad_out, out, lse)
+    stats = None
+    if out is not None:
+        lse = np.asarray(lse, dtype=plan.dtype)
+        big = 0.5 / np.finfo(plan.dtype).eps  # from here, ulp(lse) >= 1
+        if not (np.isfinite(lse) & (np.abs(lse) >= big)).any():
+            stats = np.stack([lse, np.zeros_like(lse)], axis=-1)
+    if stats is None:
+        out, stats = _forward(plan)
+    dq, dk, dv = _backward(plan, grad_out, out, stats)
     dtype = spec.query.dtype
     return (
         reduce_to(dq, spec.query.shape, 1).astype(dtype, copy=False),

@@ -1,0 +1,210 @@
+"""Compiled element-wise passes of the blockwise kernel (numba, the ``fast`` extra).
+
+The blockwise kernel spends its time in two matmuls per tile (BLAS) and in the pass between
+them: mask, row maximum, ``exp`` and row sums. NumPy runs that pass as four or five
+separate loops over the tile, each on one core, and its ``exp`` is scalar; here each is one
+loop, vectorised by LLVM (AVX2 or AVX-512, whatever the CPU has), with ``exp`` as a
+polynomial (``2^n * p(r)``, ``|r| <= ln(2) / 2``, relative error about 1e-7, exactly 0
+below ``e^-87.3``). Measured on a 2-core AVX2 EPYC for a 256 x 512 float32 tile in cache:
+row max + exp + row sums 0.057 ms here against 0.25 ms with NumPy.
+
+Importing this module imports numba and compiles on first use (``cache=True``: the machine
+code is kept on disk next to this file, or in numba's user cache directory, so a later
+process loads it in well under a second). :mod:`attnlab.core.blockwise` imports it only
+for large float32 problems, and only when numba is installed.
+
+Every kernel works in place on float32 tiles and releases the GIL.
+
+Mask modes (``mode``): 0 none; 1 causal (row ``r`` sees columns ``< lim0 + r``); 2 a bool
+tile (True = takes part); 3 a float tile added to the scores.
+"""
+
+from __future__ import annotations
+
+import numba as nb
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+# Fast-math without "nnan"/"ninf": -inf (masked scores) and NaN keep their meaning;
+# "reassoc" lets LLVM vectorise the row sums.
+_FM = {"nsz", "arcp", "contract", "afn", "reassoc"}
+_JIT = {"nogil": True, "fastmath": _FM, "cache": True, "error_model": "numpy", "boundscheck": False}
+# Without "reassoc" where the order of subtraction matters: (x - shift) - log(l) must not
+# become x - (shift + log(l)), which loses log(l) next to a shift of -1e30.
+_JIT_ORDERED = {**_JIT, "fastmath": _FM - {"reassoc"}}
+
+MODE_NONE, MODE_CAUSAL, MODE_BOOL, MODE_FLOAT = 0, 1, 2, 3
+
+_F = np.float32
+_LOG2E = _F(1.4426950408889634)
+_LN2_HI = _F(0.693359375)  # ln 2 in two parts (Cody and Waite): n * _LN2_HI is exact
+_LN2_LO = _F(-2.12194440e-4)
+# exp(r) ~ 1 + r + r^2 (C2 + C3 r + C4 r^2 + C5 r^3 + C6 r^4) on |r| <= ln(2) / 2: a
+# least-squares fit weighted towards the minimax error (max relative error 1e-7 in float32).
+_C2, _C3, _C4 = _F(0.49999991059303284), _F(0.16666419804096222), _F(0.04166823625564575)
+_C5, _C6 = _F(0.008374813012778759), _F(0.0013836275320500135)
+_NEG_INF = _F(-np.inf)
+
+
+@intrinsic
+def _f32_from_bits(typingctx, bits):
+    """Reinterpret an int32 as a float32 (no conversion)."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def _maxnum(typingctx, a, b):
+    """``llvm.maxnum``: LLVM vectorises a row maximum written with it (NaN is skipped)."""
+    sig = types.float32(types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.maxnum", [f], ir.FunctionType(f, [f, f]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@nb.njit(inline="always", fastmath=_FM)
+def _exp(x):
+    """``exp(x)`` in float32 for ``x <= 0`` (and the small positive ``x`` that rounding
+    leaves); exactly 0 for ``x <= -87.3`` and ``-inf``; NaN for NaN.
+
+    ``x = n ln 2 + r`` with ``n`` rounded to nearest, so ``exp(x) = 2^n exp(r)``; ``2^n``
+    is built in the exponent bits. Out-of-range ``n`` (from ``-inf``) only reaches the
+    discarded side of the final select.
+    """
+    ni = np.int32(x * _LOG2E - _F(0.5))  # round to nearest for x <= 0
+    n = _F(ni)
+    r = x - n * _LN2_HI - n * _LN2_LO
+    p = _C6
+    p = p * r + _C5
+    p = p * r + _C4
+    p = p * r + _C3
+    p = p * r + _C2
+    p = p * r * r + r + _F(1.0)
+    y = p * _f32_from_bits((ni + 127) << 23)
+    return _F(0.0) if x <= _F(-87.3) else y
+
+
+@nb.njit(inline="always", fastmath=_FM)
+def _visible(mode, lim0, r, cols):
+    """Columns ``0..n`` of row ``r`` that a causal mask leaves (all of them otherwise)."""
+    if mode == MODE_CAUSAL:
+        return min(max(lim0 + r, 0), cols)
+    return cols
+
+
+@nb.njit(**_JIT)
+def forward_tile(s, mode, mask, lim0, m, l, alpha, bad):
+    """One key tile of the online softmax, in place.
+
+    ``s`` (rows, cols) holds scaled scores and leaves holding ``exp(score + mask - m_new)``
+    (0 where masked); per row ``m`` becomes the new running max, ``l`` the rescaled running
+    sum, ``alpha = exp(m_old - m_new)`` (<= 1, never overflowing) the factor the caller
+    applies to its accumulator; ``bad`` becomes 1 for rows that met a NaN score.
+    """
+    rows, cols = s.shape
+    for r in range(rows):
+        row = s[r]
+        n = _visible(mode, lim0, r, cols)
+        mt = _NEG_INF
+        if mode == MODE_BOOL:
+            mk = mask[r]
+            for j in range(cols):
+                x = row[j] if mk[j] else _NEG_INF
+                row[j] = x
+                mt = _maxnum(mt, x)
+        elif mode == MODE_FLOAT:
+            mk = mask[r]
+            for j in range(cols):
+                x = row[j] + mk[j]
+                row[j] = x
+                mt = _maxnum(mt, x)
+        else:
+            for j in range(n):
+                mt = _maxnum(mt, row[j])
+        m_old = m[r]
+        m_new = max(m_old, mt)
+        if m_new == _NEG_INF:  # nothing visible so far (or only NaN): l, acc stay 0
+            alpha[r] = 1.0
+            for j in range(n):
+                if row[j] != row[j]:
+                    bad[r] = 1
+            for j in range(cols):
+                row[j] = 0.0
+            continue
+        total = _F(0.0)
+        for j in range(n):
+            y = _exp(row[j] - m_new)
+            row[j] = y
+            total += y
+        for j in range(n, cols):
+            row[j] = 0.0
+        a = _exp(m_old - m_new)
+        alpha[r] = a
+        l[r] = l[r] * a + total
+        m[r] = m_new
+        if total != total:  # a NaN score (exp keeps NaN; the row max skips it)
+            bad[r] = 1
+
+
+@nb.njit(**_JIT)
+def accumulate(acc, pv, alpha):
+    """``acc = acc * alpha[:, None] + pv`` (rows whose alpha is 1 skip the product)."""
+    rows, width = acc.shape
+    for r in range(rows):
+        a = alpha[r]
+        if a == 1.0:
+            for e in range(width):
+                acc[r, e] += pv[r, e]
+        else:
+            for e in range(width):
+                acc[r, e] = acc[r, e] * a + pv[r, e]
+
+
+@nb.njit(**_JIT_ORDERED)
+def backward_probs(s, mode, mask, lim0, shift, logl):
+    """``s`` (scaled scores) becomes ``exp(score + mask - shift - logl)``: the forward
+    pass's probabilities, recomputed from two numbers per row (0 where masked or the row
+    saw nothing, ``shift = -inf``)."""
+    rows, cols = s.shape
+    for r in range(rows):
+        row = s[r]
+        c = shift[r]
+        ll = logl[r]
+        if c == _NEG_INF:
+            for j in range(cols):
+                row[j] = 0.0
+            continue
+        n = _visible(mode, lim0, r, cols)
+        if mode == MODE_BOOL:
+            mk = mask[r]
+            for j in range(cols):
+                row[j] = _exp((row[j] - c) - ll) if mk[j] else _F(0.0)
+        elif mode == MODE_FLOAT:
+            mk = mask[r]
+            for j in range(cols):
+                row[j] = _exp(((row[j] + mk[j]) - c) - ll)
+        else:
+            for j in range(n):
+                row[j] = _exp((row[j] - c) - ll)
+            for j in range(n, cols):
+                row[j] = 0.0
+
+
+@nb.njit(**_JIT)
+def backward_dscores(dp, p, d):
+    """``dp = p * (dp - d[:, None])``: the scores' gradient (without the factor ``scale``)."""
+    rows, cols = dp.shape
+    for r in range(rows):
+        dr = d[r]
+        for j in range(cols):
+            dp[r, j] = p[r, j] * (dp[r, j] - dr)

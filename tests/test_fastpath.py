@@ -1,0 +1,371 @@
+"""The fast path at the sizes that take it: exact under every mask, dtype and scale (against
+torch), half precision, thread safety, no nested pools, and tile sizes from the machine."""
+
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import attnlab._threads as threads_mod
+from attnlab import (
+    blockwise_attention,
+    blockwise_attention_backward,
+    blockwise_attention_forward,
+    scaled_dot_product_attention,
+    scaled_dot_product_attention_backward,
+)
+from attnlab._cpu import CPUInfo, _caches, _cpuinfo
+from attnlab.core import blockwise as bw
+from attnlab.core import dispatch
+from attnlab.core.spec import check_attention_args
+from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
+
+F32_MIN = float(np.finfo(np.float32).min)
+L = 1024  # with 2 heads: 2M scores (8 MiB), which the dispatcher sends to the blockwise kernel
+
+
+def _mask_case(name: str, rng) -> np.ndarray:
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    if name == "causal ALiBi, slope 0.5":  # the first tiles of late rows lie below -88
+        return np.where(j <= i, -0.5 * (i - j), -np.inf).astype(np.float32)
+    if name == "-1e9 padding, rows masked everywhere":
+        m = np.zeros((L, L), np.float32)
+        m[:, L - 100 :] = -1e9
+        m[::7] = -1e9  # finite everywhere: torch averages these rows uniformly
+        return m
+    if name == "finfo.min padding, rows masked everywhere":
+        m = np.zeros((L, L), np.float32)
+        m[:, L // 2 :] = F32_MIN
+        m[::5] = F32_MIN
+        return m
+    if name == "-1e4 everywhere but ~3 keys a row":
+        return np.where(rng.random((L, L)) < 3 / L, 0, -1e4).astype(np.float32)
+    if name == "random bias N(0, 100^2)":
+        return (rng.standard_normal((L, L)) * 100).astype(np.float32)
+    raise ValueError(name)
+
+
+MASK_CASES = [
+    "causal ALiBi, slope 0.5",
+    "-1e9 padding, rows masked everywhere",
+    "finfo.min padding, rows masked everywhere",
+    "-1e4 everywhere but ~3 keys a row",
+    "random bias N(0, 100^2)",
+]
+
+
+def _torch_sdpa(torch, q, k, v, g, *, math=False, **kw):
+    """torch's output and gradients; ``math``: on its math backend (softmax and autograd)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    tq, tk, tv = (torch.tensor(a, requires_grad=True) for a in (q, k, v))
+    mask = kw.pop("attn_mask", None)
+    with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+        tout = torch.nn.functional.scaled_dot_product_attention(
+            tq, tk, tv, attn_mask=None if mask is None else torch.tensor(mask), **kw
+        )
+    tout.backward(torch.tensor(g))
+    return tout.detach().numpy(), tuple(t.grad.numpy() for t in (tq, tk, tv))
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+@pytest.mark.parametrize("case", MASK_CASES)
+def test_float_masks_match_torch_forward_and_backward(case, fused, torch):
+    """Finite masks however negative: no NaN, torch's numbers (a row masked everywhere with a
+    finite value is torch's uniform average), forward and backward, through the public
+    functions at a size the dispatcher sends to the blockwise kernel.
+
+    The gradients are compared with torch's math backend: torch's fused CPU kernel at
+    this size recomputes a row masked everywhere with -1e9 as exp(x - lse) where lse has
+    lost log(S) to rounding, so its weights there come out S times too large (1 instead
+    of 1/S; its output is right). attnlab keeps the shift and log(l) apart.
+    """
+    rng = np.random.default_rng(20)
+    q, k, v, g = attention_inputs(rng, (1,), 2, 2, L, L, 64, 64, np.float32)
+    mask = _mask_case(case, rng)
+    assert dispatch.use_blockwise(check_attention_args(q, k, v, mask))
+    want, _ = _torch_sdpa(torch, q, k, v, g, attn_mask=mask)
+    _, want_g = _torch_sdpa(torch, q, k, v, g, attn_mask=mask, math=True)
+    with bw.tuned(fused=fused, fused_min_scores=0):
+        out = scaled_dot_product_attention(q, k, v, mask)
+        grads = scaled_dot_product_attention_backward(g, q, k, v, mask)
+    assert not np.isnan(out).any() and not any(np.isnan(a).any() for a in grads)
+    assert rel_err(out, want) <= 1e-5
+    for a, b in zip(grads, want_g, strict=True):
+        assert grad_err(a, b) <= 2e-5
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_rows_masked_everywhere(fused):
+    """-inf / False everywhere: 0 (attnlab's documented choice); the same finite value
+    everywhere: the uniform average of the values (what float32 rounding gives for
+    finfo.min, as in torch)."""
+    rng = np.random.default_rng(21)
+    q, k, v, g = attention_inputs(rng, (), 1, 1, 600, 700, 16, 8, np.float32)
+    boolean = np.ones((600, 700), bool)
+    boolean[5] = False
+    neg_inf = np.where(boolean, 0, -np.inf).astype(np.float32)
+    finite = np.where(boolean, 0, F32_MIN).astype(np.float32)
+    with kernel_tuning(fused):
+        for mask in (boolean, neg_inf):
+            out = blockwise_attention(q, k, v, mask)
+            dq, dk, dv = blockwise_attention_backward(g, q, k, v, mask)
+            assert (out[0, 5] == 0).all() and (dq[0, 5] == 0).all()
+            assert np.isfinite(dk).all() and np.isfinite(dv).all()
+        out, lse = blockwise_attention_forward(q, k, v, finite)
+        grads = blockwise_attention_backward(g, q, k, v, finite)
+        # The same from a saved lse (-3.4e38 swallowed log(700): recomputed, not trusted).
+        saved = blockwise_attention_backward(g, q, k, v, finite, out=out, lse=lse)
+    np.testing.assert_allclose(out[0, 5], v[0].mean(0), rtol=1e-5, atol=1e-6)
+    # The naive path's softmax (weights 1/700 in that row) is the reference.
+    want_g = scaled_dot_product_attention_backward(g, q, k, v, finite)
+    for a, b, c in zip(grads, saved, want_g, strict=True):
+        assert grad_err(a, c) <= 1e-5 and grad_err(b, c) <= 1e-5
+
+
+def _row_errors(got, want):
+    return np.abs(got.astype(np.float64) - want).max(-1).ravel()
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+@pytest.mark.parametrize("scale", [1e-6, 40.0, 1000.0])
+def test_extreme_scales_as_accurate_as_torch(scale, fused, torch):
+    """Scores up to 7e4: float32 rounds them to a grid of 0.008, so neither torch nor
+    attnlab is exact, and which rows suffer depends on the order of rounding ((q * s) @ k
+    here, (q @ k) * s in torch). Against float64: attnlab's typical (median) row error at
+    most twice torch's, its worst row at most ten times torch's worst (plus 1e-6)."""
+    rng = np.random.default_rng(22)
+    q, k, v, g = attention_inputs(rng, (1,), 2, 2, L, L, 64, 64, np.float32)
+    want32, grads32 = _torch_sdpa(torch, q, k, v, g, scale=scale)
+    exact, grads64 = _torch_sdpa(torch, *(a.astype(np.float64) for a in (q, k, v, g)), scale=scale)
+    with bw.tuned(fused=fused, fused_min_scores=0):
+        out = scaled_dot_product_attention(q, k, v, scale=scale)
+        grads = scaled_dot_product_attention_backward(g, q, k, v, scale=scale)
+    assert np.isfinite(out).all() and all(np.isfinite(a).all() for a in grads)
+    for ours, theirs, ref in [(out, want32, exact), *zip(grads, grads32, grads64, strict=True)]:
+        mine, torch_errors = _row_errors(ours, ref), _row_errors(theirs, ref)
+        assert np.median(mine) <= 2 * np.median(torch_errors) + 1e-6
+        assert mine.max() <= 10 * torch_errors.max() + 1e-6
+
+
+# --------------------------------------------------------------------------- half precision
+
+
+def test_float16_small_takes_naive_path_in_float32():
+    rng = np.random.default_rng(23)
+    q, k, v, g = attention_inputs(rng, (), 2, 2, 9, 11, 8, 8, np.float16)
+    q *= 40  # scores above float16's 65504: computed in float16 they would be inf and NaN
+    k *= 40
+    spec = check_attention_args(q, k, v)
+    assert not dispatch.use_blockwise(dispatch.widened(spec))
+    out = scaled_dot_product_attention(q, k, v)
+    grads = scaled_dot_product_attention_backward(g, q, k, v)
+    w = dispatch.attention_weights(q, k)
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    assert out.dtype == w.dtype == np.float16 and all(a.dtype == np.float16 for a in grads)
+    assert np.isfinite(out).all() and np.isfinite(w).all()
+    np.testing.assert_array_equal(out, scaled_dot_product_attention(*f32[:3]).astype(np.float16))
+    for a, b in zip(grads, scaled_dot_product_attention_backward(f32[3], *f32[:3]), strict=True):
+        np.testing.assert_array_equal(a, b.astype(np.float16))
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_float16_large_takes_blockwise_path_in_float32(fused, monkeypatch):
+    calls = []
+    real = bw.forward_spec
+    monkeypatch.setattr(bw, "forward_spec", lambda spec, **kw: calls.append(spec.query.dtype) or real(spec, **kw))
+    rng = np.random.default_rng(24)
+    q, k, v, g = attention_inputs(rng, (1,), 2, 2, 1024, 1024, 32, 32, np.float16)
+    f32 = [a.astype(np.float32) for a in (q, k, v, g)]
+    with bw.tuned(fused=fused, fused_min_scores=0):
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        grads = scaled_dot_product_attention_backward(g, q, k, v, is_causal=True)
+        want = scaled_dot_product_attention(*f32[:3], is_causal=True)
+        want_g = scaled_dot_product_attention_backward(f32[3], *f32[:3], is_causal=True)
+    assert calls[0] == np.float32  # the blockwise kernel ran, in float32
+    assert out.dtype == np.float16 and all(a.dtype == np.float16 for a in grads)
+    np.testing.assert_array_equal(out, want.astype(np.float16))
+    for a, b in zip(grads, want_g, strict=True):
+        np.testing.assert_array_equal(a, b.astype(np.float16))
+
+
+def test_float16_long_sequence_runs_in_linear_memory():
+    """30000 tokens in float16: the naive path would hold 30000^2 scores (1.7 GiB in float16,
+    3.4 GiB in float32); the blockwise path holds tiles."""
+    n = 30000
+    rng = np.random.default_rng(25)
+    q, k, v = (rng.standard_normal((1, n, 8)).astype(np.float16) for _ in range(3))
+    scaled_dot_product_attention(q[:, :2048], k[:, :2048], v[:, :2048])  # imports/compiles
+    tracemalloc.start()
+    try:
+        out = scaled_dot_product_attention(q, k, v, is_causal=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out.dtype == np.float16 and np.isfinite(out).all()
+    assert peak < 64 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+    ref = scaled_dot_product_attention(q[:, -2:].astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    np.testing.assert_allclose(out[:, -1:].astype(np.float32), ref[:, -1:], atol=2e-3)
+
+
+# --------------------------------------------------------------------------- threads
+
+
+def _blas_threads() -> list[int]:
+    from threadpoolctl import threadpool_info
+
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_100_concurrent_calls_leave_blas_as_found(fused):
+    pytest.importorskip("threadpoolctl")
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(26)
+    q, k, v, g = attention_inputs(rng, (), 2, 2, 300, 280, 16, 16, np.float32)
+    with kernel_tuning(fused):
+        want = blockwise_attention(q, k, v, is_causal=True, num_threads=1)
+    for blas in (2, 3):  # a count no pool would set by accident
+        with threadpool_limits(limits=blas, user_api="blas"):
+            before = _blas_threads()
+            assert set(before) == {blas}
+
+            def call(i):
+                out = blockwise_attention(q, k, v, is_causal=True, num_threads=2 + i % 2)
+                return rel_err(out, want)
+
+            with kernel_tuning(fused), ThreadPoolExecutor(16) as ex:
+                errors = list(ex.map(call, range(100)))
+            assert _blas_threads() == before
+            assert threads_mod.BLAS_LIMITER.users == 0
+        assert max(errors) <= 1e-6
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+def test_results_agree_across_thread_counts(fused):
+    rng = np.random.default_rng(27)
+    q, k, v, g = attention_inputs(rng, (2,), 2, 2, 700, 650, 32, 16, np.float32)
+    mask = rng.standard_normal((700, 650)).astype(np.float32)
+    with kernel_tuning(fused):
+        ref = blockwise_attention_backward(g, q, k, v, mask, num_threads=1)
+        for n in (2, 3, 4):
+            got = blockwise_attention_backward(g, q, k, v, mask, num_threads=n)
+            for a, b in zip(got, ref, strict=True):
+                assert grad_err(a, b) <= 1e-6
+
+
+def test_no_nested_pools(monkeypatch):
+    """A pool unit that calls the kernel runs it in its own thread: one executor in all."""
+    executors = []
+    real = threads_mod.ThreadPoolExecutor
+
+    def counting(*args, **kwargs):
+        executors.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(threads_mod, "ThreadPoolExecutor", counting)
+    rng = np.random.default_rng(28)
+    q, k, v, _ = attention_inputs(rng, (), 4, 4, 200, 200, 8, 8, np.float32)
+    inner_threads = []
+    real_run = threads_mod.run_units
+
+    def spy(units, run_unit, threads):
+        inner_threads.append((threads_mod.in_pool(), threads))
+        return real_run(units, run_unit, threads)
+
+    monkeypatch.setattr(bw, "run_units", spy)
+    results = {}
+
+    def unit(i, _scratch):
+        results[i] = blockwise_attention(q, k, v, num_threads=2)
+
+    with kernel_tuning(False):
+        threads_mod.run_units(range(6), unit, 2)
+    assert len(executors) == 1  # only the outer pool started threads
+    assert all(inside for inside, _ in inner_threads) and len(inner_threads) == 6
+    assert not threads_mod.in_pool() and threads_mod.BLAS_LIMITER.users == 0
+    assert sorted(results) == list(range(6))
+
+
+# --------------------------------------------------------------------------- the two passes
+
+
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+@pytest.mark.parametrize("kind", ["none", "causal", "bool", "float"])
+def test_compiled_and_numpy_passes_agree(kind):
+    rng = np.random.default_rng(29)
+    q, k, v, g = attention_inputs(rng, (1,), 2, 2, 777, 1030, 64, 48, np.float32)
+    kw = {"is_causal": True} if kind == "causal" else {}
+    if kind == "bool":
+        kw["attn_mask"] = rng.random((777, 1030)) < 0.8
+    elif kind == "float":
+        kw["attn_mask"] = (rng.standard_normal((777, 1030)) * 3).astype(np.float32)
+    results = []
+    for fused in (True, False):
+        with bw.tuned(fused=fused, fused_min_scores=0):
+            out = blockwise_attention(q, k, v, **kw)
+            results.append((out, *blockwise_attention_backward(g, q, k, v, **kw)))
+    for a, b in zip(*results, strict=True):
+        assert grad_err(a, b) <= 2e-6
+
+
+def test_compiled_pass_needs_numba_only_when_forced(monkeypatch):
+    monkeypatch.setattr(bw, "fused_available", lambda: False)
+    rng = np.random.default_rng(30)
+    q, k, v, _ = attention_inputs(rng, (), 1, 1, 64, 64, 8, 8, np.float32)
+    with bw.tuned(fused=None, fused_min_scores=0):  # auto: NumPy without numba
+        plan = bw._plan(check_attention_args(q, k, v), None, None, None, 1)
+    assert not plan.fused
+    with bw.tuned(fused=False, fused_min_scores=0):
+        plan = bw._plan(check_attention_args(q, k, v), None, None, None, 1)
+    assert not plan.fused
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+def test_tile_sizes_follow_the_l2_cache():
+    def tiles(l2):
+        t = bw.derive_tuning(CPUInfo("x", frozenset(), 32 * 1024, l2, 32 * 2**20, True))
+        return t.block_q, t.block_k
+
+    assert tiles(512 * 1024) == (512, 512)
+    assert tiles(1024 * 1024) == (512, 1024)
+    assert tiles(2 * 2**20) == (512, 2048)
+    assert tiles(8 * 2**20) == (512, 2048)  # clamped
+    assert tiles(32 * 1024) == (512, 128)
+    with bw.tuned(block_k=48, min_scores_per_thread=0) as t:
+        assert bw.tuning() is t and t.block_k == 48
+    assert bw.tuning() == bw._machine_tuning()
+
+
+def test_cpu_description_from_the_os(tmp_path):
+    for n, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
+                                             ("2", "Unified", "2048K"), ("3", "Unified", "105M")]):
+        d = tmp_path / f"index{n}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "type").write_text(kind + "\n")
+        (d / "size").write_text(size + "\n")
+    assert _caches(tmp_path) == {"l1d": 48 * 1024, "l2": 2 * 2**20, "l3": 105 * 2**20}
+    assert _caches(tmp_path / "missing") == {}
+    model, flags = _cpuinfo("processor\t: 0\nmodel name\t: Some CPU\nflags\t\t: fpu avx2 avx512f\n")
+    info = CPUInfo(model, flags, 48 * 1024, 2 * 2**20, 105 * 2**20, True)
+    assert info.avx2 and info.avx512f and "avx512f yes" in info.describe()
+
+
+def test_dispatch_threshold_follows_the_l2_cache(monkeypatch):
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((4, 512, 16)).astype(np.float32)  # 4 x 512^2 scores: 4 MiB
+    spec = check_attention_args(q, q, q)
+    small = CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True)
+    huge = CPUInfo("x", frozenset(), 32768, 8 * 2**20, 2**25, True)
+    monkeypatch.setattr(dispatch, "cpu_info", lambda: small)
+    assert dispatch.use_blockwise(spec)
+    monkeypatch.setattr(dispatch, "cpu_info", lambda: huge)
+    assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
