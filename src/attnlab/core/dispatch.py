@@ -16,7 +16,8 @@ import numpy as np
 
 from attnlab._validation import as_float_array, fmt_shape, same_dtype, shape_error
 from attnlab.core import blockwise, naive
-from attnlab.core.spec import AttentionSpec, check_attention_args
+from attnlab.core._namespace import is_numpy
+from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, check_keys_args
 
 __all__ = [
     "attention_scores",
@@ -80,6 +81,9 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 4, 8)
     """
+    if not is_numpy(query, key, value, attn_mask):  # another array library: the naive math in its namespace
+        spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return naive.forward(spec, rng=rng)
     spec = check_attention_args(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
@@ -131,6 +135,8 @@ def attention_scores(
     array([[ 1., -inf],
            [ 0.,  1.]])
     """
+    if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
+        return naive.scores(check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa))
     return naive.scores(_keys_only(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa))
 
 
@@ -160,6 +166,9 @@ def attention_weights(
            [0.36, 0.64, 0.  ],
            [0.26, 0.26, 0.47]])
     """
+    if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
+        spec = check_keys_args(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return naive.weights(spec, rng=rng)
     spec = _keys_only(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return naive.weights(spec, rng=rng)
 
@@ -198,6 +207,9 @@ def scaled_dot_product_attention_backward(
     >>> dq.shape, dk.shape, dv.shape
     ((4, 8), (4, 8), (4, 8))
     """
+    if not is_numpy(grad_out, query, key, value, attn_mask):  # another array library: naive math there
+        spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return naive.backward(spec, check_grad_out(spec, grad_out), rng=rng)
     spec = check_attention_args(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
