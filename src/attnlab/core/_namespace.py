@@ -48,7 +48,10 @@ def _foreign(x: object) -> bool:
 
 def is_numpy(*arrays: object) -> bool:
     """True when every argument is None or something NumPy computes on (not another library's array)."""
-    return not any(type(a) is not np.ndarray and _foreign(a) for a in arrays)
+    for a in arrays:  # a plain loop: this runs on every NumPy call
+        if a is not None and type(a) is not np.ndarray and _foreign(a):
+            return False
+    return True
 
 
 def namespace(**arrays: object):
@@ -60,7 +63,10 @@ def namespace(**arrays: object):
         TypeError: arrays of different libraries (or a list beside a tensor), or a
             namespace that lacks an operation attnlab needs; both name the array types.
     """
-    if is_numpy(*arrays.values()):
+    for a in arrays.values():  # is_numpy, inlined: this runs on every NumPy call
+        if a is not None and type(a) is not np.ndarray and _foreign(a):
+            break
+    else:
         return np
     given = {name: a for name, a in arrays.items() if a is not None}
     first = next(a for a in given.values() if _foreign(a))
@@ -137,6 +143,13 @@ def mT(x):
     if isinstance(x, np.ndarray):
         return np.swapaxes(x, -1, -2)
     return namespace(x=x).matrix_transpose(x)
+
+
+def where_scalar(cond, value: float, x):
+    """``x`` with ``value`` where ``cond`` is True (a new array)."""
+    if isinstance(x, np.ndarray):
+        return np.where(cond, value, x).astype(x.dtype, copy=False)
+    return namespace(x=x).where(cond, full_scalar(value, x), x)
 
 
 def full_scalar(value: float, like):

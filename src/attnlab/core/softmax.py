@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from attnlab._validation import fmt_shape
-from attnlab.core._namespace import float_array, namespace
+from attnlab.core._namespace import float_array, namespace, where_scalar
 from attnlab.core._reduce import row_max, row_sum
 
 
@@ -50,10 +50,10 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     last = axis in (-1, x.ndim - 1)
     m = row_max(x) if last else xp.max(x, axis=axis, keepdims=True)
     # An all -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
-    m = xp.where(m == -math.inf, xp.zeros_like(m), m)
+    m = where_scalar(m == -math.inf, 0.0, m)
     e = xp.exp(x - m)
     total = row_sum(e) if last else xp.sum(e, axis=axis, keepdims=True, dtype=e.dtype)
-    return e / xp.where(total == 0, xp.ones_like(total), total)
+    return e / where_scalar(total == 0, 1.0, total)
 
 
 def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1) -> np.ndarray:

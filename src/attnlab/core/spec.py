@@ -133,7 +133,8 @@ def check_attention_args(
         if is_causal:
             raise ValueError("pass either attn_mask or is_causal=True, not both")
         mask = np.asarray(attn_mask) if xp is np else attn_mask
-        if not is_bool(mask) and not is_floating(mask):
+        boolean = is_bool(mask)
+        if not boolean and not is_floating(mask):
             raise TypeError(
                 f"attn_mask must be boolean (True = takes part) or floating-point (added to "
                 f"the scores), got dtype {mask.dtype} ({array_type(mask)})"
@@ -147,7 +148,7 @@ def check_attention_args(
             raise shape_error(
                 "attn_mask", mask.shape, f"broadcastable to (..., L, S) = {fmt_shape(full)}"
             )
-        if not is_bool(mask):
+        if not boolean:
             mask = as_dtype(mask, q.dtype)
     return AttentionSpec(
         q, k, v, mask, bool(is_causal), scale, dropout_p, groups, key_shape, value_shape, batch, xp
