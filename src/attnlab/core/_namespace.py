@@ -28,8 +28,8 @@ _NUMPY_LIKE = (np.ndarray, np.generic, list, tuple, int, float, complex)
 # What the namespace path calls: checked once per namespace, so that a library lacking one
 # of them fails up front with its array type named, not deep inside the math.
 REQUIRED = (
-    "arange", "asarray", "astype", "bool", "broadcast_to", "empty", "exp", "expand_dims", "isdtype",
-    "matmul", "matrix_transpose", "max", "min", "ones_like", "reshape", "sum", "where", "zeros_like",
+    "arange", "asarray", "astype", "broadcast_to", "empty", "exp", "expand_dims", "isdtype",
+    "matmul", "matrix_transpose", "max", "min", "reshape", "sum", "where", "zeros_like",
 )
 _CHECKED: set[int] = set()
 

@@ -32,7 +32,7 @@ def scores(spec: AttentionSpec):
     s = spec.xp.matmul(scaled(spec.query, spec.scale), mT(spec.key))
     # Masks in place for NumPy (the mask broadcasts to the scores' shape; validated).
     if spec.is_causal:
-        return fill_forbidden(s, causal_mask(spec.L, spec.S, like=None if spec.xp is np else s))
+        return fill_forbidden(s, causal_mask(spec.L, spec.S, like=s))
     if spec.attn_mask is None:
         return s
     if is_bool(spec.attn_mask):
