@@ -9,7 +9,7 @@ its device: its namespace comes from ``array_api_compat`` (the optional extra
 is written once, against ``xp``.
 
 >>> import numpy as np
->>> namespace(query=np.ones((2, 3))) is np
+>>> namespace(np.ones((2, 3)), None) is np
 True
 """
 
@@ -54,21 +54,23 @@ def is_numpy(*arrays: object) -> bool:
     return True
 
 
-def namespace(**arrays: object):
+def namespace(*arrays: object, names: tuple[str, ...] | None = None):
     """The namespace to compute in: the ``numpy`` module for NumPy inputs, else the one Array
-    API namespace of all the named arrays (``None`` entries are skipped).
+    API namespace of all the arrays (``None`` entries are skipped). ``names`` name the
+    arrays in errors.
 
     Raises:
         ImportError: another library's array without ``array_api_compat`` installed.
         TypeError: arrays of different libraries (or a list beside a tensor), or a
             namespace that lacks an operation attnlab needs; both name the array types.
     """
-    for a in arrays.values():  # is_numpy, inlined: this runs on every NumPy call
+    for a in arrays:  # is_numpy, inlined: this runs on every NumPy call
         if a is not None and type(a) is not np.ndarray and _foreign(a):
             break
     else:
         return np
-    given = {name: a for name, a in arrays.items() if a is not None}
+    names = names or tuple(f"argument {i}" for i in range(1, len(arrays) + 1))
+    given = {name: a for name, a in zip(names, arrays, strict=True) if a is not None}
     first = next(a for a in given.values() if _foreign(a))
     try:
         import array_api_compat
@@ -121,42 +123,42 @@ def is_bool(x) -> bool:
     """``x`` has a boolean dtype."""
     if isinstance(x, np.ndarray):
         return x.dtype == np.bool_
-    return namespace(x=x).isdtype(x.dtype, "bool")
+    return namespace(x).isdtype(x.dtype, "bool")
 
 
 def is_floating(x) -> bool:
     """``x`` has a real floating-point dtype."""
     if isinstance(x, np.ndarray):
         return bool(np.issubdtype(x.dtype, np.floating))
-    return namespace(x=x).isdtype(x.dtype, "real floating")
+    return namespace(x).isdtype(x.dtype, "real floating")
 
 
 def as_dtype(x, dtype):
     """``x`` cast to ``dtype`` (no copy when it already has it)."""
     if x.dtype == dtype:
         return x
-    return x.astype(dtype) if isinstance(x, np.ndarray) else namespace(x=x).astype(x, dtype)
+    return x.astype(dtype) if isinstance(x, np.ndarray) else namespace(x).astype(x, dtype)
 
 
 def mT(x):
     """Swap the last two axes: ``(..., M, N) -> (..., N, M)``."""
     if isinstance(x, np.ndarray):
         return np.swapaxes(x, -1, -2)
-    return namespace(x=x).matrix_transpose(x)
+    return namespace(x).matrix_transpose(x)
 
 
 def where_scalar(cond, value: float, x):
     """``x`` with ``value`` where ``cond`` is True (a new array)."""
     if isinstance(x, np.ndarray):
         return np.where(cond, value, x).astype(x.dtype, copy=False)
-    return namespace(x=x).where(cond, full_scalar(value, x), x)
+    return namespace(x).where(cond, full_scalar(value, x), x)
 
 
 def full_scalar(value: float, like):
     """A 0-D array holding ``value`` in ``like``'s dtype, namespace and device."""
     if isinstance(like, np.ndarray):
         return like.dtype.type(value)
-    return namespace(like=like).asarray(value, dtype=like.dtype, device=device(like))
+    return namespace(like).asarray(value, dtype=like.dtype, device=device(like))
 
 
 def fill_forbidden(s, allowed):
@@ -164,7 +166,7 @@ def fill_forbidden(s, allowed):
     if isinstance(s, np.ndarray):
         np.copyto(s, -np.inf, where=~allowed)
         return s
-    return namespace(s=s).where(allowed, s, full_scalar(-math.inf, s))
+    return namespace(s).where(allowed, s, full_scalar(-math.inf, s))
 
 
 def add_(a, b):
@@ -187,14 +189,14 @@ def from_host(a: np.ndarray, like):
     """The NumPy array ``a`` in ``like``'s namespace and on its device (NumPy: ``a`` itself)."""
     if isinstance(like, np.ndarray):
         return a
-    return namespace(like=like).asarray(a, device=device(like))
+    return namespace(like).asarray(a, device=device(like))
 
 
 def repeat_heads(x, groups: int):
     """Repeat each head ``groups`` times, consecutively: ``(..., H, N, D) -> (..., H * groups, N, D)``."""
     if isinstance(x, np.ndarray):
         return np.repeat(x, groups, axis=-3)
-    xp = namespace(x=x)
+    xp = namespace(x)
     *lead, h, n, d = x.shape
     wide = xp.broadcast_to(xp.expand_dims(x, axis=-3), (*lead, h, groups, n, d))
     return xp.reshape(wide, (*lead, h * groups, n, d))

@@ -21,7 +21,7 @@ def row_sum(x: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
     """``x.sum(-1, keepdims=True) * scale`` as one BLAS matrix-vector product."""
     if not isinstance(x, np.ndarray):
         # dtype= keeps float32 (the 2022.12 standard would sum in the default float type).
-        total = namespace(x=x).sum(x, axis=-1, keepdims=True, dtype=x.dtype)
+        total = namespace(x).sum(x, axis=-1, keepdims=True, dtype=x.dtype)
         return total if scale == 1.0 else total * scale
     n = x.shape[-1]
     if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
@@ -47,7 +47,7 @@ def row_max(x: np.ndarray) -> np.ndarray:
     all rows at once); for longer rows NumPy's reduction is faster and is used.
     """
     if not isinstance(x, np.ndarray):
-        return namespace(x=x).max(x, axis=-1, keepdims=True)
+        return namespace(x).max(x, axis=-1, keepdims=True)
     n = x.shape[-1]
     if n >= _HALVING_MAX_BELOW:
         return x.max(axis=-1, keepdims=True)

@@ -45,7 +45,7 @@ def causal_mask(L: int, S: int | None = None, *, align: str = "top-left", like=N
     if align not in ALIGNMENTS:
         raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
     offset = 0 if align == "top-left" else S - L
-    xp = namespace(like=like)
+    xp = namespace(like)
     if xp is np:
         return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
     rows = xp.reshape(xp.arange(L, device=device(like)), (L, 1))
@@ -68,7 +68,7 @@ def padding_mask(lengths, S: int) -> np.ndarray:
            [1, 1, 1]])
     """
     S = positive_int(S, "S", allow_zero=True)
-    xp = namespace(lengths=lengths)
+    xp = namespace(lengths)
     arr = np.asarray(lengths) if xp is np else lengths
     if arr.ndim != 1:
         raise shape_error("lengths", tuple(arr.shape), "(B,)")
@@ -97,7 +97,7 @@ def convert_mha_mask(mask: np.ndarray | None) -> np.ndarray | None:
     """
     if mask is None:
         return None
-    if namespace(mask=mask) is np:
+    if namespace(mask) is np:
         mask = np.asarray(mask)
     if is_bool(mask):
         return ~mask
@@ -115,7 +115,7 @@ def mask_to_bias(mask: np.ndarray, dtype=np.float32) -> np.ndarray:
     >>> mask_to_bias(np.array([True, False]))
     array([  0., -inf], dtype=float32)
     """
-    xp = namespace(mask=mask)
+    xp = namespace(mask)
     if xp is np:
         mask = np.asarray(mask)
     if not is_bool(mask):

@@ -42,7 +42,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     >>> softmax(np.array([-np.inf, -np.inf]))
     array([0., 0.])
     """
-    xp = namespace(x=x)
+    xp = namespace(x)
     x = float_array(x, "x", xp, min_ndim=1, layout="at least 1-D")
     axis = _check_axis(x, axis)
     if x.shape[axis] == 0:
@@ -71,7 +71,7 @@ def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1)
     >>> softmax_backward(np.array([1.0, 1.0]), p)  # a constant shift has no gradient
     array([0., 0.])
     """
-    xp = namespace(grad_output=grad_output, probs=probs)
+    xp = namespace(grad_output, probs, names=("grad_output", "probs"))
     probs = float_array(probs, "probs", xp, min_ndim=1, layout="at least 1-D")
     grad_output = float_array(grad_output, "grad_output", xp)
     if grad_output.shape != probs.shape:

@@ -76,7 +76,7 @@ def check_attention_args(
 ) -> AttentionSpec:
     """Validate the arguments of :func:`~attnlab.scaled_dot_product_attention` (shared by every
     kernel and every public attention function), for NumPy or any one Array API library."""
-    xp = namespace(query=query, key=key, value=value, attn_mask=attn_mask)
+    xp = namespace(query, key, value, attn_mask, names=("query", "key", "value", "attn_mask"))
     q = float_array(query, "query", xp, min_ndim=2, layout="(..., L, E)")
     k = float_array(key, "key", xp, min_ndim=2, layout="(..., S, E)")
     v = float_array(value, "value", xp, min_ndim=2, layout="(..., S, Ev)")
@@ -158,7 +158,7 @@ def check_attention_args(
 def check_keys_args(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """:func:`check_attention_args` for functions that take no values (attention weights and
     scores): a zero-width value, in the key's library, stands in."""
-    xp = namespace(query=query, key=key, attn_mask=attn_mask)
+    xp = namespace(query, key, attn_mask, names=("query", "key", "attn_mask"))
     if xp is np:
         key = np.asarray(key)
         dummy_v = np.empty((*key.shape[:-1], 0), dtype=key.dtype)
@@ -170,7 +170,7 @@ def check_keys_args(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
 def check_grad_out(spec: AttentionSpec, grad_out):
     """``grad_out`` checked against the output of the call ``spec`` describes: its shape
     ``(..., Hq, L, Ev)``, dtype and library."""
-    if namespace(grad_out=grad_out, query=spec.query) is np:
+    if namespace(grad_out, spec.query, names=("grad_out", "query")) is np:
         grad_out = np.asarray(grad_out)
     grad_out = float_array(grad_out, "grad_out", spec.xp)
     out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
@@ -190,7 +190,7 @@ def _same_device(**arrays) -> None:
 
 def reduce_to(grad, shape: tuple, groups: int):
     """Sum a gradient over GQA head groups and broadcast batch dims back to ``shape``."""
-    xp = namespace(grad=grad)
+    xp = namespace(grad)
     if groups > 1:
         *lead, hq, n, d = grad.shape
         grad = xp.sum(xp.reshape(grad, (*lead, hq // groups, groups, n, d)), axis=-3, dtype=grad.dtype)
