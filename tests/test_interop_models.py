@@ -133,7 +133,9 @@ def ddp_worker(rank: int, init_method: str, out: str) -> None:
         module = to_torch(make_model(seed=8))
         ddp = DistributedDataParallel(module)
         grads = train(ddp, module.named_parameters, rank, WORLD)
-        np.savez(f"{out}/rank{rank}.npz", **{f"{step}/{k}": g for step, gs in enumerate(grads) for k, g in gs.items()})
+        saved = {f"{step}/{k}": g for step, gs in enumerate(grads) for k, g in gs.items()}
+        saved.update({f"final/{k}": w for k, w in from_torch(ddp).state_dict().items()})
+        np.savez(f"{out}/rank{rank}.npz", **saved)
     finally:
         dist.destroy_process_group()
 
@@ -159,9 +161,13 @@ def test_ddp_two_processes_match_one_process(tmp_path, monkeypatch):
 
     module = to_torch(make_model(seed=8))
     want = train(module, module.named_parameters)
+    final = from_torch(module).state_dict()
     for rank in range(WORLD):
         got = np.load(tmp_path / f"rank{rank}.npz")
-        assert sorted(got.files) == sorted(f"{step}/{k}" for step in range(STEPS) for k in want[step])
+        keys = [f"{step}/{k}" for step in range(STEPS) for k in want[step]] + [f"final/{k}" for k in final]
+        assert sorted(got.files) == sorted(keys)
         for step in range(STEPS):
             for name, g in want[step].items():
                 assert rel_error(got[f"{step}/{name}"], g) <= 1e-12, (rank, step, name)
+        for name, w in final.items():  # the trained weights, back in attnlab
+            assert rel_error(got[f"final/{name}"], w) <= 1e-12, (rank, name)

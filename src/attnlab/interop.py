@@ -111,11 +111,13 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     """An attnlab layer with ``module``'s configuration and weights (same dtype).
 
     Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear`` and the modules returned by
-    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` (also when trained in
-    torch, e.g. unwrapped from ``DistributedDataParallel`` as ``ddp.module``). ``rng`` drives
-    the new layer's dropout.
+    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` (also after training in
+    torch), and any of these wrapped in ``DistributedDataParallel`` or ``DataParallel``.
+    ``rng`` drives the new layer's dropout.
     """
     torch = _torch()
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
+        module = module.module  # the wrapped model, with its own state_dict names
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     if isinstance(module, torch.nn.MultiheadAttention):
