@@ -204,6 +204,11 @@ def test_errors_name_the_torch_array_type():
         attnlab.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"key has shape \(4, 5\), but should be \(\.\.\., S, E=3\)"):
         attnlab.scaled_dot_product_attention(q, torch.zeros(4, 5), torch.zeros(4, 5))
+    with pytest.raises(ValueError, match=r"key has shape \(2, 5, 3\).*with H dividing query's Hq=3 \(enable_gqa\)"):
+        kv = torch.zeros(2, 5, 3)
+        attnlab.scaled_dot_product_attention(torch.zeros(3, 4, 3), kv, kv, enable_gqa=True)
+    with pytest.raises(ValueError, match=r"attn_mask has shape \(3, 2\), but should be broadcastable to .* \(2, 2\)"):
+        attnlab.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"grad_out has shape \(3, 3\), but should be \(2, 3\)"):
         attnlab.scaled_dot_product_attention_backward(torch.zeros(3, 3), q, q, q)
     with pytest.raises(TypeError, match=r"lengths must hold integers, got dtype torch.float32 \(torch.Tensor\)"):
