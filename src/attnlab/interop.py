@@ -1,4 +1,9 @@
-"""Move layers between attnlab and PyTorch (torch is imported here, only when called).
+"""Move layers and models between attnlab and PyTorch (torch is imported here, only when called).
+
+A model exported with :func:`to_torch` is an ordinary ``torch.nn.Module`` with attnlab's
+``state_dict`` names: it trains with torch's optimizers and, across processes or machines,
+with ``torch.nn.parallel.DistributedDataParallel``; :func:`from_torch` brings the trained
+weights back.
 
 >>> import numpy as np, attnlab
 >>> layer = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
@@ -12,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
+from attnlab.models.tiny_torch import torch_tiny_transformer
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
@@ -66,8 +73,18 @@ def to_torch(layer: Module):
     """A ``torch.nn`` module with ``layer``'s configuration and weights (same dtype).
 
     Supports :class:`~attnlab.MultiheadAttention` (-> ``torch.nn.MultiheadAttention``),
-    :class:`~attnlab.Linear` (-> ``torch.nn.Linear``) and :class:`~attnlab.SelfAttention`
-    (-> an equivalent torch module). Training/eval mode is copied.
+    :class:`~attnlab.Linear` (-> ``torch.nn.Linear``), :class:`~attnlab.SelfAttention`
+    (-> an equivalent torch module) and :class:`~attnlab.models.TinyTransformer` (-> a torch
+    module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits).
+    Training/eval mode is copied.
+
+    >>> import numpy as np, torch
+    >>> from attnlab.models import TinyTransformer, TinyTransformerConfig
+    >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32, dtype="float64")
+    >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0))
+    >>> ids = np.array([[1, 2, 3, 4]])
+    >>> bool(np.allclose(to_torch(model)(torch.from_numpy(ids)).detach().numpy(), model(ids)))
+    True
     """
     torch = _torch()
     dtype = getattr(torch, _TORCH_DTYPES[np.dtype(next(layer.parameters()).dtype)])
@@ -78,8 +95,13 @@ def to_torch(layer: Module):
     elif isinstance(layer, SelfAttention):
         cls = _torch_self_attention_class()
         module = cls(layer.d_in, layer.d_out, qkv_bias=layer.W_q.bias is not None).to(dtype)
+    elif isinstance(layer, TinyTransformer):
+        module = torch_tiny_transformer(layer.config)
     else:
-        raise TypeError(f"to_torch supports MultiheadAttention, SelfAttention and Linear, got {type(layer).__name__}")
+        raise TypeError(
+            f"to_torch supports MultiheadAttention, SelfAttention, Linear and TinyTransformer, "
+            f"got {type(layer).__name__}"
+        )
     module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in layer.state_dict().items()})
     module.train(layer.training)
     return module
@@ -88,10 +110,14 @@ def to_torch(layer: Module):
 def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     """An attnlab layer with ``module``'s configuration and weights (same dtype).
 
-    Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear`` and the module returned by
-    :func:`to_torch` for a ``SelfAttention``. ``rng`` drives the new layer's dropout.
+    Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear`` and the modules returned by
+    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` (also after training in
+    torch), and any of these wrapped in ``DistributedDataParallel`` or ``DataParallel``.
+    ``rng`` drives the new layer's dropout.
     """
     torch = _torch()
+    if isinstance(module, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
+        module = module.module  # the wrapped model, with its own state_dict names
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -100,10 +126,12 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
         layer = Linear(module.in_features, module.out_features, bias=module.bias is not None, rng=rng, dtype=dtype)
     elif type(module).__name__ == "TorchSelfAttention":
         layer = SelfAttention(module.d_in, module.d_out, qkv_bias=module.W_q.bias is not None, rng=rng, dtype=dtype)
+    elif isinstance(getattr(module, "attnlab_config", None), TinyTransformerConfig):
+        layer = TinyTransformer(module.attnlab_config, rng=rng)
     else:
         raise TypeError(
-            f"from_torch supports nn.MultiheadAttention, nn.Linear and to_torch(SelfAttention), "
-            f"got {type(module).__name__}"
+            f"from_torch supports nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention) and "
+            f"to_torch(TinyTransformer), got {type(module).__name__}"
         )
     layer.load_state_dict(state)
     layer.train(module.training)

@@ -2,6 +2,8 @@
 
 Modules, imported one way (each only imports those above it):
 
+- ``_namespace``: which array library a call computes in (NumPy, or any Array API library
+  such as torch, through ``array_api_compat``) and the few operations that differ;
 - ``_reduce``: row and column reductions (BLAS tricks written once);
 - ``masks``, ``softmax``: mask builders and converters; softmax and its backward;
 - ``spec``: argument checking, one :class:`~attnlab.core.spec.AttentionSpec` per call;

@@ -2,12 +2,15 @@
 
 NumPy reduces a short last axis with one small loop per row; a matrix-vector product with
 a vector of ones (BLAS) is several times faster there. Every reduction in attnlab that runs
-over the last axis of a large array goes through these helpers.
+over the last axis of a large array goes through these helpers. Arrays of other libraries
+(see :mod:`attnlab.core._namespace`) take their own namespace's reduction instead.
 """
 
 from __future__ import annotations
 
 import numpy as np
+
+from attnlab.core._namespace import namespace
 
 # Below this many columns the halving max beats ``x.max(-1)``; from about 32 on NumPy's own
 # reduction is 1.6-4x faster (measured on float32 rows), so the shortcut stops there.
@@ -16,6 +19,10 @@ _HALVING_MAX_BELOW = 32
 
 def row_sum(x: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
     """``x.sum(-1, keepdims=True) * scale`` as one BLAS matrix-vector product."""
+    if not isinstance(x, np.ndarray):
+        # dtype= keeps float32 (the 2022.12 standard would sum in the default float type).
+        total = namespace(x).sum(x, axis=-1, keepdims=True, dtype=x.dtype)
+        return total if scale == 1.0 else total * scale
     n = x.shape[-1]
     if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
         return np.zeros((*x.shape[:-1], 1), dtype=x.dtype)
@@ -39,6 +46,8 @@ def row_max(x: np.ndarray) -> np.ndarray:
     For rows shorter than 32 it takes the elementwise maximum of halves (vectorised over
     all rows at once); for longer rows NumPy's reduction is faster and is used.
     """
+    if not isinstance(x, np.ndarray):
+        return namespace(x).max(x, axis=-1, keepdims=True)
     n = x.shape[-1]
     if n >= _HALVING_MAX_BELOW:
         return x.max(axis=-1, keepdims=True)

@@ -53,9 +53,9 @@ import numpy as np
 
 from attnlab._cpu import CPUInfo, cpu_info
 from attnlab._threads import get_num_threads, pool_threads, run_units, set_num_threads
-from attnlab._validation import as_float_array, fmt_shape, positive_int, same_dtype, shape_error
+from attnlab._validation import as_float_array, fmt_shape, positive_int, shape_error
 from attnlab.core.masks import ALIGNMENTS
-from attnlab.core.spec import AttentionSpec, check_attention_args, reduce_to
+from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, reduce_to
 
 __all__ = [
     "Tuning",
@@ -835,11 +835,8 @@ def blockwise_attention_backward(
     True
     """
     spec = _check(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_align)
-    grad_out = as_float_array(grad_out, "grad_out")
-    out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
-    if grad_out.shape != out_shape:
-        raise shape_error("grad_out", grad_out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
-    same_dtype(grad_out=grad_out, query=spec.query)
+    grad_out = check_grad_out(spec, grad_out)
+    out_shape = tuple(grad_out.shape)
     if (out is None) != (lse is None):
         raise ValueError("pass both out and lse (from blockwise_attention_forward) or neither")
     if out is not None:

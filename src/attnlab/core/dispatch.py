@@ -16,9 +16,10 @@ import math
 import numpy as np
 
 from attnlab._cpu import cpu_info
-from attnlab._validation import as_float_array, fmt_shape, same_dtype, shape_error
+from attnlab._validation import as_float_array
 from attnlab.core import blockwise, naive
-from attnlab.core.spec import AttentionSpec, check_attention_args
+from attnlab.core._namespace import is_numpy
+from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, check_keys_args
 
 __all__ = [
     "attention_scores",
@@ -84,9 +85,9 @@ def scaled_dot_product_attention(
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 4, 8)
     """
-    spec = check_attention_args(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not is_numpy(query, key, value, attn_mask):  # another array library: the naive math in its namespace
+        return naive.forward(spec, rng=rng)
     work = widened(spec)
     if use_blockwise(work):
         out = blockwise.forward_spec(work)
@@ -141,13 +142,6 @@ def use_blockwise(spec: AttentionSpec) -> bool:
     return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD and total_bytes >= blockwise_min_score_bytes()
 
 
-def _keys_only(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> AttentionSpec:
-    """A spec for functions that take no values (a zero-width value stands in)."""
-    key_arr = np.asarray(key)
-    dummy_v = np.empty((*key_arr.shape[:-1], 0), dtype=key_arr.dtype)
-    return check_attention_args(query, key, dummy_v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
 def attention_scores(
     query: np.ndarray,
     key: np.ndarray,
@@ -167,7 +161,9 @@ def attention_scores(
     array([[ 1., -inf],
            [ 0.,  1.]])
     """
-    spec = _keys_only(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    spec = check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
+        return naive.scores(spec)
     return naive.scores(widened(spec)).astype(spec.query.dtype, copy=False)
 
 
@@ -197,7 +193,9 @@ def attention_weights(
            [0.36, 0.64, 0.  ],
            [0.26, 0.26, 0.47]])
     """
-    spec = _keys_only(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    spec = check_keys_args(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
+        return naive.weights(spec, rng=rng)
     return naive.weights(widened(spec), rng=rng).astype(spec.query.dtype, copy=False)
 
 
@@ -235,14 +233,10 @@ def scaled_dot_product_attention_backward(
     >>> dq.shape, dk.shape, dv.shape
     ((4, 8), (4, 8), (4, 8))
     """
-    spec = check_attention_args(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
-    grad_out = as_float_array(grad_out, "grad_out")
-    out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
-    if grad_out.shape != out_shape:
-        raise shape_error("grad_out", grad_out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
-    same_dtype(grad_out=grad_out, query=spec.query)
+    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    grad_out = check_grad_out(spec, grad_out)
+    if not is_numpy(grad_out, query, key, value, attn_mask):  # another array library: naive math there
+        return naive.backward(spec, grad_out, rng=rng)
     work = widened(spec)
     grad_out = grad_out.astype(work.query.dtype, copy=False)
     if use_blockwise(work):

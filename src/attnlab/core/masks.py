@@ -4,6 +4,9 @@ attnlab's one convention: a **boolean mask is True where a query may attend to a
 (the entry "takes part"), as in ``torch.nn.functional.scaled_dot_product_attention``. A float
 mask is added to the scores (use ``-inf`` to forbid). ``torch.nn.MultiheadAttention`` uses the
 opposite boolean convention (True = ignore); :func:`convert_mha_mask` translates.
+
+Every function here also takes (or, with ``like=``, builds) arrays of another Array API
+library, such as torch tensors, and returns that library's arrays on the same device.
 """
 
 from __future__ import annotations
@@ -11,11 +14,12 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import positive_int, shape_error
+from attnlab.core._namespace import array_type, device, is_bool, is_floating, namespace
 
 ALIGNMENTS = ("top-left", "bottom-right")
 
 
-def causal_mask(L: int, S: int | None = None, *, align: str = "top-left") -> np.ndarray:
+def causal_mask(L: int, S: int | None = None, *, align: str = "top-left", like=None) -> np.ndarray:
     """Boolean ``(L, S)`` mask, True where query ``i`` may attend to key ``j``.
 
     ``align="top-left"`` (PyTorch's ``is_causal``): ``j <= i``. ``align="bottom-right"``:
@@ -26,6 +30,8 @@ def causal_mask(L: int, S: int | None = None, *, align: str = "top-left") -> np.
         L: number of queries.
         S: number of keys (defaults to ``L``).
         align: ``"top-left"`` or ``"bottom-right"``.
+        like: an array whose library and device the mask is built in (e.g. the query, a
+            torch tensor); ``None`` builds a NumPy array.
 
     >>> causal_mask(2, 3).astype(int)
     array([[1, 0, 0],
@@ -39,11 +45,19 @@ def causal_mask(L: int, S: int | None = None, *, align: str = "top-left") -> np.
     if align not in ALIGNMENTS:
         raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
     offset = 0 if align == "top-left" else S - L
-    return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+    xp = namespace(like)
+    if xp is np:
+        return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+    rows = xp.reshape(xp.arange(L, device=device(like)), (L, 1))
+    cols = xp.reshape(xp.arange(S, device=device(like)), (1, S))
+    return cols <= rows + offset
 
 
 def padding_mask(lengths, S: int) -> np.ndarray:
     """Boolean ``(B, S)`` key mask, True for the first ``lengths[b]`` keys of sequence ``b``.
+
+    ``lengths`` may be another Array API library's integer array; the mask is then built
+    in that library, on its device.
 
     For :func:`~attnlab.scaled_dot_product_attention` on ``(B, H, L, S)`` scores, index it as
     ``padding_mask(lengths, S)[:, None, None, :]``; :class:`~attnlab.MultiheadAttention`
@@ -54,14 +68,20 @@ def padding_mask(lengths, S: int) -> np.ndarray:
            [1, 1, 1]])
     """
     S = positive_int(S, "S", allow_zero=True)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-        if arr.ndim != 1:
-            raise shape_error("lengths", arr.shape, "(B,)")
-        raise TypeError(f"lengths must hold integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > S):
-        raise ValueError(f"lengths must lie in [0, S={S}], got {arr.tolist()}")
-    return np.arange(S)[None, :] < arr[:, None]
+    xp = namespace(lengths)
+    arr = np.asarray(lengths) if xp is np else lengths
+    if arr.ndim != 1:
+        raise shape_error("lengths", tuple(arr.shape), "(B,)")
+    if not (np.issubdtype(arr.dtype, np.integer) if xp is np else xp.isdtype(arr.dtype, "integral")):
+        raise TypeError(f"lengths must hold integers, got dtype {arr.dtype} ({array_type(arr)})")
+    if arr.shape[0]:
+        lo, hi = int(xp.min(arr)), int(xp.max(arr))
+        if lo < 0 or hi > S:
+            raise ValueError(f"lengths must lie in [0, S={S}], got values in [{lo}, {hi}]")
+    if xp is np:
+        return np.arange(S)[None, :] < arr[:, None]
+    cols = xp.reshape(xp.arange(S, dtype=arr.dtype, device=device(arr)), (1, S))
+    return cols < xp.reshape(arr, (arr.shape[0], 1))
 
 
 def convert_mha_mask(mask: np.ndarray | None) -> np.ndarray | None:
@@ -77,21 +97,43 @@ def convert_mha_mask(mask: np.ndarray | None) -> np.ndarray | None:
     """
     if mask is None:
         return None
-    mask = np.asarray(mask)
-    if mask.dtype == np.bool_:
+    if namespace(mask) is np:
+        mask = np.asarray(mask)
+    if is_bool(mask):
         return ~mask
-    if not np.issubdtype(mask.dtype, np.floating):
-        raise TypeError(f"mask must be boolean or floating-point, got dtype {mask.dtype}")
+    if not is_floating(mask):
+        raise TypeError(f"mask must be boolean or floating-point, got dtype {mask.dtype} ({array_type(mask)})")
     return mask
 
 
 def mask_to_bias(mask: np.ndarray, dtype=np.float32) -> np.ndarray:
     """Boolean mask (True = takes part) to an additive bias: 0 where True, ``-inf`` elsewhere.
 
+    For another library's mask, ``dtype`` may be that library's dtype (``torch.float64``) or
+    a NumPy one, which names the same float type there (``np.float64`` -> ``torch.float64``).
+
     >>> mask_to_bias(np.array([True, False]))
     array([  0., -inf], dtype=float32)
     """
-    mask = np.asarray(mask)
-    if mask.dtype != np.bool_:
-        raise TypeError(f"mask must be boolean, got dtype {mask.dtype}")
-    return np.where(mask, 0.0, -np.inf).astype(dtype)
+    xp = namespace(mask)
+    if xp is np:
+        mask = np.asarray(mask)
+    if not is_bool(mask):
+        raise TypeError(f"mask must be boolean, got dtype {mask.dtype} ({array_type(mask)})")
+    if xp is np:
+        return np.where(mask, 0.0, -np.inf).astype(dtype)
+    dtype = _dtype_in(xp, dtype, mask)
+    zero = xp.asarray(0.0, dtype=dtype, device=device(mask))
+    return xp.where(mask, zero, xp.asarray(-np.inf, dtype=dtype, device=device(mask)))
+
+
+def _dtype_in(xp, dtype, like):
+    """``dtype`` as a floating dtype of namespace ``xp`` (it may name a NumPy dtype)."""
+    if isinstance(dtype, type | np.dtype | str):
+        name = np.dtype(dtype).name
+        if not hasattr(xp, name):
+            raise TypeError(f"{array_type(like)} arrays have no dtype {name}")
+        dtype = getattr(xp, name)
+    if not xp.isdtype(dtype, "real floating"):
+        raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
+    return dtype

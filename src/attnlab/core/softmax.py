@@ -1,18 +1,21 @@
-"""Numerically stable softmax and its backward pass."""
+"""Numerically stable softmax and its backward pass, for NumPy or any Array API library."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
-from attnlab._validation import as_float_array
+from attnlab._validation import fmt_shape
+from attnlab.core._namespace import float_array, namespace, where_scalar
 from attnlab.core._reduce import row_max, row_sum
 
 
-def _check_axis(x: np.ndarray, axis: int, name: str = "axis") -> int:
+def _check_axis(x, axis: int, name: str = "axis") -> int:
     if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
         raise TypeError(f"{name} must be an int, got {type(axis).__name__}")
     if not -x.ndim <= axis < max(x.ndim, 1):
-        raise ValueError(f"{name}={axis} is out of range for an array of shape {x.shape}")
+        raise ValueError(f"{name}={axis} is out of range for an array of shape {fmt_shape(x.shape)}")
     return int(axis)
 
 
@@ -24,7 +27,8 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     attend to) gives zeros, never NaN. NaN in a row propagates, as in PyTorch.
 
     Args:
-        x: any floating-point array; the dtype is kept.
+        x: any floating-point array, NumPy's or another Array API library's (torch, CuPy,
+            JAX, ...); the dtype, the array type and the device are kept.
         axis: the axis to normalise over.
 
     Returns:
@@ -38,17 +42,18 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     >>> softmax(np.array([-np.inf, -np.inf]))
     array([0., 0.])
     """
-    x = as_float_array(x, "x", min_ndim=1, layout="at least 1-D")
+    xp = namespace(x)
+    x = float_array(x, "x", xp, min_ndim=1, layout="at least 1-D")
     axis = _check_axis(x, axis)
     if x.shape[axis] == 0:
-        return np.zeros_like(x)
+        return xp.zeros_like(x)
     last = axis in (-1, x.ndim - 1)
-    m = row_max(x) if last else np.max(x, axis=axis, keepdims=True)
+    m = row_max(x) if last else xp.max(x, axis=axis, keepdims=True)
     # An all -inf row has max -inf; shifting by 0 instead gives exp(-inf) = 0, not NaN.
-    m = np.where(m == -np.inf, 0, m).astype(x.dtype, copy=False)
-    e = np.exp(x - m)
-    total = row_sum(e) if last else np.sum(e, axis=axis, keepdims=True)
-    return e / np.where(total == 0, 1, total).astype(x.dtype, copy=False)
+    m = where_scalar(m == -math.inf, 0.0, m)
+    e = xp.exp(x - m)
+    total = row_sum(e) if last else xp.sum(e, axis=axis, keepdims=True, dtype=e.dtype)
+    return e / where_scalar(total == 0, 1.0, total)
 
 
 def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -58,7 +63,7 @@ def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1)
     get a zero gradient.
 
     Args:
-        grad_output: dLoss/dprobs, shape of ``probs``.
+        grad_output: dLoss/dprobs, shape of ``probs`` (the same array library).
         probs: the forward pass's output.
         axis: the axis the forward pass normalised over.
 
@@ -66,15 +71,16 @@ def softmax_backward(grad_output: np.ndarray, probs: np.ndarray, axis: int = -1)
     >>> softmax_backward(np.array([1.0, 1.0]), p)  # a constant shift has no gradient
     array([0., 0.])
     """
-    probs = as_float_array(probs, "probs", min_ndim=1, layout="at least 1-D")
-    grad_output = as_float_array(grad_output, "grad_output")
+    xp = namespace(grad_output, probs, names=("grad_output", "probs"))
+    probs = float_array(probs, "probs", xp, min_ndim=1, layout="at least 1-D")
+    grad_output = float_array(grad_output, "grad_output", xp)
     if grad_output.shape != probs.shape:
         raise ValueError(
-            f"grad_output has shape {grad_output.shape}, but should be {probs.shape} "
-            "(the shape of probs)"
+            f"grad_output has shape {fmt_shape(grad_output.shape)}, but should be "
+            f"{fmt_shape(probs.shape)} (the shape of probs)"
         )
     axis = _check_axis(probs, axis)
     prod = grad_output * probs
     last = axis in (-1, probs.ndim - 1)
-    inner = row_sum(prod) if last else np.sum(prod, axis=axis, keepdims=True)
+    inner = row_sum(prod) if last else xp.sum(prod, axis=axis, keepdims=True, dtype=prod.dtype)
     return probs * (grad_output - inner)

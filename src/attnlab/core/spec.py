@@ -11,22 +11,36 @@ Axis legend, used in every docstring of attnlab:
 attend to a key; float masks are added to the scores.
 
 Every kernel (:mod:`attnlab.core.naive`, :mod:`attnlab.core.blockwise`) takes an
-``AttentionSpec``; the public functions in :mod:`attnlab.core.dispatch` build it here.
+``AttentionSpec``; the public functions in :mod:`attnlab.core.dispatch` build it here. The
+arrays may come from any Array API library (see :mod:`attnlab.core._namespace`); the spec
+keeps them in their library and records its namespace as ``xp``.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import numpy as np
 
-from attnlab._validation import as_float_array, fmt_shape, probability, same_dtype, shape_error
+from attnlab._validation import fmt_shape, probability, same_dtype, shape_error
+from attnlab.core._namespace import (
+    array_type,
+    as_dtype,
+    device,
+    float_array,
+    is_bool,
+    is_floating,
+    namespace,
+    repeat_heads,
+)
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Validated inputs of one attention call (internal)."""
+    """Validated inputs of one attention call (internal). The arrays are NumPy's or, with
+    ``xp`` their namespace, another Array API library's."""
 
     query: np.ndarray  # (..., Hq, L, E)
     key: np.ndarray  # (..., Hq, S, E), GQA heads already repeated
@@ -39,6 +53,7 @@ class AttentionSpec:
     key_shape: tuple  # the caller's key shape, for reducing gradients
     value_shape: tuple
     batch_shape: tuple  # broadcast leading dims of the scores, (..., Hq)
+    xp: ModuleType = np  # the arrays' namespace: numpy, or e.g. array_api_compat.torch
 
     @property
     def L(self) -> int:
@@ -60,11 +75,14 @@ def check_attention_args(
     enable_gqa=False,
 ) -> AttentionSpec:
     """Validate the arguments of :func:`~attnlab.scaled_dot_product_attention` (shared by every
-    kernel and every public attention function)."""
-    q = as_float_array(query, "query", min_ndim=2, layout="(..., L, E)")
-    k = as_float_array(key, "key", min_ndim=2, layout="(..., S, E)")
-    v = as_float_array(value, "value", min_ndim=2, layout="(..., S, Ev)")
+    kernel and every public attention function), for NumPy or any one Array API library."""
+    xp = namespace(query, key, value, attn_mask, names=("query", "key", "value", "attn_mask"))
+    q = float_array(query, "query", xp, min_ndim=2, layout="(..., L, E)")
+    k = float_array(key, "key", xp, min_ndim=2, layout="(..., S, E)")
+    v = float_array(value, "value", xp, min_ndim=2, layout="(..., S, Ev)")
     same_dtype(query=q, key=k, value=v)
+    if xp is not np:
+        _same_device(query=q, key=k, value=v, attn_mask=attn_mask)
     L, E = q.shape[-2:]
     S = k.shape[-2]
     if E == 0:
@@ -83,7 +101,7 @@ def check_attention_args(
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
 
-    key_shape, value_shape = k.shape, v.shape
+    key_shape, value_shape = tuple(k.shape), tuple(v.shape)
     groups = 1
     if enable_gqa:
         if q.ndim < 3 or k.ndim < 3:
@@ -99,10 +117,10 @@ def check_attention_args(
             )
         groups = Hq // H
         if groups > 1:
-            k = np.repeat(k, groups, axis=-3)
-            v = np.repeat(v, groups, axis=-3)
+            k = repeat_heads(k, groups)
+            v = repeat_heads(v, groups)
     try:
-        batch = np.broadcast_shapes(q.shape[:-2], k.shape[:-2])
+        batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
     except ValueError:
         hint = " (pass enable_gqa=True for grouped-query attention)" if q.ndim >= 3 else ""
         raise ValueError(
@@ -114,37 +132,72 @@ def check_attention_args(
     if attn_mask is not None:
         if is_causal:
             raise ValueError("pass either attn_mask or is_causal=True, not both")
-        mask = np.asarray(attn_mask)
-        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        mask = np.asarray(attn_mask) if xp is np else attn_mask
+        boolean = is_bool(mask)
+        if not boolean and not is_floating(mask):
             raise TypeError(
                 f"attn_mask must be boolean (True = takes part) or floating-point (added to "
-                f"the scores), got dtype {mask.dtype}"
+                f"the scores), got dtype {mask.dtype} ({array_type(mask)})"
             )
         full = (*batch, L, S)
         try:
-            ok = np.broadcast_shapes(mask.shape, full) == full
+            ok = np.broadcast_shapes(tuple(mask.shape), full) == full
         except ValueError:
             ok = False
         if not ok:
             raise shape_error(
                 "attn_mask", mask.shape, f"broadcastable to (..., L, S) = {fmt_shape(full)}"
             )
-        if mask.dtype != np.bool_ and mask.dtype != q.dtype:
-            mask = mask.astype(q.dtype)
+        if not boolean:
+            mask = as_dtype(mask, q.dtype)
     return AttentionSpec(
-        q, k, v, mask, bool(is_causal), scale, dropout_p, groups, key_shape, value_shape, batch
+        q, k, v, mask, bool(is_causal), scale, dropout_p, groups, key_shape, value_shape, batch, xp
     )
 
 
-def reduce_to(grad: np.ndarray, shape: tuple, groups: int) -> np.ndarray:
+def check_keys_args(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """:func:`check_attention_args` for functions that take no values (attention weights and
+    scores): a zero-width value, in the key's library, stands in."""
+    xp = namespace(query, key, attn_mask, names=("query", "key", "attn_mask"))
+    if xp is np:
+        key = np.asarray(key)
+        dummy_v = np.empty((*key.shape[:-1], 0), dtype=key.dtype)
+    else:
+        dummy_v = xp.empty((*key.shape[:-1], 0), dtype=key.dtype, device=device(key))
+    return check_attention_args(query, key, dummy_v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def check_grad_out(spec: AttentionSpec, grad_out):
+    """``grad_out`` checked against the output of the call ``spec`` describes: its shape
+    ``(..., Hq, L, Ev)``, dtype and library."""
+    if namespace(grad_out, spec.query, names=("grad_out", "query")) is np:
+        grad_out = np.asarray(grad_out)
+    grad_out = float_array(grad_out, "grad_out", spec.xp)
+    out_shape = (*spec.batch_shape, spec.L, spec.value.shape[-1])
+    if tuple(grad_out.shape) != out_shape:
+        raise shape_error("grad_out", grad_out.shape, f"{fmt_shape(out_shape)} (the output's shape)")
+    same_dtype(grad_out=grad_out, query=spec.query)
+    return grad_out
+
+
+def _same_device(**arrays) -> None:
+    """Raise a ``ValueError`` naming the arrays when they live on different devices."""
+    where = {name: device(a) for name, a in arrays.items() if a is not None}
+    if len({str(d) for d in where.values()}) > 1:
+        listing = ", ".join(f"{name} on {d}" for name, d in where.items())
+        raise ValueError(f"query, key, value and attn_mask must be on one device, got {listing}")
+
+
+def reduce_to(grad, shape: tuple, groups: int):
     """Sum a gradient over GQA head groups and broadcast batch dims back to ``shape``."""
+    xp = namespace(grad)
     if groups > 1:
         *lead, hq, n, d = grad.shape
-        grad = grad.reshape(*lead, hq // groups, groups, n, d).sum(axis=-3)
+        grad = xp.sum(xp.reshape(grad, (*lead, hq // groups, groups, n, d)), axis=-3, dtype=grad.dtype)
     extra = grad.ndim - len(shape)
     if extra:
-        grad = grad.sum(axis=tuple(range(extra)))
+        grad = xp.sum(grad, axis=tuple(range(extra)), dtype=grad.dtype)
     axes = tuple(i for i, (g, s) in enumerate(zip(grad.shape, shape, strict=True)) if s == 1 and g != 1)
     if axes:
-        grad = grad.sum(axis=axes, keepdims=True)
+        grad = xp.sum(grad, axis=axes, keepdims=True, dtype=grad.dtype)
     return grad

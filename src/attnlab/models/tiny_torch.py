@@ -13,7 +13,11 @@ __all__ = ["copy_to_torch", "torch_tiny_transformer"]
 
 
 def torch_tiny_transformer(config: TinyTransformerConfig):
-    """A ``torch.nn.Module`` equivalent to ``TinyTransformer(config)`` (random weights)."""
+    """A ``torch.nn.Module`` equivalent to ``TinyTransformer(config)`` (random weights).
+
+    The module keeps ``config`` as ``attnlab_config``; :func:`attnlab.interop.from_torch`
+    turns it back into a :class:`~attnlab.models.TinyTransformer`.
+    """
     import torch
     from torch import nn
 
@@ -48,6 +52,7 @@ def torch_tiny_transformer(config: TinyTransformerConfig):
     class TorchTiny(nn.Module):
         def __init__(self):
             super().__init__()
+            self.attnlab_config = c  # what attnlab.interop.from_torch rebuilds the model from
             self.tok_emb = nn.Embedding(c.vocab_size, c.d_model)
             self.pos_emb = nn.Embedding(c.context_length, c.d_model)
             self.blocks = nn.ModuleList([Block() for _ in range(c.n_layers)])

@@ -1,0 +1,173 @@
+"""Whole models to torch and back: TinyTransformer as a torch module with the same outputs and
+state_dict names, and that module training under DistributedDataParallel (two CPU processes,
+gloo on 127.0.0.1) with the gradients of a single-process run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from attnlab.interop import from_torch, to_torch
+from attnlab.models import TinyTransformer, TinyTransformerConfig
+
+torch = pytest.importorskip("torch")
+
+TOL = {"float64": 1e-12, "float32": 1e-5}  # max abs error relative to the largest reference entry
+
+
+def make_model(dtype="float64", activation="gelu", bias=True, seed=0):
+    cfg = TinyTransformerConfig(
+        vocab_size=11, context_length=8, d_model=16, n_heads=2, n_layers=2, d_ff=24,
+        activation=activation, bias=bias, dtype=dtype,
+    )
+    model = TinyTransformer(cfg, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    for p in model.parameters():  # move LayerNorm/bias off their ones/zeros
+        p.data += (rng.standard_normal(p.shape) * 0.1).astype(p.dtype)
+    return model
+
+
+def rel_error(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("activation,bias", [("gelu", True), ("gelu_tanh", False), ("relu", True)])
+def test_tiny_transformer_to_torch_equals_attnlab(dtype, activation, bias):
+    model = make_model(dtype, activation, bias)
+    module = to_torch(model)
+    assert isinstance(module, torch.nn.Module)
+    assert list(module.state_dict()) == list(model.state_dict())
+    for name, t in module.state_dict().items():
+        assert t.dtype == getattr(torch, dtype)
+        np.testing.assert_array_equal(t.numpy(), model.state_dict()[name])
+    ids = np.random.default_rng(3).integers(0, 11, size=(3, 8))
+    with torch.no_grad():
+        logits = module(torch.from_numpy(ids)).numpy()
+    assert logits.dtype == np.dtype(dtype)
+    assert rel_error(logits, model(ids)) <= TOL[dtype]
+
+
+def test_tiny_transformer_round_trip_keeps_weights_mode_and_outputs():
+    model = make_model(seed=4)
+    model.eval()
+    module = to_torch(model)
+    assert not module.training
+    module.train()
+    back = from_torch(module, rng=np.random.default_rng(0))
+    assert isinstance(back, TinyTransformer) and back.training
+    assert back.config == model.config
+    assert list(back.state_dict()) == list(model.state_dict())
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], w)
+    ids = np.arange(6) % 11
+    back.eval()
+    np.testing.assert_array_equal(back(ids), model(ids))
+
+
+def test_weights_trained_in_torch_come_back():
+    """An SGD step in torch moves the weights; from_torch gives the model torch now holds."""
+    model = make_model(seed=5)
+    module = to_torch(model)
+    ids = torch.from_numpy(np.random.default_rng(6).integers(0, 11, size=(2, 8)))
+    module(ids).square().mean().backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.5 * p.grad
+    module.eval()
+    back = from_torch(module)
+    back.eval()
+    moved = [not np.array_equal(back.state_dict()[n], w) for n, w in model.state_dict().items()]
+    assert all(moved)
+    with torch.no_grad():
+        want = module(ids).numpy()
+    assert rel_error(back(ids.numpy()), want) <= TOL["float64"]
+
+
+def test_from_torch_names_what_it_supports():
+    with pytest.raises(TypeError, match=r"from_torch supports .*to_torch\(TinyTransformer\), got Sequential"):
+        from_torch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# --- DistributedDataParallel: two processes on this machine -------------------------------
+
+STEPS, BATCH, WORLD, LR = 2, 4, 2, 0.1
+
+
+def batches():
+    """One (ids, targets) batch per step; every token is a target, so equal halves of a batch
+    average to the whole batch's mean loss."""
+    rng = np.random.default_rng(7)
+    return [(rng.integers(0, 11, size=(BATCH, 8)), rng.integers(0, 11, size=(BATCH, 8))) for _ in range(STEPS)]
+
+
+def train(module, parameters, rank=0, world=1):
+    """STEPS SGD steps on this rank's share of each batch; the gradients of every step."""
+    opt = torch.optim.SGD(module.parameters(), lr=LR)
+    share = BATCH // world
+    grads = []
+    for ids, targets in batches():
+        rows = slice(rank * share, (rank + 1) * share)
+        logits = module(torch.from_numpy(ids[rows]))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), torch.from_numpy(targets[rows]).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        grads.append({name: p.grad.numpy().copy() for name, p in parameters()})
+        opt.step()
+    return grads
+
+
+def ddp_worker(rank: int, init_method: str, out: str) -> None:
+    """One DDP process: export the same attnlab model, train it on half of each batch."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's OpenMP pool (as in DataLoader workers)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        module = to_torch(make_model(seed=8))
+        ddp = DistributedDataParallel(module)
+        grads = train(ddp, module.named_parameters, rank, WORLD)
+        saved = {f"{step}/{k}": g for step, gs in enumerate(grads) for k, g in gs.items()}
+        saved.update({f"final/{k}": w for k, w in from_torch(ddp).state_dict().items()})
+        np.savez(f"{out}/rank{rank}.npz", **saved)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_match_one_process(tmp_path, monkeypatch):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:  # a free port on the loopback interface
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo talks over 127.0.0.1 only
+    # DistributedDataParallel imports torch._dynamo (seconds): once here, then fork the workers
+    # (as torch's own MultiProcessTestCase does); spawn where fork does not exist.
+    import torch._dynamo  # noqa: F401
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(ddp_worker, args=(f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=WORLD, start_method=method)
+
+    module = to_torch(make_model(seed=8))
+    want = train(module, module.named_parameters)
+    final = from_torch(module).state_dict()
+    for rank in range(WORLD):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        keys = [f"{step}/{k}" for step in range(STEPS) for k in want[step]] + [f"final/{k}" for k in final]
+        assert sorted(got.files) == sorted(keys)
+        for step in range(STEPS):
+            for name, g in want[step].items():
+                assert rel_error(got[f"{step}/{name}"], g) <= 1e-12, (rank, step, name)
+        for name, w in final.items():  # the trained weights, back in attnlab
+            assert rel_error(got[f"final/{name}"], w) <= 1e-12, (rank, name)
