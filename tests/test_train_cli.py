@@ -68,32 +68,6 @@ def test_checkpoint_round_trip(tmp_path):
         assert "head.weight" in data.files
 
 
-def _rewrite(path, change):
-    with np.load(path, allow_pickle=False) as data:
-        arrays = {k: data[k] for k in data.files}
-    change(arrays)
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-
-
-def test_checkpoint_with_a_missing_or_misshaped_tensor_names_it(tmp_path):
-    t = _trainer()
-    path = tmp_path / "c.npz"
-    ckpt.save_checkpoint(path, t.model, t.task)
-    _rewrite(path, lambda a: a.pop("blocks.1.ln_2.weight"))
-    with pytest.raises(ValueError, match=r"'blocks\.1\.ln_2\.weight'.*\(64,\)"):
-        ckpt.load_checkpoint(path)
-    ckpt.save_checkpoint(path, t.model, t.task)
-    _rewrite(path, lambda a: a.__setitem__("head.weight", np.zeros((3, 64), np.float32)))
-    with pytest.raises(ValueError, match=r"'head\.weight' has shape \(3, 64\).*needs \(32, 64\)"):
-        ckpt.load_checkpoint(path)
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ValueError, match="not a readable"):
-        ckpt.load_checkpoint(tmp_path / "junk.npz")
-    with pytest.raises(FileNotFoundError):
-        ckpt.load_checkpoint(tmp_path / "missing.npz")
-
-
 def test_explain_checkpoint(tmp_path):
     from attnlab.explain import Explanation, explain
 
