@@ -167,3 +167,106 @@ def test_cli_explain_reads_a_trained_checkpoint(tmp_path, capsys):
     assert main(["explain", "--checkpoint", str(path), "k1 bogus"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown tokens" in err
+
+
+def _disk_full_after(monkeypatch, good_saves: int):
+    """np.savez writes part of the file, then fails as a full disk does, after ``good_saves``."""
+    import errno
+
+    real, calls = np.savez, {"n": 0}
+
+    def savez(f, **arrays):
+        calls["n"] += 1
+        if calls["n"] > good_saves:
+            f.write(b"PK\x03\x04 half a file")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(f, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez)
+
+
+def test_cli_full_disk_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    _disk_full_after(monkeypatch, 1)
+    out = tmp_path / "run"
+    code = main(["train", "--steps", "12", "--save-every", "5", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("step ") for line in err[:-1])  # progress lines, then one error
+    assert err[-1].startswith("attnlab train: error: ")
+    assert "cannot save the checkpoint of step 10: No space left on device" in err[-1]
+    assert "kept the checkpoint of step 5" in err[-1]
+    monkeypatch.undo()
+    _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["step"] == 5 and meta["status"] == "running"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.npz"]  # no temporary files
+
+
+def test_cli_full_disk_before_any_checkpoint(tmp_path, capsys, monkeypatch):
+    _disk_full_after(monkeypatch, 0)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot save the checkpoint of step 3" in err[-1] and "no checkpoint was saved" in err[-1]
+    assert list(out.iterdir()) == []
+
+
+def test_cli_a_new_run_never_sits_beside_an_earlier_runs_files(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--out", str(out)]) == 0
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["steps"] == 6
+    real, calls = Trainer.train_step, {"n": 0}
+
+    def killed(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise SystemExit("killed")  # no chance to save anything
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", killed)
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "9", "--seed", "1", "--out", str(out)])
+    assert list(out.iterdir()) == []  # nothing of the first run is left to be mistaken for this one's
+
+
+def test_cli_interrupted_run_writes_its_own_metrics_and_curves(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--out", str(out)]) == 0
+    real, calls = Trainer.train_step, {"n": 0}
+
+    def interrupted(self):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    assert main(["train", "--steps", "9", "--seed", "1", "--out", str(out)]) == 130
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["steps"] == 2
+    assert metrics["train_config"]["seed"] == 1 and len(metrics["history"]["loss"]) == 2
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["seed"] == 1 and meta["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("flags", [["--d-model", "100000"], ["--layers", "1000000"],
+                                   ["--batch-size", "100000000"],
+                                   ["--num-keys", "5000000", "--num-pairs", "5000000",
+                                    "--num-queries", "1"]])
+def test_cli_sizes_that_cannot_fit_exit_2_before_allocating(tmp_path, capsys, flags):
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        code = main(["train", *flags, "--out", str(tmp_path / "x")])
+        seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be trained here" in err and "of memory is free" in err
+    assert seconds < 1 and peak < 20 * 2**20
+    assert not (tmp_path / "x").exists()

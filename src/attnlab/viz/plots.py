@@ -1,4 +1,5 @@
-"""Pictures of attention: a heatmap, a grid of heads, static -> contextual embeddings.
+"""Pictures of attention: a heatmap, a grid of heads, static -> contextual embeddings, and
+the curves of a training run.
 
 matplotlib (the ``viz`` extra) is imported inside each function, with the Agg backend
 (no display needed). Each function returns the ``Figure`` and, given ``path``, saves it as
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -377,3 +378,58 @@ def _zoom_panel(ax, zax, s2, c2, labels, c_span):
     for side in zax.spines.values():
         side.set_linestyle("--")
         side.set_edgecolor("0.35")
+
+
+def plot_training_curves(
+    history: Mapping[str, Sequence[float]],
+    evals: Sequence[Mapping[str, float]] = (),
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+):
+    """Loss and accuracy of a training run, per step, with the held-out checks on top.
+
+    Args:
+        history: ``{"step": [...], "loss": [...], "accuracy": [...]}`` per training batch
+            (:attr:`attnlab.train.Trainer.history`).
+        evals: held-out checks ``{"step", "loss", "accuracy"}``, drawn as points.
+        title: the figure's title.
+        path: save there (``.png`` or ``.svg``).
+
+    Returns:
+        The ``Figure``: a loss axes (log scale) and an accuracy axes.
+
+    >>> fig = plot_training_curves({"step": [1, 2, 3], "loss": [2.0, 1.0, 0.5],
+    ...                             "accuracy": [0.1, 0.4, 0.9]},
+    ...                            [{"step": 3, "loss": 0.6, "accuracy": 0.8}])
+    >>> [ax.get_title() for ax in fig.axes]
+    ['loss', 'accuracy']
+    """
+    Figure = _pyplot()
+    for key in ("step", "loss", "accuracy"):
+        if key not in history:
+            raise ValueError(f"history needs a {key!r} list, got keys {sorted(history)}")
+    steps = np.asarray(history["step"], dtype=np.float64)
+    for key in ("loss", "accuracy"):
+        if len(history[key]) != len(steps):
+            raise ValueError(f"history[{key!r}] has {len(history[key])} values for {len(steps)} steps")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(steps, history["loss"], lw=0.6, alpha=0.5, label="train (batch)")
+    ax2.plot(steps, history["accuracy"], lw=0.6, alpha=0.5, label="train (batch)")
+    if evals:
+        es = [e["step"] for e in evals]
+        ax1.plot(es, [e["loss"] for e in evals], "o-", ms=3, label="held-out")
+        ax2.plot(es, [e["accuracy"] for e in evals], "o-", ms=3, label="held-out")
+    positive = np.asarray(history["loss"], dtype=np.float64)
+    if positive.size and np.all(positive[np.isfinite(positive)] > 0):
+        ax1.set_yscale("log")
+    ax1.set(xlabel="step", ylabel="cross-entropy (answers only)", title="loss")
+    ax2.set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02), title="accuracy")
+    for ax, where in ((ax1, "upper right"), (ax2, "lower right")):
+        ax.grid(alpha=0.3)
+        ax.legend(loc=where)
+    fig.suptitle(title or "Training curves")
+    if path is not None:
+        save_figure(fig, path, dpi=110)
+    return fig
