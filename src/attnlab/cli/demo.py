@@ -19,7 +19,7 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "demo",
-        help="run the tutorial example and draw its pictures",
+        help="run the example sentence and draw its pictures",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -225,8 +225,8 @@ def pca_2d(fit: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
     """Project onto the two principal axes of ``fit`` (:func:`pca_fit`).
 
     ``fit`` ``(T, D)`` is centred on its mean; the same mean and axes transform each of
-    ``others`` ``(T', D)`` (seed 000: fit on the static vectors, transform the contextual
-    ones). With fewer than two directions of variance the missing coordinates are 0.
+    ``others`` ``(T', D)`` (the static-vs-contextual view fits on the static vectors and
+    transforms the contextual ones). With fewer than two directions of variance the missing coordinates are 0.
 
     Returns:
         ``(fit_2d, *others_2d)``, each ``(T, 2)``.
