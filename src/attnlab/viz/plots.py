@@ -161,7 +161,7 @@ def plot_heads(
         raise ValueError(f"head_labels has {len(titles)} entries, but there are {H} heads")
     ncols = min(H, 4) if H <= 8 else math.ceil(math.sqrt(H))
     nrows = math.ceil(H / ncols)
-    cell = min(5.0, max(3.0, 0.4 * max(L, S) + 1.5))
+    cell = min(4.2, max(2.6, 0.3 * max(L, S) + 1.2))
     fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + 0.6), layout="constrained")
     axes = fig.subplots(nrows, ncols, squeeze=False)
     vmax = max(float(w.max(initial=0)), 1e-9)
