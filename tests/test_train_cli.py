@@ -139,17 +139,21 @@ def test_cli_nan_loss_stops_with_a_message_and_keeps_a_checkpoint(tmp_path, caps
     assert all(np.all(np.isfinite(v)) for v in model.state_dict().values())
 
 
-def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
-    calls = {"n": 0}
-    real = Trainer.train_step
+def _raise_at_call(monkeypatch, n: int, exc: BaseException) -> None:
+    """Trainer.train_step raises ``exc`` on its ``n``-th call (as Ctrl-C or a kill would)."""
+    real, calls = Trainer.train_step, {"n": 0}
 
-    def interrupted(self):
+    def train_step(self):
         calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
+        if calls["n"] == n:
+            raise exc
         return real(self)
 
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
+    _raise_at_call(monkeypatch, 4, KeyboardInterrupt())
     out = tmp_path / "run"
     assert main(["train", "--steps", "10", "--out", str(out)]) == 130
     assert "interrupted at step 3" in capsys.readouterr().err
@@ -215,15 +219,7 @@ def test_cli_a_new_run_never_sits_beside_an_earlier_runs_files(tmp_path, capsys,
     assert main(["train", "--steps", "6", "--out", str(out)]) == 0
     first = json.loads((out / "metrics.json").read_text())
     assert first["steps"] == 6
-    real, calls = Trainer.train_step, {"n": 0}
-
-    def killed(self):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise SystemExit("killed")  # no chance to save anything
-        return real(self)
-
-    monkeypatch.setattr(Trainer, "train_step", killed)
+    _raise_at_call(monkeypatch, 3, SystemExit("killed"))  # no chance to save anything
     with pytest.raises(SystemExit):
         main(["train", "--steps", "9", "--seed", "1", "--out", str(out)])
     assert list(out.iterdir()) == []  # nothing of the first run is left to be mistaken for this one's
@@ -232,15 +228,7 @@ def test_cli_a_new_run_never_sits_beside_an_earlier_runs_files(tmp_path, capsys,
 def test_cli_interrupted_run_writes_its_own_metrics_and_curves(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert main(["train", "--steps", "4", "--out", str(out)]) == 0
-    real, calls = Trainer.train_step, {"n": 0}
-
-    def interrupted(self):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(self)
-
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    _raise_at_call(monkeypatch, 3, KeyboardInterrupt())
     assert main(["train", "--steps", "9", "--seed", "1", "--out", str(out)]) == 130
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "interrupted" and metrics["steps"] == 2
