@@ -162,11 +162,26 @@ def plot_heads(
     ncols = min(H, 4) if H <= 8 else math.ceil(math.sqrt(H))
     nrows = math.ceil(H / ncols)
     cell = min(4.2, max(2.6, 0.3 * max(L, S) + 1.2))
-    fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    vmax = max(float(w.max(initial=0)), 1e-9)
     n = max(L, S)
     fontsize = 9 if n <= 12 else max(4, 9 - (n - 12) // 6)
+    title = title or f"Attention weights of {H} heads"
+    # The margins are computed, not found by constrained layout, which costs about a second
+    # on a 12-head grid: labels (about 0.62 em a character; x labels at 45 degrees), then the
+    # axis titles, the head titles, the figure title and the colorbar.
+    char = 0.62 * fontsize / 72
+    row_w = max(len(r) for r in rows) * char
+    col_h = max(len(c) for c in cols) * char * 0.72
+    left = max(row_w + 0.12, col_h) + 0.45
+    bottom, right = col_h + 0.5, 1.15
+    top = 0.3 * (title.count("\n") + 1) + 0.45
+    wgap, hgap = 0.15, 0.4
+    width = left + ncols * cell + (ncols - 1) * wgap + right
+    height = bottom + nrows * cell + (nrows - 1) * hgap + top
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
+                        top=1 - top / height, wspace=wgap / cell, hspace=hgap / cell)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    vmax = max(float(w.max(initial=0)), 1e-9)
     annotate = n <= 8 and H <= 4  # values in every cell of a bigger grid cost seconds to draw
     im = None
     for h in range(nrows * ncols):
@@ -182,9 +197,12 @@ def plot_heads(
         if h + ncols < H:
             ax.set_xlabel("")
             ax.tick_params(labelbottom=False)
-    cbar = fig.colorbar(im, ax=axes, shrink=0.6)
+    grid = nrows * cell + (nrows - 1) * hgap
+    cax = fig.add_axes(((width - right + 0.25) / width, (bottom + 0.2 * grid) / height,
+                        0.18 / width, 0.6 * grid / height))
+    cbar = fig.colorbar(im, cax=cax)
     cbar.set_label("attention weight")
-    fig.suptitle(title or f"Attention weights of {H} heads", fontsize=13)
+    fig.suptitle(title, fontsize=13, y=1 - 0.1 / height, va="top")
     if path is not None:
         save_figure(fig, path)
     return fig
