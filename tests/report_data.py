@@ -1,4 +1,4 @@
-"""Explanations for the report tests and benchmark (random arrays, the tutorial model)."""
+"""Explanations for the report tests and benchmark (random arrays, a traced attention call)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ class Trace:
     steps: list[Step]
 
 
-def tutorial_explanation(*, heads: int = 1, causal: bool = False, seed: int = 0) -> Explanation:
-    """Seed 001's walk-through: 3 words with 4-dim embeddings, d_k = 3 per head.
+def traced_explanation(*, heads: int = 1, causal: bool = False, seed: int = 0) -> Explanation:
+    """A worked attention call: 3 words with 4-dim embeddings, d_k = 3 per head.
 
     The trace is an object with ``steps`` records (name, values, head, description), in the
     order of attnlab.trace; with ``causal`` it holds ``masked_scores`` with -inf.
@@ -88,7 +88,7 @@ def tutorial_explanation(*, heads: int = 1, causal: bool = False, seed: int = 0)
     return Explanation(
         text="I love attention",
         tokens=tokens,
-        model=f"tutorial: 1 layer, {heads} head(s), d_k = 3",
+        model=f"worked example: 1 layer, {heads} head(s), d_k = 3",
         attentions=weights[None],  # (1, H, T, T)
         static=x,
         contextual=contextual,

@@ -6,7 +6,14 @@ import pytest
 pytest.importorskip("matplotlib", reason="matplotlib (the viz extra) is not installed")
 
 from attnlab.explain import random_model as explain_random  # noqa: E402
-from attnlab.viz.plots import pca_2d, plot_attention, plot_embeddings, plot_heads  # noqa: E402
+from attnlab.viz.plots import (  # noqa: E402
+    pca_2d,
+    plot_attention,
+    plot_embeddings,
+    plot_heads,
+    plot_training_curves,
+    spread_labels,
+)
 
 TOKENS = ["the", "cat", "sat", "on", "the", "mat"]
 
@@ -66,7 +73,7 @@ def test_embeddings_plot_has_an_arrow_per_token(expl, tmp_path):
     assert 600 <= w <= 3000 and 600 <= h <= 3000
 
 
-def test_pca_is_fitted_on_static_like_seed_000():
+def test_pca_is_fitted_on_the_static_vectors():
     rng = np.random.default_rng(0)
     s, c = rng.standard_normal((6, 10)), rng.standard_normal((6, 10))
     s2, c2 = pca_2d(s, c)
@@ -87,3 +94,56 @@ def test_plots_reject_bad_input(tmp_path):
         plot_attention(np.ones((2, 2)), path=tmp_path / "x.jpg")
     with pytest.raises(ValueError, match="should be"):
         plot_embeddings(np.ones((3, 4)), np.ones((3, 5)), list("abc"))
+
+
+def _label_boxes(fig):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    return [(t.get_text(), t.get_window_extent(renderer)) for ax in fig.axes for t in ax.texts
+            if t.get_gid() == "token-label"]
+
+
+def test_embedding_labels_never_overprint_even_when_points_nearly_coincide():
+    """Two contextual points 1e-3 apart ("the" and "[SEP]", as MiniLM puts them), static
+    points close together: every point keeps a label and no two labels overlap."""
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"]
+    static = np.array([[1.1, 0.9], [0.2, -0.52], [-0.7, 0.44], [-0.73, 0.11], [0.1, -0.36],
+                       [0.2, -0.52], [-0.55, 0.37], [0.36, -0.42]])
+    contextual = np.array([[1.7, 2.4], [-0.55, -0.71], [-1.7, 1.28], [-2.7, 0.5], [-0.8, -1.24],
+                           [-0.72, -0.97], [-1.53, 1.48], [-0.721, -0.971]])
+    pad = np.zeros((8, 3))  # D = 5; PCA keeps the two used directions
+    fig = plot_embeddings(np.hstack([static, pad]), np.hstack([contextual, pad]), tokens)
+    boxes = _label_boxes(fig)
+    assert sorted(t for t, _ in boxes) == sorted(
+        ["[CLS]", "the ×2", "cat", "sat", "on", "mat", "[SEP]"]  # static
+        + ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"])  # contextual
+    for i, (ta, a) in enumerate(boxes):
+        for tb, b in boxes[i + 1:]:
+            assert not a.overlaps(b), f"{ta!r} overprints {tb!r}"
+
+
+def test_spread_labels_moves_only_what_collides():
+    anchors = np.array([[0.0, 0.0], [100.0, 0.0], [101.0, 0.0]])
+    boxes = spread_labels(anchors, np.full((3, 2), [20.0, 8.0]))
+    assert boxes[:2, 2].tolist() == [1, 1]  # alone: right beside its point
+    x0, y0 = boxes[2, :2]
+    first = boxes[1]
+    assert x0 + 20 <= first[0] or x0 >= first[0] + 20 or y0 + 8 <= first[1] or y0 >= first[1] + 8
+    bounded = spread_labels(np.array([[5.0, 5.0]]), np.array([[20.0, 8.0]]), bounds=(0, 0, 30, 30))
+    assert bounded[0, 0] >= 0 and bounded[0, 0] + 20 <= 30  # stays inside
+
+
+def test_training_curves(tmp_path):
+    history = {"step": [1, 2, 3, 4], "loss": [3.0, 2.0, 1.0, 0.5], "accuracy": [0.0, 0.2, 0.6, 0.9]}
+    fig = plot_training_curves(history, [{"step": 4, "loss": 0.6, "accuracy": 0.85}],
+                               title="run", path=tmp_path / "c.png")
+    loss, acc = fig.axes
+    assert loss.get_yscale() == "log" and [line.get_label() for line in loss.lines] == [
+        "train (batch)", "held-out"]
+    np.testing.assert_array_equal(acc.lines[0].get_ydata(), history["accuracy"])
+    assert _png_size(tmp_path / "c.png")[0] > 500
+    with pytest.raises(ValueError, match=r"history\['loss'\] has 1 values for 4 steps"):
+        plot_training_curves({**history, "loss": [1.0]})

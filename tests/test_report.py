@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import attnlab.viz
 from attnlab.explain import Explanation
 from attnlab.viz import html_report as rep
-from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
+from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, traced_explanation
 
 EVIL_TOKENS = ["hello", XSS_IMG, XSS_SCRIPT, "a&amp;b", '"quoted"', "\u2028line"]
 
@@ -39,7 +39,7 @@ def _arrays(data: dict) -> dict[str, np.ndarray]:
 
 
 def test_page_is_self_contained():
-    page = rep.render_html(tutorial_explanation(heads=2))
+    page = rep.render_html(traced_explanation(heads=2))
     assert page.startswith("<!DOCTYPE html>")
     # nothing is loaded from anywhere: no external src/href, stylesheet, import or font
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
@@ -121,7 +121,7 @@ def test_quantize_rows_error_bound(n, seed, sharp):
 
 
 def test_trace_is_embedded_in_order_with_shapes():
-    e = tutorial_explanation(heads=2, causal=True)
+    e = traced_explanation(heads=2, causal=True)
     data = _data(rep.render_html(e))
     arr = _arrays(data)
     names = [s["name"] for s in data["steps"]]
@@ -140,7 +140,7 @@ def test_trace_adapter_accepts_dicts_objects_and_none():
     steps = rep.trace_steps([{"name": "b", "values": [1.0, 2.0], "head": 0}])
     assert steps[0]["values"].shape == (1, 2) and steps[0]["shape"] == [2] and steps[0]["head"] == 0
     assert rep.trace_steps(None) == []
-    assert len(rep.trace_steps(tutorial_explanation().trace)) > 5
+    assert len(rep.trace_steps(traced_explanation().trace)) > 5
     with pytest.raises(TypeError, match="trace"):
         rep.trace_steps(42)
     with pytest.raises(TypeError, match="step 0"):
@@ -157,7 +157,7 @@ def test_embedding_pca():
     e = random_explanation(9, 1, 1, dim=6)
     emb = _data(rep.render_html(e))["embedding"]
     assert emb["joint"] and len(emb["static"]) == 9 and len(emb["contextual"][0]) == 2
-    # the same projection as the PNG (seed 000: fitted on the static vectors)
+    # the same projection as the PNG (fitted on the static vectors)
     from attnlab.viz.plots import pca_2d
     s2d, c2d = pca_2d(e.static, e.contextual)
     np.testing.assert_allclose(emb["static"], s2d, atol=1e-5)
@@ -165,7 +165,7 @@ def test_embedding_pca():
     centred = e.static - e.static.mean(0)
     var = np.linalg.svd(centred, compute_uv=False) ** 2
     np.testing.assert_allclose(emb["explained"], var[:2] / var.sum(), atol=1e-4)
-    # different widths (single-head tutorial: X is (3, 4), output (3, 3)): one PCA each
+    # different widths (single head: X is (3, 4), output (3, 3)): one PCA each
     tut = rep.pca_2d(np.ones((3, 4)) + np.eye(3, 4), np.eye(3))
     assert not tut["joint"] and len(tut["contextual"]) == 3
     # one token: still points, no NaN
@@ -238,3 +238,31 @@ def test_large_report_stays_small():
     page = rep.render_html(e)
     assert len(page.encode()) < 8 * 2**20
     assert isinstance(e, Explanation)
+
+
+def test_any_token_text_can_be_written(tmp_path):
+    """Lone surrogates (which no file can encode) become U+FFFD; a surrogate pair becomes
+    its character; XML-forbidden controls stay data in the JSON and are shown as control
+    pictures in the header."""
+    tokens = ["lone\ud800", "\ud83d\ude00", "nul\x00", "bell\x07", "\ufffe"]
+    e = random_explanation(0, 1, 1, tokens=tokens, text="text\udc00\x01", model="m\ud83d")
+    path = rep.write_report(e, tmp_path / "r.html")
+    page = path.read_text(encoding="utf-8")
+    data = _data(page)
+    assert data["tokens"] == ["lone\ufffd", "😀", "nul\x00", "bell\x07", "\ufffe"]
+    assert data["text"] == "text\ufffd\x01" and data["model"] == "m\ufffd"
+    header = re.search(r'<header class="al-head">.*?</header>', page, re.S).group(0)
+    assert "text\ufffd\u2401" in header and "\x01" not in header
+    assert "\x00" not in page and "\x07" not in page  # only as JSON escapes
+
+
+def test_long_texts_warn_and_are_drawn_a_window_at_a_time():
+    e = random_explanation(rep.LONG_INPUT + 1, 1, 1, dim=4)
+    with pytest.warns(UserWarning, match=f"{rep.LONG_INPUT + 1} tokens: the browser shows {rep.WINDOW}"):
+        data = _data(rep.render_html(e))
+    assert data["window"] == rep.WINDOW
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _data(rep.render_html(random_explanation(rep.LONG_INPUT, 1, 1, dim=4)))["window"] is None

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from attnlab.viz import html_report as rep
-from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, tutorial_explanation
+from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, traced_explanation
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -203,8 +203,8 @@ def test_head_model_heatmap_export(session, tmp_path):
 
 
 def test_steps_and_embedding_views(session, tmp_path):
-    e = tutorial_explanation(heads=2, causal=True)
-    page = session.open(rep.write_report(e, tmp_path / "tutorial.html"))
+    e = traced_explanation(heads=2, causal=True)
+    page = session.open(rep.write_report(e, tmp_path / "steps.html"))
     page.click('.al-tab[data-view="steps"]')
     names = page.eval_on_selector_all(".al-step", "gs => gs.map(g => g.dataset.name)")
     for want in ("X", "Q", "K", "V", "scores", "weights", "output"):
@@ -335,4 +335,138 @@ def test_small_and_odd_inputs_render_every_view(session, tmp_path, tokens):
     ds = page.eval_on_selector_all(".al-lines path", "ps => ps.map(p => p.getAttribute('d'))")
     ends = {m for d in ds for m in re.findall(r"L([\d.]+ [\d.]+)", d)}
     assert len(ends) == 1
+    session.check_clean()
+
+
+# ---- any token text exports; long texts get a window; the embedding and step views -----------
+ODD_TOKENS = ["nul\x00", "\x01bell\x07", "tab\there", "vt\x0b", "\ufffe", "lone\ud800", "😀" * 20,
+              "del\x7f", "\u2028", "ok"]
+
+
+def test_export_works_with_any_token_text(session, tmp_path):
+    e = random_explanation(0, 2, 2, tokens=ODD_TOKENS, text="".join(ODD_TOKENS), model="odd\x00model")
+    page = session.open(rep.write_report(e, tmp_path / "odd.html"))
+    assert "\u2400" in page.inner_text(".al-head")  # NUL shown as its control picture
+    for view in ("head", "model", "heatmap", "embedding"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        name, svg = session.download(".al-export-svg")
+        root = ET.fromstring(svg)  # well-formed XML whatever the tokens hold
+        assert root.tag.endswith("svg"), name
+        assert b"\x00" not in svg and b"\x01" not in svg and b"\x0b" not in svg
+        name, png = session.download(".al-export-png")
+        assert page.get_attribute(".attnlab-report", "data-exported") == name
+        assert _png_size(png)[0] > 200
+    page.click('.al-tab[data-view="head"]')
+    labels = page.eval_on_selector_all(".al-tok text", "ts => ts.map(t => t.textContent)")
+    assert "nul\u2400" in labels and "lone\ufffd" in labels
+    assert all("\ud83d" not in t or "\ude00" in t for t in labels)  # an emoji is never cut in half
+    session.check_clean()
+
+
+def test_long_text_is_shown_a_window_at_a_time(session, tmp_path, capsys):
+    T = 2500
+    e = random_explanation(T, 1, 2, dim=16)
+    with pytest.warns(UserWarning, match="2500 tokens"):
+        path = rep.write_report(e, tmp_path / "long.html")
+    t0 = time.perf_counter()
+    page = session.open(path)
+    wall = time.perf_counter() - t0
+    assert "2500 tokens" in page.inner_text(".al-warn")
+    assert page.locator('.al-tok[data-side="0"]').count() == rep.WINDOW
+    assert page.inner_text(".al-win-info") == "0\u2013499 of 2500"
+    times = {"open": wall * 1000}
+    for view in ("model", "heatmap", "embedding", "head"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        times[view] = float(page.get_attribute(".attnlab-report", "data-last-render-ms"))
+    page.click(".al-win-next")
+    times["move"] = float(page.get_attribute(".attnlab-report", "data-last-render-ms"))
+    assert page.inner_text(".al-win-info") == "250\u2013749 of 2500"
+    first = page.get_attribute('.al-tok[data-side="0"]', "data-idx")
+    assert first == "250"
+    page.fill(".al-win-start", "99999")
+    page.dispatch_event(".al-win-start", "change")
+    assert page.inner_text(".al-win-info") == "2000\u20132499 of 2500"
+    assert page.is_disabled(".al-win-next")
+    page.click('.al-tab[data-view="heatmap"]')
+    box = page.locator(".al-stage .al-hit").bounding_box()
+    page.mouse.move(box["x"] + 3.5 * box["width"] / 500, box["y"] + 1.5 * box["height"] / 500)
+    tip = page.inner_text(".al-tip")
+    assert "query 2001" in tip and "key 2003" in tip
+    shown = float(re.search(r"weight ([\d.]+)", tip).group(1))
+    assert abs(shown - e.attentions[0, 0, 2001, 2003]) <= e.attentions[0, 0, 2001].max() / 510 + 1e-4
+    name, _ = session.download(".al-export-png")
+    assert name == "attnlab-heatmap-layer0-head0-tokens2000-2499.png"
+    session.shot("long-heatmap")
+    session.check_clean()
+    with capsys.disabled():
+        print(f"\n2500-token report: views (ms): {json.dumps({k: round(v) for k, v in times.items()})}")
+
+
+def _boxes(page, selector):
+    return page.eval_on_selector_all(selector, """ts => ts.map(t => {
+        const b = t.getBBox(); return [t.textContent, b.x, b.y, b.x + b.width, b.y + b.height]; })""")
+
+
+def _overlaps(boxes):
+    out = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            if min(a[3], b[3]) - max(a[1], b[1]) > 0.5 and min(a[4], b[4]) - max(a[2], b[2]) > 0.5:
+                out.append((a[0], b[0]))
+    return out
+
+
+def test_embedding_view_labels_arrows_and_zoom(session, tmp_path):
+    tokens = ["[CLS]", "the", "cat", "sat", "on", "the", "mat", "[SEP]"]
+    rng = np.random.default_rng(3)
+    static = rng.standard_normal((8, 6)) * 3
+    static[5] = static[1]  # equal words, equal static vectors
+    contextual = static.mean(0) + 0.01 * rng.standard_normal((8, 6))  # they huddle together
+    contextual[7] = contextual[1] + 1e-4  # two nearly equal points ("the", "[SEP]")
+    e = random_explanation(0, 1, 2, tokens=tokens)
+    e.static, e.contextual = static, contextual
+    page = session.open(rep.write_report(e, tmp_path / "emb.html"))
+    page.click('.al-tab[data-view="embedding"]')
+    static_labels = page.eval_on_selector_all('.al-point-label[data-kind="0"]',
+                                              "ts => ts.map(t => t.textContent)")
+    assert sorted(static_labels) == sorted(["[CLS]", "the \u00d72", "cat", "sat", "on", "mat", "[SEP]"])
+    assert page.locator(".al-emb-zoom").count() == 1 and page.locator(".al-zoom-box").count() == 1
+    zoomed = page.eval_on_selector_all('.al-emb-zoom .al-point-label[data-kind="1"]',
+                                       "ts => ts.map(t => t.textContent)")
+    assert sorted(zoomed) == sorted(tokens)
+    assert page.locator(".al-arrowhead").count() == 8
+    assert _overlaps(_boxes(page, ".al-point-label")) == []
+    session.shot("embedding-zoom")
+    session.check_clean()
+
+
+def test_embedding_labels_spread_without_zoom(session, tmp_path):
+    tokens = [f"word{i}" for i in range(12)]
+    rng = np.random.default_rng(4)
+    static = rng.standard_normal((12, 4))
+    static[1:6] = static[0] + 0.002 * rng.standard_normal((5, 4))  # a tight cluster of six
+    contextual = static + 0.5 * rng.standard_normal((12, 4))
+    e = random_explanation(0, 1, 1, tokens=tokens)
+    e.static, e.contextual = static, contextual
+    page = session.open(rep.write_report(e, tmp_path / "spread.html"))
+    page.click('.al-tab[data-view="embedding"]')
+    boxes = _boxes(page, ".al-point-label")
+    assert len(boxes) == 24 and _overlaps(boxes) == []
+    session.shot("embedding-spread")
+    session.check_clean()
+
+
+def test_steps_show_whole_descriptions(session, tmp_path):
+    e = traced_explanation(heads=1)
+    long = ("the scores divided by the square root of the head dimension, so that the softmax "
+            "stays soft when the head dimension grows; this sentence is long on purpose")
+    for step in e.trace.steps:
+        if step.name == "scaled_scores":
+            step.description = long
+    page = session.open(rep.write_report(e, tmp_path / "steps.html"))
+    page.click('.al-tab[data-view="steps"]')
+    lines = page.eval_on_selector_all('.al-step[data-name="scaled_scores"] .al-desc',
+                                      "ts => ts.map(t => t.textContent)")
+    assert len(lines) > 1 and " ".join(lines) == long
+    assert "\u2026" not in page.inner_text(".al-stage")
     session.check_clean()

@@ -68,32 +68,6 @@ def test_checkpoint_round_trip(tmp_path):
         assert "head.weight" in data.files
 
 
-def _rewrite(path, change):
-    with np.load(path, allow_pickle=False) as data:
-        arrays = {k: data[k] for k in data.files}
-    change(arrays)
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-
-
-def test_checkpoint_with_a_missing_or_misshaped_tensor_names_it(tmp_path):
-    t = _trainer()
-    path = tmp_path / "c.npz"
-    ckpt.save_checkpoint(path, t.model, t.task)
-    _rewrite(path, lambda a: a.pop("blocks.1.ln_2.weight"))
-    with pytest.raises(ValueError, match=r"'blocks\.1\.ln_2\.weight'.*\(64,\)"):
-        ckpt.load_checkpoint(path)
-    ckpt.save_checkpoint(path, t.model, t.task)
-    _rewrite(path, lambda a: a.__setitem__("head.weight", np.zeros((3, 64), np.float32)))
-    with pytest.raises(ValueError, match=r"'head\.weight' has shape \(3, 64\).*needs \(32, 64\)"):
-        ckpt.load_checkpoint(path)
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    with pytest.raises(ValueError, match="not a readable"):
-        ckpt.load_checkpoint(tmp_path / "junk.npz")
-    with pytest.raises(FileNotFoundError):
-        ckpt.load_checkpoint(tmp_path / "missing.npz")
-
-
 def test_explain_checkpoint(tmp_path):
     from attnlab.explain import Explanation, explain
 
@@ -171,17 +145,21 @@ def test_cli_nan_loss_stops_with_a_message_and_keeps_a_checkpoint(tmp_path, caps
     assert all(np.all(np.isfinite(v)) for v in model.state_dict().values())
 
 
-def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
-    calls = {"n": 0}
-    real = Trainer.train_step
+def _raise_at_call(monkeypatch, n: int, exc: BaseException) -> None:
+    """Trainer.train_step raises ``exc`` on its ``n``-th call (as Ctrl-C or a kill would)."""
+    real, calls = Trainer.train_step, {"n": 0}
 
-    def interrupted(self):
+    def train_step(self):
         calls["n"] += 1
-        if calls["n"] == 4:
-            raise KeyboardInterrupt
+        if calls["n"] == n:
+            raise exc
         return real(self)
 
-    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+
+
+def test_cli_ctrl_c_saves_a_checkpoint(tmp_path, capsys, monkeypatch):
+    _raise_at_call(monkeypatch, 4, KeyboardInterrupt())
     out = tmp_path / "run"
     assert main(["train", "--steps", "10", "--out", str(out)]) == 130
     assert "interrupted at step 3" in capsys.readouterr().err
@@ -199,3 +177,90 @@ def test_cli_explain_reads_a_trained_checkpoint(tmp_path, capsys):
     assert main(["explain", "--checkpoint", str(path), "k1 bogus"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown tokens" in err
+
+
+def _disk_full_after(monkeypatch, good_saves: int):
+    """np.savez writes part of the file, then fails as a full disk does, after ``good_saves``."""
+    import errno
+
+    real, calls = np.savez, {"n": 0}
+
+    def savez(f, **arrays):
+        calls["n"] += 1
+        if calls["n"] > good_saves:
+            f.write(b"PK\x03\x04 half a file")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(f, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez)
+
+
+def test_cli_full_disk_keeps_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    _disk_full_after(monkeypatch, 1)
+    out = tmp_path / "run"
+    code = main(["train", "--steps", "12", "--save-every", "5", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("step ") for line in err[:-1])  # progress lines, then one error
+    assert err[-1].startswith("attnlab train: error: ")
+    assert "cannot save the checkpoint of step 10: No space left on device" in err[-1]
+    assert "kept the checkpoint of step 5" in err[-1]
+    monkeypatch.undo()
+    _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["step"] == 5 and meta["status"] == "running"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.npz"]  # no temporary files
+
+
+def test_cli_full_disk_before_any_checkpoint(tmp_path, capsys, monkeypatch):
+    _disk_full_after(monkeypatch, 0)
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "3", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "cannot save the checkpoint of step 3" in err[-1] and "no checkpoint was saved" in err[-1]
+    assert list(out.iterdir()) == []
+
+
+def test_cli_a_new_run_never_sits_beside_an_earlier_runs_files(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--out", str(out)]) == 0
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["steps"] == 6
+    _raise_at_call(monkeypatch, 3, SystemExit("killed"))  # no chance to save anything
+    with pytest.raises(SystemExit):
+        main(["train", "--steps", "9", "--seed", "1", "--out", str(out)])
+    assert list(out.iterdir()) == []  # nothing of the first run is left to be mistaken for this one's
+
+
+def test_cli_interrupted_run_writes_its_own_metrics_and_curves(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--out", str(out)]) == 0
+    _raise_at_call(monkeypatch, 3, KeyboardInterrupt())
+    assert main(["train", "--steps", "9", "--seed", "1", "--out", str(out)]) == 130
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["steps"] == 2
+    assert metrics["train_config"]["seed"] == 1 and len(metrics["history"]["loss"]) == 2
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    _, _, meta = ckpt.load_checkpoint(out / "checkpoint.npz")
+    assert meta["seed"] == 1 and meta["status"] == "interrupted"
+
+
+@pytest.mark.parametrize("flags", [["--d-model", "100000"], ["--layers", "1000000"],
+                                   ["--batch-size", "100000000"],
+                                   ["--num-keys", "5000000", "--num-pairs", "5000000",
+                                    "--num-queries", "1"]])
+def test_cli_sizes_that_cannot_fit_exit_2_before_allocating(tmp_path, capsys, flags):
+    import time
+    import tracemalloc
+
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        code = main(["train", *flags, "--out", str(tmp_path / "x")])
+        seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot be trained here" in err and "of memory is free" in err
+    assert seconds < 1 and peak < 20 * 2**20
+    assert not (tmp_path / "x").exists()

@@ -2,12 +2,14 @@
 
 Each subcommand lives in its own module under ``attnlab.cli`` and exposes
 ``register(subparsers)``; the module imports nothing heavy at import time, so ``--help`` is
-instant. Errors a user can cause become one line on stderr and exit code 2.
+instant. Errors a user can cause become one line on stderr and exit code 2; a reader that
+closes the pipe early (``attnlab demo | head -1``) ends the command quietly (exit code 1).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 from attnlab.cli._common import CLIError, Parser
@@ -32,16 +34,42 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
+    command = None
     try:
-        return int(args.run(args) or 0)
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:  # --help, --version or a usage error: flush what was printed now
+            sys.stdout.flush()
+            raise
+        command = args.command
+        if command is None:
+            parser.print_help()
+            code = 0
+        else:
+            code = int(args.run(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`attnlab demo | head -1`): no traceback, and nothing more to
+        # write. Point stdout at devnull so that the flush at exit cannot fail again.
+        _stdout_to_devnull()
+        return 1
     except CLIError as exc:
-        print(f"attnlab {args.command}: error: {exc}", file=sys.stderr)
+        print(f"attnlab {command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"attnlab {args.command}: interrupted", file=sys.stderr)
+        print(f"{'attnlab ' + command if command else 'attnlab'}: interrupted", file=sys.stderr)
         return 130
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (e.g. captured in tests)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)

@@ -1,9 +1,10 @@
-"""attnlab demo: seed 000's run on "The cat sat on the mat" (embed_dim 128, 4 heads).
+"""attnlab demo: "The cat sat on the mat" through a model, as tables and pictures.
 
 Prints the tokens, the shapes and one head's attention weights as a table, and writes
-heatmap.png, heads.png and embeddings.png to DIR (default ./attnlab-out). Uses the
-pretrained MiniLM model when it is installed, else the tutorial model with random weights
-(--model random picks it explicitly).
+heatmap.png, heads.png and embeddings.png (the static-vs-contextual view) to DIR (default
+./attnlab-out). Uses the pretrained MiniLM model when it is installed, else a small
+attention layer with random weights (embed_dim 128, 4 heads; --model random picks it
+explicitly).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "demo",
-        help="run the tutorial example and draw its pictures",
+        help="run the example sentence and draw its pictures",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,8 +2,10 @@
 
 Writes to ``--out``: ``checkpoint.npz`` (weights + config, no pickle), ``metrics.json``
 (steps, seconds, final_loss, heldout_accuracy, …) and ``curves.png`` (loss and accuracy;
-needs matplotlib). A NaN/inf loss stops training and keeps the last good weights; Ctrl-C
-saves a checkpoint before exiting.
+needs matplotlib), replacing an earlier run's. A NaN/inf loss stops training and keeps the
+last good weights; Ctrl-C saves a checkpoint (and the curves so far) before exiting; a
+checkpoint that cannot be written (a full disk) ends the run with one line and leaves the
+last one saved. Sizes that would not fit in memory are refused before anything starts.
 """
 
 from __future__ import annotations
@@ -95,31 +97,34 @@ class _Progress:
             print(file=self.stream, flush=True)
 
 
-def _plot(path, trainer, evals) -> None:
-    import matplotlib
+OUTPUTS = ("checkpoint.npz", "metrics.json", "curves.png")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
-    h = trainer.history
-    steps = np.array(h["step"])
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8), constrained_layout=True)
-    ax1.plot(steps, h["loss"], lw=0.6, alpha=0.5, label="train (batch)")
-    ax2.plot(steps, h["accuracy"], lw=0.6, alpha=0.5, label="train (batch)")
-    if evals:
-        es = [e["step"] for e in evals]
-        ax1.plot(es, [e["loss"] for e in evals], "o-", ms=3, label="held-out")
-        ax2.plot(es, [e["accuracy"] for e in evals], "o-", ms=3, label="held-out")
-    ax1.set(xlabel="step", ylabel="cross-entropy (answers only)", yscale="log", title="loss")
-    ax2.set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02), title="accuracy")
-    ax1.grid(alpha=0.3)
-    ax1.legend(loc="upper right")
-    ax2.grid(alpha=0.3)
-    ax2.legend(loc="lower right")
-    fig.suptitle("TinyTransformer on multi-query associative recall")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _check_fits(model_config, config, task) -> None:
+    """Refuse sizes whose training would not fit in memory, before allocating anything."""
+    from attnlab.train.sizes import available_memory, training_bytes
+
+    need = training_bytes(model_config, batch_size=config.batch_size, seq_len=task.seq_len)
+    have = available_memory()
+    if have is not None and need > have:
+        c = model_config
+        raise CLIError(
+            f"this model cannot be trained here: d_model {c.d_model}, {c.n_layers} layers, "
+            f"d_ff {c.d_ff}, batch {config.batch_size} need about {_size(need)} (weights, "
+            f"gradients, optimizer state, activations), but {_size(have)} of memory is free"
+        )
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _why(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 def run(args) -> int:
@@ -129,7 +134,6 @@ def run(args) -> int:
     seed = _int(args.seed, "--seed", minimum=0)
     eval_every = _int(args.eval_every, "--eval-every")
     save_every = _int(args.save_every, "--save-every", minimum=0)
-    out = prepare_out_dir(args.out)
 
     from attnlab.models.tiny import TinyTransformerConfig
     from attnlab.train.checkpoint import save_checkpoint
@@ -158,17 +162,39 @@ def run(args) -> int:
             task_kw[key] = _int(getattr(args, key), "--" + key.replace("_", "-"))
     try:
         task = RecallTask(**task_kw)
-        model_config = TinyTransformerConfig(**{**mc.to_dict(), **model_kw})
+        model_config = TinyTransformerConfig(**{
+            **mc.to_dict(), **model_kw, "vocab_size": task.vocab_size,
+            "context_length": max(mc.context_length, task.seq_len),
+        })
         config = TrainConfig(**{**tc.to_dict(), **train_kw})
     except (TypeError, ValueError) as exc:
         raise CLIError(str(exc)) from None
-    trainer = Trainer.build(task, model_config, config)
+    _check_fits(model_config, config, task)
+    out = prepare_out_dir(args.out)
+    # An earlier run's files never stay beside this run's, even if this one is killed.
+    paths = {name: out / name for name in OUTPUTS}
+    try:
+        for p in paths.values():
+            p.unlink(missing_ok=True)
+    except OSError as exc:
+        raise CLIError(f"cannot replace an earlier run's files in {str(out)!r}: {_why(exc)}") from None
+    try:
+        trainer = Trainer.build(task, model_config, config)
+    except MemoryError:
+        raise CLIError("not enough memory for this model: use a smaller --d-model, --layers "
+                       "or --batch-size") from None
+    ckpt_path = paths["checkpoint.npz"]
+    saved = {"step": None}
 
-    ckpt_path, metrics_path, png_path = out / "checkpoint.npz", out / "metrics.json", out / "curves.png"
-
-    def save(state, step, status):
+    def save(state, step, status) -> None:
         meta = {"step": step, "status": status, "seed": seed}
-        save_checkpoint(ckpt_path, trainer.model, task, state=state, meta=meta)
+        try:
+            save_checkpoint(ckpt_path, trainer.model, task, state=state, meta=meta)
+        except OSError as exc:
+            kept = (f"kept the checkpoint of step {saved['step']} in {ckpt_path}"
+                    if saved["step"] is not None else "no checkpoint was saved")
+            raise CLIError(f"cannot save the checkpoint of step {step}: {_why(exc)}; {kept}") from None
+        saved["step"] = step
 
     evals: list[dict] = []
     progress = _Progress(config.steps)
@@ -176,18 +202,20 @@ def run(args) -> int:
     status, code, message = "finished", 0, None
     heldout_acc = None
     try:
-        for _ in range(config.steps):
-            loss, acc = trainer.train_step()
-            step = trainer.step
-            if step % eval_every == 0 or step == config.steps:
-                el, ea = trainer.evaluate(limit=500)
-                evals.append({"step": step, "loss": el, "accuracy": ea})
-                heldout_acc = ea
-            progress.update(step, loss, acc, heldout_acc)
-            if save_every and step % save_every == 0 and step != config.steps:
-                save(trainer.model.state_dict(), step, "running")
+        try:
+            for _ in range(config.steps):
+                loss, acc = trainer.train_step()
+                step = trainer.step
+                if step % eval_every == 0 or step == config.steps:
+                    el, ea = trainer.evaluate(limit=500)
+                    evals.append({"step": step, "loss": el, "accuracy": ea})
+                    heldout_acc = ea
+                progress.update(step, loss, acc, heldout_acc)
+                if save_every and step % save_every == 0 and step != config.steps:
+                    save(trainer.model.state_dict(), step, "running")
+        finally:
+            progress.close()
     except NonFiniteLossError as exc:
-        progress.close()
         save(trainer.good_state, trainer.good_step, "stopped: non-finite loss")
         status, code = "stopped: non-finite loss", 1
         message = (
@@ -195,21 +223,19 @@ def run(args) -> int:
             f"the last good weights (step {trainer.good_step}) in {ckpt_path}"
         )
     except KeyboardInterrupt:
-        progress.close()
         save(trainer.good_state, trainer.good_step, "interrupted")
-        print(
-            f"attnlab train: interrupted at step {trainer.step}; saved the weights of step "
-            f"{trainer.good_step} to {ckpt_path}",
-            file=sys.stderr,
-        )
-        return 130
+        status, code = "interrupted", 130
+        message = (f"attnlab train: interrupted at step {trainer.step}; saved the weights of step "
+                   f"{trainer.good_step} to {ckpt_path}")
+    except MemoryError:
+        raise CLIError(f"ran out of memory at step {trainer.step}: use a smaller --d-model, "
+                       "--layers or --batch-size") from None
     else:
-        progress.close()
         save(trainer.model.state_dict(), trainer.step, "finished")
     seconds = time.perf_counter() - start
 
     h = trainer.history
-    final_loss = h["loss"][-1] if h["loss"] else float("nan")
+    final_loss = h["loss"][-1] if h["loss"] else None
     if status == "finished":
         heldout_loss, heldout_accuracy = trainer.evaluate()
     else:
@@ -218,6 +244,7 @@ def run(args) -> int:
         "task": "recall",
         "status": status,
         "steps": trainer.step,
+        "checkpoint_step": saved["step"],
         "seconds": round(seconds, 3),
         "steps_per_second": round(trainer.step / seconds, 3) if seconds > 0 else None,
         "final_loss": final_loss,
@@ -232,14 +259,22 @@ def run(args) -> int:
         "history": {k: v for k, v in h.items() if k in ("loss", "accuracy")},
     }
     text = json.dumps(metrics, indent=2)
-    atomic_write(metrics_path, lambda p: p.write_text(text + "\n"))
-    wrote = [ckpt_path.name, metrics_path.name]
+    wrote = [ckpt_path.name]
     try:
-        atomic_write(png_path, lambda p: _plot(p, trainer, evals))
-        wrote.append(png_path.name)
-    except ImportError:
-        print("attnlab train: matplotlib is not installed; skipped curves.png "
-              "(pip install 'attnlab[viz]')", file=sys.stderr)
+        atomic_write(paths["metrics.json"], lambda p: p.write_text(text + "\n"))
+        wrote.append("metrics.json")
+        try:
+            from attnlab.viz.plots import plot_training_curves
+
+            atomic_write(paths["curves.png"], lambda p: plot_training_curves(
+                h, evals, title="TinyTransformer on multi-query associative recall", path=p))
+            wrote.append("curves.png")
+        except ImportError:
+            print("attnlab train: matplotlib is not installed; skipped curves.png "
+                  "(pip install 'attnlab[viz]')", file=sys.stderr)
+    except OSError as exc:
+        raise CLIError(f"cannot write {str(out)!r}: {_why(exc)}; wrote {', '.join(wrote)} "
+                       f"(the checkpoint of step {saved['step']})") from None
     if message:
         print(message, file=sys.stderr)
         return code

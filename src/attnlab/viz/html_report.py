@@ -4,7 +4,7 @@
 :class:`~attnlab.explain.Explanation` as ONE HTML file that draws it in the browser: the head
 view (tokens left and right, lines weighted by attention), the model view (a layers x heads
 grid of thumbnails), a heatmap with the value under the pointer, the step view of the
-tutorial model's trace (X, Q, K, V, scores, weights, output with their shapes) and the
+trace of one attention call (X, Q, K, V, scores, weights, output with their shapes) and the
 static -> contextual embedding plot. Every view exports as PNG or SVG.
 
 The file makes no network request of any kind: script and style are inlined, the numbers
@@ -17,6 +17,12 @@ the row's maximum (so a value is exact to ``row max / 510``), the trace's arrays
 inflates it with its built-in ``DecompressionStream``. The embedding plot's 2-D points are
 the first two principal components of the static and contextual vectors together,
 computed here with NumPy.
+
+A text longer than ``LONG_INPUT`` (2,000) tokens gives a ``UserWarning`` and is drawn
+``WINDOW`` (500) tokens at a time, with a control that moves the window: drawing every token
+of a 10,000-token text would freeze the page. Any text can be written: lone surrogates
+become U+FFFD, and the browser shows the characters XML forbids as visible symbols, so an
+exported SVG always parses.
 
 User text (the input, the tokens, the model's name, the notes) only ever reaches the page
 as JSON inside ``<script type="application/json">`` with ``<``, ``>`` and ``&`` escaped, or
@@ -34,6 +40,7 @@ import hashlib
 import html
 import json
 import os
+import warnings
 import zlib
 from importlib import resources
 from pathlib import Path
@@ -53,10 +60,39 @@ _CSP = (
 )
 # Steps larger than this many values are left out of the step view (with a note).
 _MAX_STEP_VALUES = 1 << 20
+# Longer inputs are shown WINDOW tokens at a time (with a warning): drawing every token of a
+# 10,000-token text would freeze the page for many seconds.
+LONG_INPUT = 2000
+WINDOW = 500
+# C0 controls (but tab, newline, carriage return) and DEL are not allowed in XML (an exported
+# SVG) and invisible on screen: the header shows them as their Unicode "control pictures".
+_CONTROL_PICTURES = {c: 0x2400 + c for c in range(0x20) if c not in (9, 10, 13)} | {0x7F: 0x2421}
+_NONCHARACTERS = {0xFFFE: 0xFFFD, 0xFFFF: 0xFFFD}
 
 
 def _asset(name: str) -> str:
     return resources.files("attnlab.viz").joinpath(_ASSETS, name).read_text(encoding="utf-8")
+
+
+def clean_text(text: object) -> str:
+    """``str(text)`` with every lone surrogate (which no file can encode) replaced by U+FFFD;
+    a surrogate pair becomes the character it encodes.
+
+    >>> clean_text("a\\ud800b"), clean_text("\\ud83d\\ude00")
+    ('a\ufffdb', '😀')
+    """
+    text = str(text)
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def visible_text(text: object) -> str:
+    """:func:`clean_text`, with the characters XML forbids shown as visible symbols (NUL as
+    "␀", U+FFFE/U+FFFF as U+FFFD).
+
+    >>> visible_text("a\\x00b\\x1fc\\ufffe")
+    'a␀b␟c\ufffd'
+    """
+    return clean_text(text).translate(_CONTROL_PICTURES).translate(_NONCHARACTERS)
 
 
 def _json_for_script(obj: object) -> str:
@@ -118,7 +154,7 @@ def _check(explanation: object) -> tuple[list[str], np.ndarray]:
     tokens = explanation.tokens
     if isinstance(tokens, str) or not all(isinstance(t, str) for t in tokens):
         raise TypeError("explanation.tokens must be a list of str")
-    tokens = list(tokens)
+    tokens = [clean_text(t) for t in tokens]
     T = len(tokens)
     if T == 0:
         raise ValueError("explanation.tokens is empty: there is nothing to draw")
@@ -166,7 +202,7 @@ def quantize_rows(att: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def pca_2d(static: np.ndarray, contextual: np.ndarray) -> dict:
     """2-D principal-component coordinates of the static and contextual vectors.
 
-    As seed 000 and :func:`attnlab.viz.plots.plot_embeddings` do: when both have the same
+    As :func:`attnlab.viz.plots.plot_embeddings` does: when both have the same
     width ``D`` the axes are fitted on the static vectors and project both sets, so an
     arrow from a token's static point to its contextual point shows how attention moved
     it. Otherwise each set gets its own projection.
@@ -244,11 +280,11 @@ def trace_steps(trace: object) -> list[dict]:
         head = _field(rec, "head")
         steps.append(
             {
-                "name": name,
+                "name": clean_text(name),
                 "values": arr,
                 "shape": list(np.shape(values)),
                 "head": None if head is None else int(head),
-                "description": str(_field(rec, "description", "") or ""),
+                "description": clean_text(_field(rec, "description", "") or ""),
             }
         )
     return steps
@@ -262,7 +298,16 @@ def _payload(explanation: object) -> dict:
     blob = _Blob()
     codes, rowmax = quantize_rows(att)
     arrays = {"attn": blob.add(codes), "rowmax": blob.add(rowmax)}
-    notes = [str(n) for n in (getattr(explanation, "notes", None) or [])]
+    notes = [clean_text(n) for n in (getattr(explanation, "notes", None) or [])]
+    window = None
+    if T > LONG_INPUT:
+        window = WINDOW
+        warnings.warn(
+            f"the report's text has {T} tokens: the browser shows {WINDOW} of them at a time "
+            "(a control moves the window)",
+            UserWarning,
+            stacklevel=3,
+        )
 
     steps = []
     for i, step in enumerate(trace_steps(getattr(explanation, "trace", None))):
@@ -281,9 +326,9 @@ def _payload(explanation: object) -> dict:
     head = getattr(explanation, "head", None) or 0
     return {
         "format": 1,
-        "model": str(explanation.model),
-        "text": str(explanation.text),
-        "created": str(getattr(explanation, "created", "") or ""),
+        "model": clean_text(explanation.model),
+        "text": clean_text(explanation.text),
+        "created": clean_text(getattr(explanation, "created", "") or ""),
         "notes": notes,
         "tokens": tokens,
         "layers": int(layers),
@@ -291,6 +336,7 @@ def _payload(explanation: object) -> dict:
         "layer": min(max(int(layer), 1), int(layers)) - 1,
         "head": int(head) % int(heads),
         "T": T,
+        "window": window,
         "embedding": pca_2d(static, contextual),
         "steps": steps,
         "arrays": arrays,
@@ -299,7 +345,9 @@ def _payload(explanation: object) -> dict:
 
 
 def _header(data: dict) -> str:
-    e = html.escape
+    def e(text: str) -> str:
+        return html.escape(visible_text(text))
+
     created = data["created"] or "unknown date"
     return (
         '<header class="al-head">'
@@ -330,6 +378,9 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
         ValueError: a field has the wrong shape, holds NaN/infinity, or the weights are
             outside ``[0, 1]``.
 
+    Warns:
+        UserWarning: more than ``LONG_INPUT`` tokens: the page shows ``WINDOW`` at a time.
+
     >>> from attnlab.explain import Explanation
     >>> rng = np.random.default_rng(0)
     >>> att = rng.dirichlet(np.ones(3), size=(1, 2, 3))           # (layers, heads, T, T)
@@ -355,7 +406,7 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
         return f"<style>{css}</style>{body}<script>{js}</script>"
     digest = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
     csp = _CSP.format(script_hash=f"sha256-{digest}")
-    title = html.escape(f"attnlab report: {data['model']}")
+    title = html.escape(visible_text(f"attnlab report: {data['model']}"))
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'

@@ -1,4 +1,5 @@
-"""Pictures of attention: a heatmap, a grid of heads, static -> contextual embeddings.
+"""Pictures of attention: a heatmap, a grid of heads, static -> contextual embeddings, and
+the curves of a training run.
 
 matplotlib (the ``viz`` extra) is imported inside each function, with the Agg backend
 (no display needed). Each function returns the ``Figure`` and, given ``path``, saves it as
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,7 @@ def _draw_heatmap(ax, w, rows, cols, *, annotate: bool, vmax: float, fontsize: f
         for i in range(w.shape[0]):
             for j in range(w.shape[1]):
                 light = w[i, j] < 0.6 * vmax
-                ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center",
+                ax.text(j, i, f"{w[i, j]:.2f}", ha="center", va="center", in_layout=False,
                         fontsize=fontsize * 0.85, color="white" if light else "black")
     return im
 
@@ -160,13 +161,28 @@ def plot_heads(
         raise ValueError(f"head_labels has {len(titles)} entries, but there are {H} heads")
     ncols = min(H, 4) if H <= 8 else math.ceil(math.sqrt(H))
     nrows = math.ceil(H / ncols)
-    cell = min(5.0, max(3.0, 0.4 * max(L, S) + 1.5))
-    fig = Figure(figsize=(cell * ncols + 1.0, cell * nrows + 0.6), layout="constrained")
-    axes = fig.subplots(nrows, ncols, squeeze=False)
-    vmax = max(float(w.max(initial=0)), 1e-9)
+    cell = min(4.2, max(2.6, 0.3 * max(L, S) + 1.2))
     n = max(L, S)
     fontsize = 9 if n <= 12 else max(4, 9 - (n - 12) // 6)
-    annotate = n <= 8 and ncols <= 4
+    title = title or f"Attention weights of {H} heads"
+    # The margins are computed, not found by constrained layout, which costs about a second
+    # on a 12-head grid: labels (about 0.62 em a character; x labels at 45 degrees), then the
+    # axis titles, the head titles, the figure title and the colorbar.
+    char = 0.62 * fontsize / 72
+    row_w = max(len(r) for r in rows) * char
+    col_h = max(len(c) for c in cols) * char * 0.72
+    left = max(row_w + 0.12, col_h) + 0.45
+    bottom, right = col_h + 0.5, 1.15
+    top = 0.3 * (title.count("\n") + 1) + 0.45
+    wgap, hgap = 0.15, 0.4
+    width = left + ncols * cell + (ncols - 1) * wgap + right
+    height = bottom + nrows * cell + (nrows - 1) * hgap + top
+    fig = Figure(figsize=(width, height))
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=bottom / height,
+                        top=1 - top / height, wspace=wgap / cell, hspace=hgap / cell)
+    axes = fig.subplots(nrows, ncols, squeeze=False)
+    vmax = max(float(w.max(initial=0)), 1e-9)
+    annotate = n <= 8 and H <= 4  # values in every cell of a bigger grid cost seconds to draw
     im = None
     for h in range(nrows * ncols):
         ax = axes[h // ncols][h % ncols]
@@ -175,15 +191,18 @@ def plot_heads(
             continue
         im = _draw_heatmap(ax, w[h], rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
         ax.set_title(titles[h], fontsize=11)
-        if h % ncols:  # token labels on the outer edges only
+        if h % ncols:  # token labels on the outer edges only (hidden labels cost no layout)
             ax.set_ylabel("")
-            ax.set_yticklabels([])
+            ax.tick_params(labelleft=False)
         if h + ncols < H:
             ax.set_xlabel("")
-            ax.set_xticklabels([])
-    cbar = fig.colorbar(im, ax=axes, shrink=0.6)
+            ax.tick_params(labelbottom=False)
+    grid = nrows * cell + (nrows - 1) * hgap
+    cax = fig.add_axes(((width - right + 0.25) / width, (bottom + 0.2 * grid) / height,
+                        0.18 / width, 0.6 * grid / height))
+    cbar = fig.colorbar(im, cax=cax)
     cbar.set_label("attention weight")
-    fig.suptitle(title or f"Attention weights of {H} heads", fontsize=13)
+    fig.suptitle(title, fontsize=13, y=1 - 0.1 / height, va="top")
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -224,8 +243,8 @@ def pca_2d(fit: np.ndarray, *others: np.ndarray) -> tuple[np.ndarray, ...]:
     """Project onto the two principal axes of ``fit`` (:func:`pca_fit`).
 
     ``fit`` ``(T, D)`` is centred on its mean; the same mean and axes transform each of
-    ``others`` ``(T', D)`` (seed 000: fit on the static vectors, transform the contextual
-    ones). With fewer than two directions of variance the missing coordinates are 0.
+    ``others`` ``(T', D)`` (the static-vs-contextual view fits on the static vectors and
+    transforms the contextual ones). With fewer than two directions of variance the missing coordinates are 0.
 
     Returns:
         ``(fit_2d, *others_2d)``, each ``(T, 2)``.
@@ -253,11 +272,14 @@ def plot_embeddings(
     title: str | None = None,
     path: str | os.PathLike | None = None,
 ):
-    """Seed 000's picture: static (blue) and contextual (red) token vectors in 2-D, with an
-    arrow from each token's static point to its contextual point.
+    """The static-vs-contextual view: static (blue) and contextual (red) token vectors in
+    2-D, with an arrow from each token's static point to its contextual point.
 
-    PCA is fitted on the static vectors and applied to the contextual ones, as in seed 000,
-    so both share one pair of axes.
+    PCA is fitted on the static vectors and applied to the contextual ones, so both share
+    one pair of axes and an arrow shows how attention moved a token. Every point is
+    labelled; labels that would overlap are spread apart (with a thin leader line when moved
+    away from their point). When the contextual points huddle together (attention averages
+    the value vectors), a second panel shows them magnified.
 
     Args:
         static: ``(T, D)`` token vectors before attention.
@@ -267,7 +289,9 @@ def plot_embeddings(
         path: save there (``.png`` or ``.svg``).
 
     Returns:
-        The ``Figure``: one axes with two scatter sets, ``T`` arrows and ``2T`` labels.
+        The ``Figure``: one axes with two scatter sets, ``T`` arrows and a label per point
+        (equal points share one, "the ×2"); a second axes when the contextual points are
+        magnified.
 
     >>> rng = np.random.default_rng(0)
     >>> s, c = rng.standard_normal((2, 3, 8))
@@ -297,7 +321,7 @@ def plot_embeddings(
         fig = Figure(figsize=(16, 7.5), layout="constrained")
         ax, zax = fig.subplots(1, 2, width_ratios=[1.25, 1])
         fig.suptitle(title, fontsize=13)
-        ax.set_title("static and contextual points (seed 000's view)", fontsize=11)
+        ax.set_title("static and contextual points", fontsize=11)
     else:
         fig = Figure(figsize=(9, 7.5), layout="constrained")
         ax = fig.add_subplot()
@@ -335,6 +359,122 @@ def _group_labels(points: np.ndarray, labels: list[str], tol: float) -> list[tup
     return out
 
 
+# Where a label may sit around its point, nearest first: the corners, then above, below,
+# right and left; each tried at growing distances (in units of ``gap``).
+_DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (0, 1), (0, -1), (1, 0), (-1, 0))
+_RINGS = (1, 2, 3, 5, 8, 12, 18)
+
+
+def spread_labels(
+    anchors: np.ndarray,
+    sizes: np.ndarray,
+    *,
+    obstacles: np.ndarray | None = None,
+    bounds: tuple[float, float, float, float] | None = None,
+    gap: float = 3.0,
+) -> np.ndarray:
+    """Place text boxes next to their points so that no two overlap (greedy, in order).
+
+    Each box is tried at the corners of its point, then above, below, right and left, at
+    growing distances; it takes the first place that overlaps no placed box, no obstacle
+    and stays inside ``bounds``, else the place with the least overlap. Coordinates are
+    any length unit with y up (points on a figure) or y down (pixels): the same rules hold.
+
+    Args:
+        anchors: ``(n, 2)`` the points being labelled.
+        sizes: ``(n, 2)`` width and height of each label's box.
+        obstacles: ``(m, 4)`` boxes ``(x0, y0, x1, y1)`` to keep clear (the markers).
+        bounds: ``(x0, y0, x1, y1)`` the area labels must stay in.
+        gap: the distance unit between a point and its label.
+
+    Returns:
+        ``(n, 3)``: each box's lower corner ``(x0, y0)`` (the smaller coordinates) and its
+        ring, the distance in ``gap`` units (1 = right beside its point).
+
+    >>> boxes = spread_labels(np.array([[0.0, 0.0], [1.0, 0.0]]), np.array([[10.0, 4.0]] * 2))
+    >>> boxes[:, :2].tolist()        # the second label moves below instead of overprinting
+    [[3.0, 3.0], [4.0, -7.0]]
+    """
+    anchors = np.asarray(anchors, dtype=np.float64).reshape(-1, 2)
+    sizes = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
+    placed = np.asarray(obstacles if obstacles is not None else np.empty((0, 4)), np.float64)
+    placed = list(placed.reshape(-1, 4))
+    out = np.zeros((len(anchors), 3))
+    for k, ((x, y), (w, h)) in enumerate(zip(anchors, sizes, strict=True)):
+        boxes = np.array(placed).reshape(-1, 4)
+        best, best_cost = None, np.inf
+        for ring in _RINGS:
+            d = gap * ring
+            for ux, uy in _DIRECTIONS:
+                x0 = x + d if ux > 0 else x - d - w if ux < 0 else x - w / 2
+                y0 = y + d if uy > 0 else y - d - h if uy < 0 else y - h / 2
+                cost = _overlap(boxes, x0, y0, x0 + w, y0 + h)
+                if bounds is not None:
+                    bx0, by0, bx1, by1 = bounds
+                    inside = max(0.0, min(x0 + w, bx1) - max(x0, bx0)) * max(0.0, min(y0 + h, by1) - max(y0, by0))
+                    cost += w * h - inside
+                cost = 0.0 if cost < 1e-9 * w * h else cost  # rounding, not an overlap
+                if cost < best_cost:
+                    best, best_cost = (x0, y0, ring), cost
+                if cost == 0:
+                    break
+            if best_cost == 0:
+                break
+        out[k] = best
+        placed.append((best[0], best[1], best[0] + w, best[1] + h))
+    return out
+
+
+def _overlap(boxes: np.ndarray, x0: float, y0: float, x1: float, y1: float) -> float:
+    if not len(boxes):
+        return 0.0
+    dx = np.minimum(boxes[:, 2], x1) - np.maximum(boxes[:, 0], x0)
+    dy = np.minimum(boxes[:, 3], y1) - np.maximum(boxes[:, 1], y0)
+    return float((np.clip(dx, 0, None) * np.clip(dy, 0, None)).sum())
+
+
+def _axes_points(ax):
+    """A function mapping data coordinates of ``ax`` to points on the figure, and the axes'
+    box in points. Uses the axes' current position, which constrained layout only enlarges,
+    so distances are if anything underestimated."""
+    fig = ax.get_figure()
+    w_in, h_in = fig.get_size_inches()
+    box = ax.get_position()
+    x0, y0, x1, y1 = box.x0 * w_in * 72, box.y0 * h_in * 72, box.x1 * w_in * 72, box.y1 * h_in * 72
+    (dx0, dx1), (dy0, dy1) = ax.get_xlim(), ax.get_ylim()
+
+    def to_points(p: np.ndarray) -> np.ndarray:
+        p = np.asarray(p, dtype=np.float64).reshape(-1, 2)
+        return np.stack([x0 + (p[:, 0] - dx0) / (dx1 - dx0) * (x1 - x0),
+                         y0 + (p[:, 1] - dy0) / (dy1 - dy0) * (y1 - y0)], axis=1)
+
+    return to_points, (x0, y0, x1, y1)
+
+
+def _label_points(ax, items: list[tuple[np.ndarray, str, str]], markers: np.ndarray, *,
+                  fontsize: float, marker_pt: float = 9.0) -> None:
+    """Write ``(point, text, colour)`` labels on ``ax``, spread so that none overlaps another
+    label or a marker; a label moved away from its point gets a thin leader line."""
+    if not items:
+        return
+    to_points, bounds = _axes_points(ax)
+    anchors = to_points(np.array([p for p, _, _ in items]))
+    # Text extents without a renderer: DejaVu Sans averages below 0.62 em per character.
+    sizes = np.array([(0.62 * fontsize * max(len(t), 1) + 2, 1.3 * fontsize) for _, t, _ in items])
+    m = to_points(markers)
+    r = marker_pt / 2
+    obstacles = np.concatenate([m - r, m + r], axis=1)
+    boxes = spread_labels(anchors, sizes, obstacles=obstacles, bounds=bounds, gap=marker_pt / 3)
+    for (p, text, color), a, (bx, by, ring) in zip(items, anchors, boxes, strict=True):
+        far = ring > 2
+        ax.annotate(
+            text, tuple(p), xytext=(bx - a[0], by - a[1]), textcoords="offset points",
+            ha="left", va="bottom", color=color, fontsize=fontsize, zorder=4, gid="token-label",
+            arrowprops=dict(arrowstyle="-", color=color, lw=0.6, alpha=0.7, shrinkA=0, shrinkB=3)
+            if far else None,
+        )
+
+
 def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: float = 11,
                  only_contextual: bool = False, contextual_labels: bool = True):
     from matplotlib.patches import FancyArrowPatch
@@ -345,18 +485,18 @@ def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: flo
                 tuple(s2[i]), tuple(c2[i]), arrowstyle="-|>", mutation_scale=14, color="0.45",
                 lw=1.1, alpha=0.75, shrinkA=5, shrinkB=5, zorder=2, gid="token-arrow",
             ))
-    off = 0.012 * span
     tol = 1e-6 * max(span, 1e-12)
+    items = []
     if not only_contextual:
         ax.scatter(s2[:, 0], s2[:, 1], s=70, color=STATIC_COLOR, zorder=3, edgecolor="white",
                    label="static (before attention)")
-        for p, text in _group_labels(s2, labels, tol):
-            ax.text(p[0] + off, p[1] + off, text, color=STATIC_COLOR, fontsize=fontsize, zorder=4)
+        items += [(p, text, STATIC_COLOR) for p, text in _group_labels(s2, labels, tol)]
     ax.scatter(c2[:, 0], c2[:, 1], s=60, color=CONTEXT_COLOR, marker="D", zorder=3,
                edgecolor="white", label="contextual (after attention)")
-    for p, text in _group_labels(c2, labels, tol) if contextual_labels else []:
-        ax.text(p[0] + off, p[1] - off, text, color=CONTEXT_COLOR, fontsize=fontsize, va="top",
-                zorder=4)
+    if contextual_labels:
+        items += [(p, text, CONTEXT_COLOR) for p, text in _group_labels(c2, labels, tol)]
+    markers = c2 if only_contextual else np.concatenate([s2, c2])
+    _label_points(ax, items, markers, fontsize=fontsize)
 
 
 def _zoom_panel(ax, zax, s2, c2, labels, c_span):
@@ -368,12 +508,67 @@ def _zoom_panel(ax, zax, s2, c2, labels, c_span):
     mid, half = (lo + hi) / 2, 0.6 * c_span
     ax.add_patch(Rectangle(tuple(mid - half), 2 * half, 2 * half, fill=False, ec="0.35",
                            ls="--", lw=1.0, zorder=5, gid="zoom-box"))
-    _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
     zax.set_xlim(mid[0] - half, mid[0] + half)
     zax.set_ylim(mid[1] - half, mid[1] + half)
+    _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
     zax.set_title("contextual points, magnified (dashed box on the left)", fontsize=11)
     zax.set_xlabel("PCA component 1 (same projection)")
     zax.grid(True, alpha=0.3)
     for side in zax.spines.values():
         side.set_linestyle("--")
         side.set_edgecolor("0.35")
+
+
+def plot_training_curves(
+    history: Mapping[str, Sequence[float]],
+    evals: Sequence[Mapping[str, float]] = (),
+    *,
+    title: str | None = None,
+    path: str | os.PathLike | None = None,
+):
+    """Loss and accuracy of a training run, per step, with the held-out checks on top.
+
+    Args:
+        history: ``{"step": [...], "loss": [...], "accuracy": [...]}`` per training batch
+            (:attr:`attnlab.train.Trainer.history`).
+        evals: held-out checks ``{"step", "loss", "accuracy"}``, drawn as points.
+        title: the figure's title.
+        path: save there (``.png`` or ``.svg``).
+
+    Returns:
+        The ``Figure``: a loss axes (log scale) and an accuracy axes.
+
+    >>> fig = plot_training_curves({"step": [1, 2, 3], "loss": [2.0, 1.0, 0.5],
+    ...                             "accuracy": [0.1, 0.4, 0.9]},
+    ...                            [{"step": 3, "loss": 0.6, "accuracy": 0.8}])
+    >>> [ax.get_title() for ax in fig.axes]
+    ['loss', 'accuracy']
+    """
+    Figure = _pyplot()
+    for key in ("step", "loss", "accuracy"):
+        if key not in history:
+            raise ValueError(f"history needs a {key!r} list, got keys {sorted(history)}")
+    steps = np.asarray(history["step"], dtype=np.float64)
+    for key in ("loss", "accuracy"):
+        if len(history[key]) != len(steps):
+            raise ValueError(f"history[{key!r}] has {len(history[key])} values for {len(steps)} steps")
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(steps, history["loss"], lw=0.6, alpha=0.5, label="train (batch)")
+    ax2.plot(steps, history["accuracy"], lw=0.6, alpha=0.5, label="train (batch)")
+    if evals:
+        es = [e["step"] for e in evals]
+        ax1.plot(es, [e["loss"] for e in evals], "o-", ms=3, label="held-out")
+        ax2.plot(es, [e["accuracy"] for e in evals], "o-", ms=3, label="held-out")
+    positive = np.asarray(history["loss"], dtype=np.float64)
+    if positive.size and np.all(positive[np.isfinite(positive)] > 0):
+        ax1.set_yscale("log")
+    ax1.set(xlabel="step", ylabel="cross-entropy (answers only)", title="loss")
+    ax2.set(xlabel="step", ylabel="answer accuracy", ylim=(0, 1.02), title="accuracy")
+    for ax, where in ((ax1, "upper right"), (ax2, "lower right")):
+        ax.grid(alpha=0.3)
+        ax.legend(loc=where)
+    fig.suptitle(title or "Training curves")
+    if path is not None:
+        save_figure(fig, path, dpi=110)
+    return fig

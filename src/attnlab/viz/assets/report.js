@@ -48,15 +48,41 @@
     if (text !== undefined) e.textContent = text;
     return e;
   }
+  /* Text as XML 1.0 allows it (an exported SVG must parse): C0 controls and DEL become their
+     "control pictures", lone surrogates and U+FFFE/U+FFFF the replacement character. */
+  function xmlSafe(s) {
+    return String(s).replace(/[\u0000-\u0008\u000b\u000c\u000e-\u001f\u007f]/g, function (c) {
+      return c === "\u007f" ? "\u2421" : String.fromCharCode(0x2400 + c.charCodeAt(0));
+    }).replace(/[\ud800-\udfff\ufffe\uffff]/gu, "\ufffd");
+  }
   function show(tok) {
     if (tok === "") return "\u2205";
-    var s = tok.replace(/\n/g, "\u23ce").replace(/\t/g, "\u21e5");
+    var s = xmlSafe(tok.replace(/\n/g, "\u23ce").replace(/\t/g, "\u21e5").replace(/\r/g, "\u21b5"));
     if (/^\s+$/.test(s)) s = s.replace(/ /g, "\u2423");
     return s;
   }
+  /* At most n characters (whole code points: an emoji is never cut in half). */
   function short(tok, n) {
-    var s = show(tok);
-    return s.length > n ? s.slice(0, n - 1) + "\u2026" : s;
+    var cs = Array.from(show(tok));
+    return cs.length > n ? cs.slice(0, n - 1).join("") + "\u2026" : cs.join("");
+  }
+  var measureCtx = null;
+  function textWidth(text, px) {
+    if (!measureCtx) measureCtx = document.createElement("canvas").getContext("2d");
+    measureCtx.font = px + "px " + FONT;
+    return measureCtx.measureText(text).width;
+  }
+  /* Lines of at most maxW pixels (words kept whole where they fit). */
+  function wrapText(text, maxW, px) {
+    var lines = [], line = "";
+    String(text).split(/\s+/).forEach(function (word) {
+      if (!word) return;
+      var next = line ? line + " " + word : word;
+      if (!line || textWidth(next, px) <= maxW) { line = next; return; }
+      lines.push(line); line = word;
+    });
+    if (line) lines.push(line);
+    return lines;
   }
   function fmt(v) {
     if (v === -Infinity) return "-\u221e";
@@ -144,11 +170,19 @@
     this.stepHeads = Object.keys(stepHeads).map(Number).sort(function (a, b) { return a - b; });
     this.state = {
       view: "head", layer: data.layer || 0, head: data.head || 0, heads: [], gain: 1,
-      stepHead: this.stepHeads.indexOf(data.head || 0) >= 0 ? (data.head || 0) : (this.stepHeads.length ? this.stepHeads[0] : 0)
+      stepHead: this.stepHeads.indexOf(data.head || 0) >= 0 ? (data.head || 0) : (this.stepHeads.length ? this.stepHeads[0] : 0),
+      lo: 0
     };
+    // A long text is shown `window` tokens at a time: drawing them all would freeze the page.
+    this.W = data.window ? Math.min(data.window, this.T) : this.T;
     for (var h = 0; h < this.H; h++) this.state.heads.push(true);
 
     app.replaceChildren();
+    if (this.W < this.T) {
+      app.appendChild(el("p", { "class": "al-warn", role: "note" }, "This text has " + this.T + " tokens, too " +
+        "many to draw at once: every view shows " + this.W + " of them at a time (move the window with " +
+        "\u201cTokens\u201d); attention between tokens in different windows is not drawn."));
+    }
     if (data.notes.length) {
       var ul = el("ul", { "class": "al-notes" });
       data.notes.forEach(function (n) { ul.appendChild(el("li", null, n)); });
@@ -160,7 +194,7 @@
       var b = el("button", { "class": "al-tab", role: "tab", type: "button", "data-view": v[0] }, v[1]);
       if (v[0] === "steps" && !data.steps.length) {
         b.disabled = true;
-        b.title = "no step-by-step trace: only the tutorial model (attnlab explain --model random) records one";
+        b.title = "no step-by-step trace in this explanation (attnlab explain --steps records one)";
       }
       b.addEventListener("click", function () { self.set({ view: v[0] }); });
       self.tabButtons[v[0]] = b;
@@ -185,6 +219,12 @@
   Report.prototype.value = function (l, h, i, j) {
     var r = (l * this.H + h) * this.T + i;
     return this.codes[r * this.T + j] * this.rowmax[r] / 255;
+  };
+
+  /* The tokens shown: [lo, hi). */
+  Report.prototype.win = function () {
+    var lo = clamp(this.state.lo, 0, Math.max(0, this.T - this.W));
+    return [lo, lo + this.W];
   };
 
   Report.prototype.set = function (patch) {
@@ -220,7 +260,7 @@
         "stronger weights draw darker. Hover a token to see only its lines. Click a colour to show or hide a head, double-click it to see that head alone.",
       model: "Every layer and head at a glance (each thumbnail scaled to its own maximum). Click one to open it in the head view.",
       heatmap: "Rows: queries, columns: keys. Point at a cell for its weight. Click a colour to pick the head.",
-      steps: "One attention call step by step, as the tutorial model computed it. Point at a cell for its value. Click a colour to pick the head.",
+      steps: "One attention call step by step, as the model computed it. Point at a cell for its value. Click a colour to pick the head.",
       embedding: "Token vectors before attention (hollow) and after (filled), projected on their first two principal components. Point at a token for its name."
     };
     this.hint.textContent = hints[s.view];
@@ -288,6 +328,24 @@
       gl.appendChild(gs);
       c.appendChild(gl);
     }
+    if (this.W < this.T && s.view !== "steps") {
+      var w = this.win(), T = this.T, W = this.W, step = Math.max(1, Math.floor(W / 2));
+      var wl = el("label", null, "Tokens ");
+      var prev = el("button", { type: "button", "class": "al-btn al-win-prev", "aria-label": "earlier tokens" }, "\u25c0");
+      var start = el("input", { type: "number", "class": "al-win-start", min: "0", max: String(T - W), step: String(step),
+        value: String(w[0]), "aria-label": "first token shown" });
+      var next = el("button", { type: "button", "class": "al-btn al-win-next", "aria-label": "later tokens" }, "\u25b6");
+      var info = el("span", { "class": "al-win-info" }, w[0] + "\u2013" + (w[1] - 1) + " of " + T);
+      prev.disabled = w[0] === 0; next.disabled = w[1] >= T;
+      prev.addEventListener("click", function () { self.set({ lo: Math.max(0, w[0] - step) }); });
+      next.addEventListener("click", function () { self.set({ lo: Math.min(T - W, w[0] + step) }); });
+      start.addEventListener("change", function () {
+        var v = Math.round(Number(start.value));
+        self.set({ lo: clamp(v === v ? v : 0, 0, T - W) });
+      });
+      wl.appendChild(prev); wl.appendChild(start); wl.appendChild(next); wl.appendChild(info);
+      c.appendChild(wl);
+    }
     c.appendChild(el("span", { "class": "al-spacer" }));
     var svgBtn = el("button", { type: "button", "class": "al-btn al-export-svg" }, "Export SVG");
     var pngBtn = el("button", { type: "button", "class": "al-btn al-export-png" }, "Export PNG");
@@ -328,44 +386,46 @@
   /* ------------------------------------------------------------------ head view */
 
   Report.prototype.headView = function () {
-    var self = this, T = this.T, s = this.state, tokens = this.tokens;
-    var rowH = T <= 40 ? 22 : T <= 120 ? 17 : 14;
+    var self = this, s = this.state, tokens = this.tokens;
+    var w = this.win(), lo = w[0], hi = w[1], n = hi - lo;
+    var rowH = n <= 40 ? 22 : n <= 120 ? 17 : 14;
     var fs = clamp(rowH - 7, 9, 14);
     var longest = 0;
-    tokens.forEach(function (t) { longest = Math.max(longest, Math.min(18, show(t).length)); });
+    for (var t = lo; t < hi; t++) longest = Math.max(longest, Math.min(18, show(tokens[t]).length));
     var labelW = clamp(longest * fs * 0.62 + 14, 44, 180);
     var gap = 360, pad = 12, top = 44;
-    var W = pad * 2 + labelW * 2 + gap, Hh = top + T * rowH + pad;
+    var W = pad * 2 + labelW * 2 + gap, Hh = top + n * rowH + pad;
     var x1 = pad + labelW, x2 = pad + labelW + gap;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     var visible = [];
     s.heads.forEach(function (on, h) { if (on) visible.push(h); });
     svg.appendChild(sv("text", { x: pad, y: 15, "font-size": 12, fill: "#1d2330", "font-weight": 600 },
-      "layer " + (s.layer + 1) + ", heads " + (visible.length ? compact(visible) : "none")));
+      "layer " + (s.layer + 1) + ", heads " + (visible.length ? compact(visible) : "none") +
+      (n < this.T ? ", tokens " + lo + "\u2013" + (hi - 1) + " of " + this.T : "")));
     svg.appendChild(sv("text", { x: x1 - 4, y: 33, "text-anchor": "end", "font-size": 11, fill: "#5b6475" }, "query"));
     svg.appendChild(sv("text", { x: x2 + 4, y: 33, "text-anchor": "start", "font-size": 11, fill: "#5b6475" }, "key"));
     var lines = sv("g", { "class": "al-lines", fill: "none", "stroke-linecap": "round" });
     svg.appendChild(lines);
-    var ys = function (i) { return top + i * rowH + rowH / 2; };
+    var ys = function (i) { return top + (i - lo) * rowH + rowH / 2; };
 
     var draw = function (only) {
       lines.replaceChildren();
-      visible.forEach(function (h) { self.headPaths(lines, s.layer, h, only, x1 + 3, x2 - 3, ys); });
+      visible.forEach(function (h) { self.headPaths(lines, s.layer, h, only, x1 + 3, x2 - 3, ys, lo, hi); });
     };
     draw(null);
 
     var labels = sv("g", { "font-size": fs });
     var marks = [[], []];
     [0, 1].forEach(function (side) {
-      for (var i = 0; i < T; i++) {
-        var y = top + i * rowH;
+      for (var i = lo; i < hi; i++) {
+        var y = top + (i - lo) * rowH;
         var g = sv("g", { "class": "al-tok", "data-side": String(side), "data-idx": String(i) });
         var bg = sv("rect", { x: side ? x2 : pad, y: y + 1, width: labelW, height: rowH - 2, rx: 3,
           fill: "#2f5dd0", "fill-opacity": 0 });
         var tx = sv("text", { x: side ? x2 + 4 : x1 - 4, y: y + rowH / 2, "dominant-baseline": "central",
           "text-anchor": side ? "start" : "end", fill: "#1d2330" }, short(tokens[i], 18));
         g.appendChild(bg); g.appendChild(tx);
-        g.appendChild(sv("title", null, "token " + i + ": " + tokens[i]));
+        g.appendChild(sv("title", null, "token " + i + ": " + show(tokens[i])));
         marks[side].push(bg);
         labels.appendChild(g);
       }
@@ -382,10 +442,10 @@
       draw({ side: side, idx: i });
       // shade the other side by the weight of the first visible head
       var h0 = visible.length ? visible[0] : -1;
-      for (var k = 0; k < T; k++) {
-        var w = h0 < 0 ? 0 : side === 0 ? self.value(s.layer, h0, i, k) : self.value(s.layer, h0, k, i);
-        marks[1 - side][k].setAttribute("fill-opacity", (0.6 * w).toFixed(3));
-        marks[side][k].setAttribute("fill-opacity", k === i ? "0.18" : "0");
+      for (var k = lo; k < hi; k++) {
+        var v = h0 < 0 ? 0 : side === 0 ? self.value(s.layer, h0, i, k) : self.value(s.layer, h0, k, i);
+        marks[1 - side][k - lo].setAttribute("fill-opacity", (0.6 * v).toFixed(3));
+        marks[side][k - lo].setAttribute("fill-opacity", k === i ? "0.18" : "0");
       }
     });
     labels.addEventListener("mouseleave", function () {
@@ -403,11 +463,11 @@
 
   /* The lines of one head as a few <path>s, one per opacity level (fast for 256 x 256). */
   var LEVELS = 16, CAP = 12000;
-  Report.prototype.headPaths = function (parent, l, h, only, xa, xb, ys) {
+  Report.prototype.headPaths = function (parent, l, h, only, xa, xb, ys, lo, hi) {
     var T = this.T, gain = this.state.gain, min = only ? 0.004 : 0.02;
     var base = (l * this.H + h) * T, codes = this.codes, rowmax = this.rowmax;
     var counts = new Array(LEVELS).fill(0);
-    var i0 = 0, i1 = T, j0 = 0, j1 = T;
+    var i0 = lo, i1 = hi, j0 = lo, j1 = hi;
     if (only && only.side === 0) { i0 = only.idx; i1 = i0 + 1; }
     if (only && only.side === 1) { j0 = only.idx; j1 = j0 + 1; }
     var i, j, w, lv;
@@ -448,20 +508,23 @@
   /* ------------------------------------------------------------------ model view */
 
   Report.prototype.thumb = function (l, h, n) {
-    var key = l + "," + h + "," + n;
+    var w = this.win(), lo = w[0], m = w[1] - w[0];
+    var key = l + "," + h + "," + n + "," + lo;
     if (this.thumbs[key]) return this.thumbs[key];
-    var T = this.T, self = this;
-    // max-pool the T x T map to n x n, then scale to its own maximum
+    var T = this.T, codes = this.codes, rowmax = this.rowmax, base = (l * this.H + h) * T;
+    // max-pool the window's m x m map to n x n, then scale to its own maximum
     var pooled = new Float32Array(n * n), mx = 0;
     for (var a = 0; a < n; a++) {
-      var ia = Math.floor(a * T / n), ib = Math.max(ia + 1, Math.floor((a + 1) * T / n));
+      var ia = lo + Math.floor(a * m / n), ib = lo + Math.max(Math.floor(a * m / n) + 1, Math.floor((a + 1) * m / n));
       for (var i = ia; i < ib; i++) {
+        var sc = rowmax[base + i] / 255, off = (base + i) * T;
         for (var b = 0; b < n; b++) {
-          var ja = Math.floor(b * T / n), jb = Math.max(ja + 1, Math.floor((b + 1) * T / n));
-          var m = pooled[a * n + b];
-          for (var j = ja; j < jb; j++) { var v = self.value(l, h, i, j); if (v > m) m = v; }
-          pooled[a * n + b] = m;
-          if (m > mx) mx = m;
+          var ja = lo + Math.floor(b * m / n), jb = lo + Math.max(Math.floor(b * m / n) + 1, Math.floor((b + 1) * m / n));
+          var best = 0;
+          for (var j = ja; j < jb; j++) if (codes[off + j] > best) best = codes[off + j];
+          var v = best * sc;
+          if (v > pooled[a * n + b]) pooled[a * n + b] = v;
+          if (v > mx) mx = v;
         }
       }
     }
@@ -472,14 +535,15 @@
   };
 
   Report.prototype.modelView = function () {
-    var self = this, s = this.state, L = this.L, H = this.H, T = this.T;
+    var self = this, s = this.state, L = this.L, H = this.H, w = this.win();
     var cell = clamp(Math.floor(1040 / H) - 8, 34, 88);
-    var n = Math.min(T, cell);
+    var n = Math.min(w[1] - w[0], cell);
     var left = 64, top = 44, gapc = 8;
     var W = Math.max(240, left + H * (cell + gapc) + 12), Hh = top + L * (cell + gapc) + 12;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     svg.appendChild(sv("text", { x: left, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
-      L + " layer(s) \u00d7 " + H + " head(s)"));
+      L + " layer(s) \u00d7 " + H + " head(s)" +
+      (this.W < this.T ? ", tokens " + w[0] + "\u2013" + (w[1] - 1) + " of " + this.T : "")));
     for (var h = 0; h < H; h++) {
       svg.appendChild(sv("text", { x: left + h * (cell + gapc) + cell / 2, y: top - 8, "text-anchor": "middle",
         "font-size": 11, fill: headColor(h), "font-weight": 600 }, "head " + h));
@@ -513,30 +577,33 @@
   /* ------------------------------------------------------------------ heatmap view */
 
   Report.prototype.heatmapView = function () {
-    var self = this, s = this.state, T = this.T, tokens = this.tokens, l = s.layer, h = s.head;
+    var self = this, s = this.state, tokens = this.tokens, l = s.layer, h = s.head;
+    var w = this.win(), lo = w[0], T = w[1] - w[0];  // the window's tokens; i, j count from lo
     var cell = clamp(640 / T, 1, 30);
     var size = cell * T;
     var labels = cell >= 9;
     var step = labels ? 1 : Math.ceil(10 / cell);
     var fs = clamp(Math.floor(cell) - 2, 9, 12);
     var longest = 0;
-    tokens.forEach(function (t) { longest = Math.max(longest, Math.min(14, show(t).length)); });
+    for (var t = lo; t < lo + T; t++) longest = Math.max(longest, Math.min(14, show(tokens[t]).length));
     var lab = clamp(longest * fs * 0.62 + (labels ? 10 : 34), 40, 140);
     var left = lab + 8, top = lab + 30, barW = 14;
     var W = Math.max(380, left + size + 80), Hh = top + size + 16;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
-      "layer " + (l + 1) + ", head " + h + " (rows: queries, columns: keys)"));
+      "layer " + (l + 1) + ", head " + h + " (rows: queries, columns: keys)" +
+      (T < this.T ? ", tokens " + lo + "\u2013" + (lo + T - 1) + " of " + this.T : "")));
+    var val = function (i, j) { return self.value(l, h, lo + i, lo + j); };
     var mx = 0;
-    for (var i = 0; i < T; i++) for (var j = 0; j < T; j++) mx = Math.max(mx, this.value(l, h, i, j));
+    for (var i = 0; i < T; i++) for (var j = 0; j < T; j++) mx = Math.max(mx, val(i, j));
     var inv = mx > 0 ? 255 / mx : 0;
     svg.appendChild(sv("image", { x: left, y: top, width: size, height: size, preserveAspectRatio: "none",
       "image-rendering": "pixelated", style: "image-rendering:pixelated",
-      href: matrixImage(T, T, SEQ, function (i, j) { return Math.round(self.value(l, h, i, j) * inv); }) }));
+      href: matrixImage(T, T, SEQ, function (i, j) { return Math.round(val(i, j) * inv); }) }));
     if (T <= 16) {
       var vals = sv("g", { "font-size": clamp(cell * 0.34, 8, 11), "text-anchor": "middle", "pointer-events": "none" });
       for (i = 0; i < T; i++) for (j = 0; j < T; j++) {
-        var v = this.value(l, h, i, j);
+        var v = val(i, j);
         vals.appendChild(sv("text", { x: left + (j + 0.5) * cell, y: top + (i + 0.5) * cell, "dominant-baseline": "central",
           fill: v * inv > 150 ? "#fff" : "#1d2330" }, v.toFixed(2)));
       }
@@ -544,7 +611,7 @@
     }
     var ticks = sv("g", { "font-size": fs, fill: "#1d2330" });
     for (i = 0; i < T; i += step) {
-      var name = labels ? short(tokens[i], 14) : i + " " + short(tokens[i], 8);
+      var name = labels ? short(tokens[lo + i], 14) : (lo + i) + " " + short(tokens[lo + i], 8);
       ticks.appendChild(sv("text", { x: left - 4, y: top + (i + 0.5) * cell, "text-anchor": "end", "dominant-baseline": "central" }, name));
       var cx = left + (i + 0.5) * cell, cy = top - 4;
       ticks.appendChild(sv("text", { x: cx, y: cy, transform: "rotate(-60 " + cx + " " + cy + ")", "dominant-baseline": "central" }, name));
@@ -563,8 +630,8 @@
     svg.appendChild(hit);
     svg.appendChild(mark);
     this.hover(hit, T, T, function (i, j) {
-      return "query " + i + " \u201c" + short(tokens[i], 30) + "\u201d \u2192 key " + j + " \u201c" +
-        short(tokens[j], 30) + "\u201d\nweight " + self.value(l, h, i, j).toFixed(4);
+      return "query " + (lo + i) + " \u201c" + short(tokens[lo + i], 30) + "\u201d \u2192 key " + (lo + j) + " \u201c" +
+        short(tokens[lo + j], 30) + "\u201d\nweight " + val(i, j).toFixed(4);
     }, function (i, j) {
       if (i < 0) { mark.setAttribute("visibility", "hidden"); return; }
       mark.setAttribute("x", left + j * cell); mark.setAttribute("y", top + i * cell);
@@ -595,9 +662,12 @@
       var ch = rows * sq < minH ? Math.min(fitH, Math.ceil(minH / rows)) : sq;
       var rowLabels = rows === self.T && ch >= 10;
       var lw = rowLabels ? 70 : 0;
-      var w = Math.max(210, lw + cols * cw + 16), h = 46 + rows * ch + 12;
+      var w = Math.max(210, lw + cols * cw + 16);
+      var desc = st.description ? wrapText(st.description, w - 16, 10.5) : [];
+      var extra = Math.max(0, desc.length - 1) * 13;
+      var h = 46 + extra + rows * ch + 12;
       if (x + w > maxW && x > 0) { x = 0; y += rowH + 14; rowH = 0; }
-      cards.push({ st: st, x: x, y: y, w: w, h: h, cw: cw, ch: ch, rows: rows, cols: cols, lw: lw });
+      cards.push({ st: st, x: x, y: y, w: w, h: h, cw: cw, ch: ch, rows: rows, cols: cols, lw: lw, desc: desc, extra: extra });
       x += w + 14; rowH = Math.max(rowH, h);
     });
     var W = maxW + 20, Hh = y + rowH + 20;
@@ -613,18 +683,14 @@
       var sh = sv("tspan", { "font-weight": 400, fill: "#2f5dd0" }, shape);
       title.appendChild(sh);
       g.appendChild(title);
-      g.appendChild(sv("text", { x: 8, y: 33, "font-size": 10.5, fill: "#5b6475" }, shortDesc(c.st.description, c.w)));
-      if (c.st.description) g.appendChild(sv("title", null, c.st.description));
-      self.matrix(g, c.st, 8 + c.lw, 42, c.cw, c.ch, c.rows, c.cols, c.lw ? tokens : null);
+      c.desc.forEach(function (line, k) {
+        g.appendChild(sv("text", { "class": "al-desc", x: 8, y: 33 + 13 * k, "font-size": 10.5, fill: "#5b6475" }, line));
+      });
+      self.matrix(g, c.st, 8 + c.lw, 42 + c.extra, c.cw, c.ch, c.rows, c.cols, c.lw ? tokens : null);
       svg.appendChild(g);
     });
     return svg;
   };
-
-  function shortDesc(d, w) {
-    var n = Math.floor((w - 16) / 5.6);
-    return d.length > n ? d.slice(0, n - 1) + "\u2026" : d;
-  }
 
   Report.prototype.matrix = function (g, st, x0, y0, cw, ch, rows, cols, rowTokens) {
     var vals = this.arrays[st.array], self = this;
@@ -669,70 +735,188 @@
 
   /* ------------------------------------------------------------------ embedding view */
 
+  /* Where a label may sit around its point (y grows downwards): the corners, then above,
+     below, right and left, at growing distances; the first place that overlaps no placed
+     label, no marker and stays inside `bounds` wins, else the one with the least overlap
+     (attnlab.viz.plots.spread_labels does the same for the PNG). */
+  var DIRS = [[1, -1], [1, 1], [-1, -1], [-1, 1], [0, -1], [0, 1], [1, 0], [-1, 0]];
+  var RINGS = [1, 2, 3, 5, 8, 12, 18];
+  function overlapArea(boxes, x0, y0, x1, y1) {
+    var a = 0;
+    for (var k = 0; k < boxes.length; k++) {
+      var b = boxes[k];
+      var dx = Math.min(b[2], x1) - Math.max(b[0], x0), dy = Math.min(b[3], y1) - Math.max(b[1], y0);
+      if (dx > 0 && dy > 0) a += dx * dy;
+    }
+    return a;
+  }
+  function spreadLabels(items, obstacles, bounds, gap) {
+    var placed = obstacles.slice();
+    return items.map(function (it) {
+      var best = null, bestCost = Infinity;
+      for (var r = 0; r < RINGS.length && bestCost > 0; r++) {
+        var d = gap * RINGS[r];
+        for (var k = 0; k < DIRS.length; k++) {
+          var ux = DIRS[k][0], uy = DIRS[k][1];
+          var x0 = ux > 0 ? it.x + d : ux < 0 ? it.x - d - it.w : it.x - it.w / 2;
+          var y0 = uy > 0 ? it.y + d : uy < 0 ? it.y - d - it.h : it.y - it.h / 2;
+          var cost = overlapArea(placed, x0, y0, x0 + it.w, y0 + it.h);
+          var inside = Math.max(0, Math.min(x0 + it.w, bounds[2]) - Math.max(x0, bounds[0])) *
+            Math.max(0, Math.min(y0 + it.h, bounds[3]) - Math.max(y0, bounds[1]));
+          cost += it.w * it.h - inside;
+          if (cost < 1e-6 * it.w * it.h) cost = 0;
+          if (cost < bestCost) { best = [x0, y0, RINGS[r]]; bestCost = cost; }
+          if (cost === 0) break;
+        }
+      }
+      placed.push([best[0], best[1], best[0] + it.w, best[1] + it.h]);
+      return best;
+    });
+  }
+
+  /* Points that coincide (equal words without positions) share one label: "the \u00d72". */
+  function groupLabels(idx, pts, tokens) {
+    var groups = [], byKey = {};
+    idx.forEach(function (i, k) {
+      var key = pts[k][0] + "," + pts[k][1];
+      if (!(key in byKey)) { byKey[key] = groups.length; groups.push({ k: k, names: [] }); }
+      groups[byKey[key]].names.push(short(tokens[i], 16));
+    });
+    return groups.map(function (g) {
+      var counts = {}, order = [];
+      g.names.forEach(function (n) { if (!(n in counts)) { counts[n] = 0; order.push(n); } counts[n]++; });
+      return { k: g.k, text: order.map(function (n) { return counts[n] > 1 ? n + " \u00d7" + counts[n] : n; }).join(", ") };
+    });
+  }
+
+  function extent(pts) {
+    var xs = pts.map(function (q) { return q[0]; }), ys = pts.map(function (q) { return q[1]; });
+    return [Math.min.apply(null, xs), Math.min.apply(null, ys), Math.max.apply(null, xs), Math.max.apply(null, ys)];
+  }
+
   Report.prototype.embeddingView = function () {
-    var e = this.data.embedding, tokens = this.tokens, self = this, T = this.T;
+    var e = this.data.embedding, tokens = this.tokens, self = this;
+    var w = this.win(), lo = w[0], hi = w[1], n = hi - lo, idx = range(n).map(function (k) { return lo + k; });
+    var S = idx.map(function (i) { return e.static[i]; }), C = idx.map(function (i) { return e.contextual[i]; });
     var joint = e.joint;
-    var pw = joint ? 760 : 520, ph = 500, gap = 30;
-    var W = joint ? pw + 110 : pw * 2 + gap + 110, Hh = ph + 76;
+    // Attention averages the value vectors, so the contextual points often huddle together:
+    // then a second panel shows them magnified (same projection).
+    var all = extent(S.concat(C)), ce = extent(C);
+    var span = Math.max(all[2] - all[0], all[3] - all[1]), cspan = Math.max(ce[2] - ce[0], ce[3] - ce[1]);
+    var zoom = joint && n > 1 && span > 0 && cspan < 0.25 * span;
+    var ph = 500, gap = 30, top = 56;
+    var panels;
+    if (joint && zoom) {
+      panels = [{ s: S, c: C, ox: 20, pw: 560, arrows: true, labels: [true, false] },
+        { s: null, c: C, ox: 20 + 560 + gap, pw: 400, arrows: false, labels: [false, true], magnified: true }];
+    } else if (joint) {
+      panels = [{ s: S, c: C, ox: 20, pw: 760, arrows: true, labels: [true, true] }];
+    } else {
+      panels = [{ s: S, c: null, ox: 20, pw: 520, arrows: false, labels: [true, false] },
+        { s: null, c: C, ox: 20 + 520 + gap, pw: 520, arrows: false, labels: [false, true] }];
+    }
+    var last = panels[panels.length - 1];
+    var W = last.ox + last.pw + 30, Hh = ph + top + 20;
     var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
     var pct = function (x) { return (100 * x).toFixed(0) + "%"; };
     svg.appendChild(sv("text", { x: 20, y: 18, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
-      joint ? "Static \u2192 contextual token vectors (PCA fitted on the static vectors: PC1 " + pct(e.explained[0]) +
+      (joint ? "Static \u2192 contextual token vectors (PCA fitted on the static vectors: PC1 " + pct(e.explained[0]) +
         ", PC2 " + pct(e.explained[1]) + " of the variance)"
-        : "Static and contextual vectors have different widths: each set has its own PCA"));
+        : "Static and contextual vectors have different widths: each set has its own PCA") +
+      (n < this.T ? ", tokens " + lo + "\u2013" + (hi - 1) + " of " + this.T : "")));
     var legend = sv("g", { "font-size": 11, fill: "#5b6475" });
     legend.appendChild(sv("circle", { cx: 26, cy: 36, r: 4.5, fill: "#fff", stroke: "#6b6b6b", "stroke-width": 1.5 }));
     legend.appendChild(sv("text", { x: 36, y: 36, "dominant-baseline": "central" }, "static (before attention)"));
     legend.appendChild(sv("circle", { cx: 206, cy: 36, r: 4.5, fill: "#2f5dd0" }));
     legend.appendChild(sv("text", { x: 216, y: 36, "dominant-baseline": "central" }, "contextual (after the last layer)"));
     svg.appendChild(legend);
-    var panels = joint ? [[e.static, e.contextual, 20]] : [[e.static, null, 20], [null, e.contextual, 20 + pw + gap]];
-    var hl = [];
+    var hl = [], rDot = n > 120 ? 3.5 : 4.5;
     panels.forEach(function (p) {
-      var pts = (p[0] || []).concat(p[1] || []);
-      var xs = pts.map(function (q) { return q[0]; }), ys = pts.map(function (q) { return q[1]; });
-      var xmin = Math.min.apply(null, xs), xmax = Math.max.apply(null, xs);
-      var ymin = Math.min.apply(null, ys), ymax = Math.max.apply(null, ys);
-      var dx = (xmax - xmin) || 1, dy = (ymax - ymin) || 1;
-      var ox = p[2], oy = 56, m = 24;
-      var X = function (v) { return ox + m + (v - xmin) / dx * (pw - 2 * m); };
-      var Y = function (v) { return oy + ph - m - (v - ymin) / dy * (ph - 2 * m); };
-      var g = sv("g");
-      g.appendChild(sv("rect", { x: ox, y: oy, width: pw, height: ph, fill: "#fff", stroke: "#d8dce4" }));
-      g.appendChild(sv("text", { x: ox + pw / 2, y: oy + ph + 12, "text-anchor": "middle", "font-size": 11, fill: "#5b6475" }, "PC1"));
-      g.appendChild(sv("text", { x: ox - 6, y: oy + ph / 2, "text-anchor": "middle", "font-size": 11, fill: "#5b6475",
-        transform: "rotate(-90 " + (ox - 6) + " " + (oy + ph / 2) + ")" }, "PC2"));
-      if (p[0] && p[1]) {
-        var arrows = sv("g", { stroke: "#9aa3b5", "stroke-width": 1, "stroke-opacity": 0.8 });
-        for (var i = 0; i < T; i++) {
-          arrows.appendChild(sv("line", { x1: X(p[0][i][0]), y1: Y(p[0][i][1]), x2: X(p[1][i][0]), y2: Y(p[1][i][1]) }));
+      var ext = extent((p.s || []).concat(p.c || []));
+      var dx = (ext[2] - ext[0]) || 1, dy = (ext[3] - ext[1]) || 1;
+      if (p.magnified) {  // square, like the dashed box drawn on the main panel
+        var mid = [(ext[0] + ext[2]) / 2, (ext[1] + ext[3]) / 2], half = 0.6 * Math.max(dx, dy);
+        ext = [mid[0] - half, mid[1] - half, mid[0] + half, mid[1] + half]; dx = dy = 2 * half;
+        p.box = ext;
+      }
+      var ox = p.ox, pw = p.pw, m = 30;
+      var X = function (v) { return ox + m + (v - ext[0]) / dx * (pw - 2 * m); };
+      var Y = function (v) { return top + ph - m - (v - ext[1]) / dy * (ph - 2 * m); };
+      p.X = X; p.Y = Y;
+      var g = sv("g", { "class": p.magnified ? "al-emb-zoom" : "al-emb-main" });
+      g.appendChild(sv("rect", { x: ox, y: top, width: pw, height: ph, fill: "#fff", stroke: p.magnified ? "#5b6475" : "#d8dce4",
+        "stroke-dasharray": p.magnified ? "5 3" : "none" }));
+      g.appendChild(sv("text", { x: ox + pw / 2, y: top + ph + 14, "text-anchor": "middle", "font-size": 11, fill: "#5b6475" },
+        p.magnified ? "contextual points, magnified (dashed box on the left)" : "PC1"));
+      if (!p.magnified) {
+        g.appendChild(sv("text", { x: ox - 6, y: top + ph / 2, "text-anchor": "middle", "font-size": 11, fill: "#5b6475",
+          transform: "rotate(-90 " + (ox - 6) + " " + (top + ph / 2) + ")" }, "PC2"));
+      }
+      if (p.arrows) {
+        var arrows = sv("g", { "class": "al-arrows", stroke: "#9aa3b5", "stroke-width": 1, "stroke-opacity": 0.9 });
+        var heads = sv("g", { "class": "al-arrowheads", fill: "#7d8699" });
+        for (var k = 0; k < n; k++) {
+          var x1 = X(p.s[k][0]), y1 = Y(p.s[k][1]), x2 = X(p.c[k][0]), y2 = Y(p.c[k][1]);
+          var len = Math.hypot(x2 - x1, y2 - y1);
+          if (len < 2 * rDot + 4) continue;  // the points touch: no room for an arrow
+          var ux = (x2 - x1) / len, uy = (y2 - y1) / len;
+          var tx = x2 - ux * (rDot + 1), ty = y2 - uy * (rDot + 1), bx = tx - ux * 8, by = ty - uy * 8;
+          arrows.appendChild(sv("line", { x1: (x1 + ux * rDot).toFixed(1), y1: (y1 + uy * rDot).toFixed(1),
+            x2: bx.toFixed(1), y2: by.toFixed(1) }));
+          heads.appendChild(sv("polygon", { "class": "al-arrowhead", "data-idx": String(lo + k), points:
+            tx.toFixed(1) + "," + ty.toFixed(1) + " " + (bx - uy * 3.5).toFixed(1) + "," + (by + ux * 3.5).toFixed(1) + " " +
+            (bx + uy * 3.5).toFixed(1) + "," + (by - ux * 3.5).toFixed(1) }));
         }
         g.appendChild(arrows);
+        g.appendChild(heads);
       }
-      var dots = sv("g");
-      [0, 1].forEach(function (kind) {
-        var set = p[kind];
+      var dots = sv("g"), markers = [];
+      [p.s, p.c].forEach(function (set, kind) {
         if (!set) return;
-        for (var i = 0; i < T; i++) {
-          var c = sv("circle", { cx: X(set[i][0]).toFixed(1), cy: Y(set[i][1]).toFixed(1), r: T > 120 ? 3.5 : 4.5,
-            "data-idx": String(i), "data-kind": String(kind), "class": "al-dot" });
+        for (var k = 0; k < n; k++) {
+          var cx = X(set[k][0]), cy = Y(set[k][1]);
+          var c = sv("circle", { cx: cx.toFixed(1), cy: cy.toFixed(1), r: rDot,
+            "data-idx": String(lo + k), "data-kind": String(kind), "class": "al-dot" });
           if (kind === 0) { c.setAttribute("fill", "#fff"); c.setAttribute("stroke", "#6b6b6b"); c.setAttribute("stroke-width", 1.5); }
           else { c.setAttribute("fill", "#2f5dd0"); c.setAttribute("fill-opacity", 0.85); }
           dots.appendChild(c);
           hl.push(c);
+          markers.push([cx - rDot - 1, cy - rDot - 1, cx + rDot + 1, cy + rDot + 1]);
         }
       });
       g.appendChild(dots);
-      if (T <= 60) {
-        var lab = sv("g", { "font-size": 11, fill: "#1d2330", "pointer-events": "none" });
-        var set = p[1] || p[0];
-        for (var i2 = 0; i2 < T; i2++) {
-          lab.appendChild(sv("text", { x: X(set[i2][0]) + 6, y: Y(set[i2][1]) - 6 }, short(tokens[i2], 16)));
-        }
+      if (n <= 60) {
+        var items = [], fs = p.magnified ? 10.5 : 11;
+        [p.s, p.c].forEach(function (set, kind) {
+          if (!set || !p.labels[kind]) return;
+          groupLabels(idx, set, tokens).forEach(function (gl) {
+            items.push({ x: X(set[gl.k][0]), y: Y(set[gl.k][1]), w: textWidth(gl.text, fs) + 2, h: fs + 3,
+              text: gl.text, kind: kind });
+          });
+        });
+        var boxes = spreadLabels(items, markers, [ox + 2, top + 2, ox + pw - 2, top + ph - 2], 3);
+        var lab = sv("g", { "class": "al-labels", "font-size": fs, "pointer-events": "none" });
+        items.forEach(function (it, k) {
+          var b = boxes[k], color = it.kind === 0 ? "#5b6475" : "#2f5dd0";
+          if (b[2] > 2) {  // moved away from its point: a leader line shows whose it is
+            var ex = clamp(it.x, b[0], b[0] + it.w), ey = clamp(it.y, b[1], b[1] + it.h);
+            lab.appendChild(sv("line", { x1: it.x.toFixed(1), y1: it.y.toFixed(1), x2: ex.toFixed(1), y2: ey.toFixed(1),
+              stroke: color, "stroke-width": 0.6, "stroke-opacity": 0.7 }));
+          }
+          lab.appendChild(sv("text", { "class": "al-point-label", "data-kind": String(it.kind), x: (b[0] + 1).toFixed(1),
+            y: (b[1] + it.h / 2).toFixed(1), "dominant-baseline": "central", fill: color }, it.text));
+        });
         g.appendChild(lab);
       }
       svg.appendChild(g);
     });
+    if (zoom) {  // mark the magnified region on the main panel
+      var b = panels[1].box, P = panels[0];
+      var bx0 = P.X(b[0]), bx1 = P.X(b[2]), by0 = P.Y(b[3]), by1 = P.Y(b[1]);
+      svg.appendChild(sv("rect", { "class": "al-zoom-box", x: bx0.toFixed(1), y: by0.toFixed(1),
+        width: Math.max(2, bx1 - bx0).toFixed(1), height: Math.max(2, by1 - by0).toFixed(1),
+        fill: "none", stroke: "#5b6475", "stroke-dasharray": "5 3", "pointer-events": "none" }));
+    }
     svg.addEventListener("mousemove", function (ev) {
       var c = ev.target;
       if (!c.classList || !c.classList.contains("al-dot")) { self.hideTip(); hl.forEach(function (d) { d.style.opacity = ""; }); return; }
@@ -753,6 +937,7 @@
     if (s.view === "head" || s.view === "heatmap") name += "-layer" + (s.layer + 1);
     if (s.view === "heatmap") name += "-head" + s.head;
     if (s.view === "steps") name += "-head" + s.stepHead;
+    if (this.W < this.T && s.view !== "steps") { var w = this.win(); name += "-tokens" + w[0] + "-" + (w[1] - 1); }
     return name + "." + ext;
   };
 
@@ -763,6 +948,13 @@
     svg.insertBefore(sv("rect", { x: 0, y: 0, width: "100%", height: "100%", fill: "#ffffff" }), svg.firstChild);
     var hits = svg.querySelectorAll(".al-hit");
     for (var k = 0; k < hits.length; k++) hits[k].parentNode.removeChild(hits[k]);
+    // Whatever the tokens hold, the file must be well-formed XML.
+    var walk = document.createTreeWalker(svg, NodeFilter.SHOW_ELEMENT | NodeFilter.SHOW_TEXT), node = svg;
+    while (node) {
+      if (node.nodeType === 3) node.nodeValue = xmlSafe(node.nodeValue);
+      else for (var a = 0; a < node.attributes.length; a++) node.attributes[a].value = xmlSafe(node.attributes[a].value);
+      node = walk.nextNode();
+    }
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(svg);
   };
 
