@@ -24,13 +24,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from attnlab.models.bert import (  # noqa: E402
     BertConfig,
     BertEncoder,
-    CheckpointError,
     cosine,
-    expected_shapes,
     load_minilm,
     minilm_available,
     minilm_path,
 )
+from helpers import TINY_BERT, tiny_bert_weights  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not minilm_available(), reason="the pretrained extra (MiniLM model) is not installed"
@@ -383,141 +382,6 @@ def test_explain_backend(model):
 # ----------------------------------------------------------------------------- bad input
 
 
-TINY = dict(vocab_size=40, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-            intermediate_size=16, max_position_embeddings=16)
-
-
-def write_tiny(folder: Path, *, config=None, tensors=None, prefix="") -> Path:
-    """A random tiny BERT checkpoint folder (config, safetensors, MiniLM's tokenizer.json)."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(TINY, model_type="bert") if config is None else config
-    import json
-
-    (folder / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng(0)
-    if tensors is None:
-        tensors = {
-            prefix + k: rng.standard_normal(s).astype(np.float32)
-            for k, s in expected_shapes(BertConfig(**TINY)).items()
-        }
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "tokenizer.json").write_bytes((minilm_path() / "tokenizer.json").read_bytes())
-    return folder
-
-
-def test_tiny_random_bert_matches_transformers(tmp_path):
-    pytest.importorskip("transformers", reason="transformers (test extra)")
-    import torch
-    from transformers import BertConfig as HFConfig
-    from transformers import BertModel
-
-    folder = write_tiny(tmp_path / "tiny", prefix="bert.")  # BertForMaskedLM-style names
-    ours = BertEncoder.from_pretrained(folder)
-    hf = BertModel(HFConfig(**TINY, attn_implementation="eager"), add_pooling_layer=False).eval()
-    from safetensors.numpy import load_file
-
-    state = {k.removeprefix("bert."): torch.from_numpy(v)
-             for k, v in load_file(str(folder / "model.safetensors")).items()}
-    hf.load_state_dict(state, strict=False)
-    ids = np.array([[1, 5, 7, 9, 2, 0], [1, 3, 2, 0, 0, 0]])
-    mask = (np.arange(6) < np.array([[5], [3]])).astype(np.int64)
-    with torch.no_grad():
-        ref = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                 output_attentions=True, output_hidden_states=True)
-    out = ours.forward(ids, mask)
-    real = mask.astype(bool)
-    for layer in range(3):
-        err = np.abs(out.hidden_states[layer] - ref.hidden_states[layer].numpy())
-        assert err[real].max() < 1e-5
-        assert err.max() < 1e-4  # padded rows drift more in float32 (in torch too)
-    for layer in range(2):
-        assert np.abs(out.attentions[layer] - ref.attentions[layer].numpy()).max() < 1e-5
-
-
-def test_not_a_folder_or_missing_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="is not a folder"):
-        BertEncoder.from_pretrained(tmp_path / "nope")
-    with pytest.raises(FileNotFoundError, match="config.json is missing"):
-        BertEncoder.from_pretrained(tmp_path)
-    folder = write_tiny(tmp_path / "t")
-    (folder / "tokenizer.json").unlink()
-    with pytest.raises(FileNotFoundError, match="tokenizer.json is missing"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "model.safetensors").unlink()
-    (folder / "pytorch_model.bin").write_bytes(b"\x80\x04 not to be unpickled")
-    with pytest.raises(CheckpointError, match="pickle file, never loaded"):
-        BertEncoder.from_pretrained(folder)
-
-
-def test_not_a_bert_config(tmp_path):
-    folder = write_tiny(tmp_path / "gpt", config=dict(TINY, model_type="gpt2"))
-    with pytest.raises(CheckpointError, match=r"config.json: model_type is 'gpt2', but should be 'bert'"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "config.json").write_text("{not json")
-    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": 8}')
-    with pytest.raises(CheckpointError, match="missing field"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "config.json").write_text('{"model_type": "bert", "vocab_size": 40, '
-                                        '"hidden_size": 9, "num_hidden_layers": 1, '
-                                        '"num_attention_heads": 2, "intermediate_size": 4, '
-                                        '"max_position_embeddings": 8}')
-    with pytest.raises(CheckpointError, match="divisible"):
-        BertEncoder.from_pretrained(folder)
-
-
-def test_malformed_safetensors(tmp_path):
-    folder = write_tiny(tmp_path / "t")
-    data = (folder / "model.safetensors").read_bytes()
-    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model.safetensors: tensor .* lies outside the file"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="not a safetensors file"):
-        BertEncoder.from_pretrained(folder)
-    (folder / "model.safetensors").write_bytes(b"\xff" * 64)
-    with pytest.raises(CheckpointError, match="not a safetensors file"):
-        BertEncoder.from_pretrained(folder)
-
-
-def test_tensor_of_wrong_shape_dtype_or_missing(tmp_path):
-    rng = np.random.default_rng(0)
-    good = {k: rng.standard_normal(s).astype(np.float32)
-            for k, s in expected_shapes(BertConfig(**TINY)).items()}
-    name = "encoder.layer.1.intermediate.dense.weight"
-    bad = dict(good, **{name: np.zeros((16, 9), np.float32)})
-    folder = write_tiny(tmp_path / "shape", tensors=bad)
-    with pytest.raises(CheckpointError,
-                       match=r"tensor 'encoder.layer.1.intermediate.dense.weight' has shape "
-                             r"\(16, 9\), but should be \(16, 8\)"):
-        BertEncoder.from_pretrained(folder)
-    bad = dict(good, **{name: np.zeros((16, 8), np.int32)})
-    folder = write_tiny(tmp_path / "dtype", tensors=bad)
-    with pytest.raises(CheckpointError, match=r"has dtype I32, but should be a float"):
-        BertEncoder.from_pretrained(folder)
-    bad = {k: v for k, v in good.items() if k != name}
-    folder = write_tiny(tmp_path / "missing", tensors=bad)
-    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) encoder.layer.1.intermediate"):
-        BertEncoder.from_pretrained(folder)
-    folder = write_tiny(tmp_path / "other", tensors={"lm_head.weight": np.zeros((2, 2), np.float32)})
-    with pytest.raises(CheckpointError, match="not a BERT checkpoint"):
-        BertEncoder.from_pretrained(folder)
-    nan = dict(good, **{name: np.full((16, 8), np.nan, np.float32)})
-    folder = write_tiny(tmp_path / "nan", tensors=nan)
-    with pytest.raises(CheckpointError, match="NaN or inf"):
-        BertEncoder.from_pretrained(folder)
-
-
-def test_malformed_tokenizer(tmp_path):
-    folder = write_tiny(tmp_path / "t")
-    (folder / "tokenizer.json").write_text("{}")
-    with pytest.raises(CheckpointError, match="tokenizer.json is not a valid tokenizer file"):
-        BertEncoder.from_pretrained(folder)
-
-
 def test_bad_arguments(model):
     with pytest.raises(TypeError, match="sentences must be a str or a sequence of str"):
         model.encode(42)
@@ -536,16 +400,10 @@ def test_bad_arguments(model):
     with pytest.raises(ValueError, match="max_position_embeddings=512"):
         model.forward(np.zeros((1, 513), dtype=np.int64))
     with pytest.raises(ValueError, match="exceeds max_position_embeddings"):
-        BertEncoder(BertConfig(**TINY), _tiny_weights(), max_seq_length=17)
+        BertEncoder(BertConfig(**TINY_BERT), tiny_bert_weights(), max_seq_length=17)
     with pytest.raises(ValueError, match=r"weights: tensor 'embeddings.LayerNorm.bias' has shape \(3,\)"):
-        BertEncoder(BertConfig(**TINY), dict(_tiny_weights(), **{
+        BertEncoder(BertConfig(**TINY_BERT), dict(tiny_bert_weights(), **{
             "embeddings.LayerNorm.bias": np.zeros(3, np.float32)}))
-
-
-def _tiny_weights():
-    rng = np.random.default_rng(0)
-    return {k: rng.standard_normal(s).astype(np.float32)
-            for k, s in expected_shapes(BertConfig(**TINY)).items()}
 
 
 # ----------------------------------------------------------------------------- CLI

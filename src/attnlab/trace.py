@@ -181,6 +181,16 @@ class Trace:
         layer: the model layer traced (``1..n``; see :func:`attnlab._validation.layer_number`),
             or None for a lone layer.
         head: the only head whose per-head steps are kept, or None for every head.
+
+    >>> import attnlab
+    >>> mha = attnlab.MultiheadAttention(4, 2, rng=np.random.default_rng(0))
+    >>> t = attnlab.trace(mha, np.eye(3, 4, dtype=np.float32), tokens=["a", "b", "c"])
+    >>> print("\\n".join(str(t).splitlines()[1:6]))
+    step by step (head 0 of 2)
+    <BLANKLINE>
+     1. X  (3, 4): input token vectors, one row per token
+          0    1    2    3
+    a  1.00 0.00 0.00 0.00
     """
 
     steps: list[TraceStep]

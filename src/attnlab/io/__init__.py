@@ -1,5 +1,6 @@
 """Reading and writing model files: the one safetensors reader every model shares (header
-validated before anything is allocated), checkpoint name maps, checked JSON configs.
+validated before anything is allocated), checkpoint name maps, checked JSON configs and
+sentence-transformers pipelines.
 
 >>> sorted(bert_name_map(0))[:2]
 ['embeddings.ln.bias', 'embeddings.ln.weight']
@@ -8,10 +9,12 @@ validated before anything is allocated), checkpoint name maps, checked JSON conf
 from attnlab.io.files import CheckpointError, read_json, regular_file
 from attnlab.io.names import NameMap, bert_name_map, load_mapped, map_tensors
 from attnlab.io.safetensors import TensorInfo, load_tensors, read_header, save_tensors
+from attnlab.io.sentence_transformers import SentencePipeline, read_pipeline
 
 __all__ = [
     "CheckpointError",
     "NameMap",
+    "SentencePipeline",
     "TensorInfo",
     "bert_name_map",
     "load_mapped",
@@ -19,6 +22,7 @@ __all__ = [
     "map_tensors",
     "read_header",
     "read_json",
+    "read_pipeline",
     "regular_file",
     "save_tensors",
 ]

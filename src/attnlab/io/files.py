@@ -45,8 +45,9 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     return path
 
 
-def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES) -> dict:
-    """A JSON object from a small file (a config), checked: size, encoding, syntax, kind.
+def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind: type = dict):
+    """A JSON object (or, with ``kind=list``, a list) from a small file (a config), checked:
+    size, encoding, syntax, kind.
 
     Raises:
         FileNotFoundError: the file is missing.
@@ -60,6 +61,7 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES) -> di
         data = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} should hold a JSON object, got {type(data).__name__}")
+    if not isinstance(data, kind):
+        what = "object" if kind is dict else kind.__name__
+        raise CheckpointError(f"{path} should hold a JSON {what}, got {type(data).__name__}")
     return data

