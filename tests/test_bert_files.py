@@ -201,7 +201,7 @@ def test_a_directory_or_device_instead_of_a_file(tmp_path, name):
     if os.path.exists("/dev/zero"):
         (folder / name).rmdir()
         (folder / name).symlink_to("/dev/zero")
-        with pytest.raises(CheckpointError, match=rf"{name} is a device, not a"):
+        with pytest.raises(CheckpointError, match=rf"{name} is a character device, not a"):
             BertEncoder.from_pretrained(folder)
 
 

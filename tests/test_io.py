@@ -138,15 +138,15 @@ def test_directories_devices_and_missing_files_are_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"is a directory, not a safetensors file"):
         read_header(tmp_path)
     if os.path.exists("/dev/zero"):
-        with pytest.raises(CheckpointError, match=r"/dev/zero is a device, not a safetensors file"):
+        with pytest.raises(CheckpointError, match=r"/dev/zero is a character device, not a safetensors file"):
             read_header("/dev/zero")
-        with pytest.raises(CheckpointError, match=r"/dev/zero is a device, not a JSON file"):
+        with pytest.raises(CheckpointError, match=r"/dev/zero is a character device, not a JSON file"):
             read_json("/dev/zero")
     with pytest.raises(FileNotFoundError, match="nope.safetensors is missing"):
         read_header(tmp_path / "nope.safetensors")
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(CheckpointError, match="is not a regular file"):
+    with pytest.raises(CheckpointError, match="is a named pipe, not a file"):
         regular_file(fifo)
 
 

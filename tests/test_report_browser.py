@@ -395,7 +395,7 @@ def test_long_text_is_shown_a_window_at_a_time(session, tmp_path, capsys):
     shown = float(re.search(r"weight ([\d.]+)", tip).group(1))
     assert abs(shown - e.attentions[0, 0, 2001, 2003]) <= e.attentions[0, 0, 2001].max() / 510 + 1e-4
     name, _ = session.download(".al-export-png")
-    assert name == "attnlab-heatmap-layer0-head0-tokens2000-2499.png"
+    assert name == "attnlab-heatmap-layer1-head0-tokens2000-2499.png"  # layers numbered 1..n
     session.shot("long-heatmap")
     session.check_clean()
     with capsys.disabled():

@@ -7,7 +7,7 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["CheckpointError", "read_json", "regular_file"]
+__all__ = ["CheckpointError", "file_kind", "read_json", "regular_file"]
 
 # A config file larger than this is refused before it is parsed.
 MAX_JSON_BYTES = 4 << 20
@@ -15,6 +15,21 @@ MAX_JSON_BYTES = 4 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint folder or file that attnlab cannot read (the message names the file)."""
+
+
+def file_kind(mode: int) -> str | None:
+    """What a file that is not a regular file is, in words (None for a regular file).
+
+    >>> import os
+    >>> file_kind(os.stat("/").st_mode)
+    'a directory'
+    """
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
@@ -36,12 +51,9 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
         raise FileNotFoundError(f"{path} is missing") from None
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise CheckpointError(f"{path} is a directory, not a {what}")
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        raise CheckpointError(f"{path} is a device, not a {what}")
-    if not stat.S_ISREG(mode):
-        raise CheckpointError(f"{path} is not a regular file (a pipe or socket), not a {what}")
+    kind = file_kind(mode)
+    if kind is not None:  # never opened: a pipe would block, a device never end
+        raise CheckpointError(f"{path} is {kind}, not a {what}")
     return path
 
 

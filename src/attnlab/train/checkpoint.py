@@ -11,7 +11,6 @@ import errno
 import json
 import math
 import os
-import stat
 import zipfile
 import zlib
 from pathlib import Path
@@ -20,6 +19,7 @@ import numpy as np
 
 from attnlab._io import atomic_write
 from attnlab._validation import fmt_shape
+from attnlab.io.files import file_kind
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.train.sizes import parameter_count
 from attnlab.train.tasks import RecallTask
@@ -131,16 +131,6 @@ MAX_HEADER_BYTES = 1 << 20
 MAX_EXPANSION = 50
 
 
-def _file_kind(mode: int) -> str | None:
-    """What a non-regular file is, in words."""
-    for test, what in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return what
-    return None if stat.S_ISREG(mode) else "not a regular file"
-
-
 def _read_npz(path: Path) -> tuple[object, dict[str, np.ndarray]]:
     """The JSON header and the float arrays of an ``.npz`` checkpoint, all checked.
 
@@ -153,7 +143,7 @@ def _read_npz(path: Path) -> tuple[object, dict[str, np.ndarray]]:
         raise FileNotFoundError(errno.ENOENT, f"checkpoint {name!r} does not exist", name) from None
     except OSError as exc:
         raise ValueError(f"checkpoint {name!r} cannot be read: {exc.strerror or exc}") from None
-    kind = _file_kind(st.st_mode)
+    kind = file_kind(st.st_mode)
     if kind is not None:
         raise ValueError(f"checkpoint {name!r} is {kind}, not a checkpoint file")
     if st.st_size == 0:
