@@ -5,6 +5,7 @@ checkpoint folders."""
 from __future__ import annotations
 
 import json
+import os
 import string
 from pathlib import Path
 
@@ -95,3 +96,39 @@ def write_tiny_bert(folder: Path, *, config: dict | None = None, tensors: dict |
     save_tensors(folder / "model.safetensors", tiny_bert_weights(prefix=prefix) if tensors is None else tensors)
     tiny_tokenizer().save(str(folder / "tokenizer.json"))
     return folder
+
+
+# ---- gradients: tolerances and measures shared by the backward tests
+TOL = {np.float64: 1e-9, np.float32: 1e-4}
+
+
+def grad_rel_err(got, want) -> float:
+    """Largest difference relative to the largest reference entry; gradients that are zero
+    in exact arithmetic (e.g. a key bias: softmax ignores shifts) compare absolutely."""
+    dtype = np.asarray(got).dtype
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape
+    err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
+    if os.environ.get("ATTNLAB_GRAD_REPORT"):  # collect the worst errors for the notes
+        with open(os.environ["ATTNLAB_GRAD_REPORT"], "a") as f:
+            f.write(f"{dtype} {err!r}\n")
+    return err
+
+
+def numerical_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
+    """Central differences of the scalar ``f()`` with respect to ``x`` (changed in place)."""
+    g = np.zeros_like(x)
+    it = np.nditer(x, flags=["multi_index"])
+    for _ in it:
+        i = it.multi_index
+        old = x[i]
+        x[i] = old + h
+        fp = f()
+        x[i] = old - h
+        fm = f()
+        x[i] = old
+        g[i] = (fp - fm) / (2 * h)
+    return g
+
+
+# ---- softmax ------------------------------------------------------------------------

@@ -4,49 +4,16 @@ broadcast batch dims, dropout with the forward pass's mask)."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 import attnlab
 from attnlab.core import scaled_dot_product_attention_backward
+from helpers import TOL, numerical_grad  # noqa: E402
+from helpers import grad_rel_err as rel_err  # noqa: E402
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle for gradients")
 
-TOL = {np.float64: 1e-9, np.float32: 1e-4}
-
-
-def rel_err(got, want) -> float:
-    """Largest difference relative to the largest reference entry; gradients that are zero
-    in exact arithmetic (e.g. a key bias: softmax ignores shifts) compare absolutely."""
-    dtype = np.asarray(got).dtype
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape
-    err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-6))
-    if os.environ.get("ATTNLAB_GRAD_REPORT"):  # collect the worst errors for the notes
-        with open(os.environ["ATTNLAB_GRAD_REPORT"], "a") as f:
-            f.write(f"{dtype} {err!r}\n")
-    return err
-
-
-def numerical_grad(f, x: np.ndarray, h: float = 1e-6) -> np.ndarray:
-    """Central differences of the scalar ``f()`` with respect to ``x`` (changed in place)."""
-    g = np.zeros_like(x)
-    it = np.nditer(x, flags=["multi_index"])
-    for _ in it:
-        i = it.multi_index
-        old = x[i]
-        x[i] = old + h
-        fp = f()
-        x[i] = old - h
-        fm = f()
-        x[i] = old
-        g[i] = (fp - fm) / (2 * h)
-    return g
-
-
-# ---- softmax ------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("axis", [-1, 0, 1])
 def test_softmax_backward_matches_torch(dtype, axis):

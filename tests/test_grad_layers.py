@@ -13,7 +13,8 @@ from attnlab.nn import functional as F
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle for gradients")
 
-from test_grad_core import TOL, numerical_grad, rel_err  # noqa: E402
+from helpers import TOL, numerical_grad  # noqa: E402
+from helpers import grad_rel_err as rel_err  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Support for mismatched key_padding_mask")
 

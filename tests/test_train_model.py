@@ -14,7 +14,8 @@ from attnlab.train.tasks import RecallTask
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle for training")
 
-from test_grad_core import TOL, rel_err  # noqa: E402
+from helpers import TOL  # noqa: E402
+from helpers import grad_rel_err as rel_err  # noqa: E402
 
 TASK = RecallTask()
 
