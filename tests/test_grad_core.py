@@ -14,6 +14,7 @@ from helpers import grad_rel_err as rel_err  # noqa: E402
 
 torch = pytest.importorskip("torch", reason="torch is the test oracle for gradients")
 
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize("axis", [-1, 0, 1])
 def test_softmax_backward_matches_torch(dtype, axis):
