@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import byte_bpe_tokenizer, random_gpt2
 
 from attnlab.io import CheckpointError, load_tensors, save_tensors
 from attnlab.models import GPT2, GPT2Config
+from helpers import byte_bpe_tokenizer, random_gpt2
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
