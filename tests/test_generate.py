@@ -9,7 +9,6 @@ import warnings
 
 import numpy as np
 import pytest
-from helpers import byte_bpe_tokenizer, random_gpt2
 
 from attnlab.cli import main
 from attnlab.explain import explain
@@ -19,6 +18,7 @@ from attnlab.models.generate import next_token, position_ids
 from attnlab.train.checkpoint import save_checkpoint
 from attnlab.train.loop import TrainConfig, Trainer
 from attnlab.train.tasks import RecallTask
+from helpers import byte_bpe_tokenizer, random_gpt2
 
 
 def _tiny(dtype="float32", seed=0):
