@@ -180,6 +180,35 @@ def test_trace_records_the_blocks_maps(pair):
             assert np.array_equal(t.get("weights", h), maps[k - 1, h])
 
 
+@pytest.mark.parametrize("activation, n_inner", [("relu", 48), ("gelu", None), ("gelu_pytorch_tanh", 80)])
+def test_other_activations_and_widths(tmp_path, activation, n_inner):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = random_gpt2(tmp_path, seed=9, n_layer=1, n_head=2, n_embd=32, vocab_size=64,
+                             activation_function=activation, n_inner=n_inner)
+    ours = GPT2.from_pretrained(tmp_path)
+    ids = _ids(64, (2, 10), 9)
+    with torch.no_grad():
+        ref = theirs(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours(ids) - ref).max() < TOL
+
+
+@pytest.mark.parametrize("pair", [SHAPES[0]], indirect=True, ids=["L1-H1-D32-V100"])
+def test_files_without_the_transformer_prefix(pair, tmp_path):
+    """``GPT2Model`` files (and the original GPT-2 uploads) name tensors without the
+    ``transformer.`` prefix and may hold the old causal-mask buffers (ignored)."""
+    ours, _, folder = pair
+
+    def rename(t):
+        out = {k.removeprefix("transformer."): v for k, v in t.items()}
+        out["h.0.attn.bias"] = np.tril(np.ones((1, 1, 64, 64), np.uint8))
+        return out
+
+    plain = _copy(folder, tmp_path / "plain", tensors=rename)
+    ids = _ids(ours.config.vocab_size, (1, 12), 10)
+    assert np.array_equal(GPT2.from_pretrained(plain)(ids), ours(ids))
+
+
 # ----------------------------------------------------------------------------- text
 
 

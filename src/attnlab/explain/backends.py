@@ -345,6 +345,7 @@ def gpt2_model(
             not numbers or outside the vocabulary (without a tokenizer).
         CheckpointError: a folder that is not a GPT-2 checkpoint.
     """
+    from attnlab.core import softmax
     from attnlab.explain import Explanation
     from attnlab.models.gpt2 import GPT2
 
@@ -370,9 +371,7 @@ def gpt2_model(
     if T > c.n_positions:
         raise ValueError(f"text has {T} tokens, but the model's n_positions is {c.n_positions}")
     out = model.inspect(ids[None])
-    logits = out.logits[0]
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    probs = softmax(out.logits[0].astype(np.float64), axis=-1)
     nxt = int(probs[-1].argmax())
     shown = vocab[nxt]
     notes = [

@@ -20,10 +20,13 @@ vocabulary size, ``D`` model width.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import numpy as np
 
+from attnlab._threads import blas_limit, get_num_threads
 from attnlab._validation import generator, positive_int, shape_error
+from attnlab.core import softmax
 from attnlab.nn.attention import KVCache
 
 __all__ = ["check_attention_mask", "check_token_ids", "decoder_forward", "generate", "next_token",
@@ -110,6 +113,14 @@ def position_ids(attention_mask: np.ndarray | None, past: int, T: int) -> np.nda
     return pos[..., past:]
 
 
+#: A call with at most this many tokens (a decoding step: ``B`` rows against every weight
+#: matrix) holds BLAS to one thread. Such matrix-vector products are bound by memory, not
+#: arithmetic, and a second BLAS thread mostly waits: GPT-2 small with 512 cached tokens
+#: took 68-97 ms per token with one thread and 165-580 ms with two (batch 4: 171-179 ms vs
+#: 451-505 ms; 2 shared cores). Longer calls (a prompt) keep every thread.
+DECODE_ROWS = 16
+
+
 def cache_length(cache, n_layers: int) -> int:
     """The number of cached tokens of a per-layer cache (a list of ``n_layers``
     :class:`~attnlab.nn.KVCache`), 0 for None."""
@@ -160,21 +171,22 @@ def decoder_forward(
     mask = check_attention_mask(attention_mask, (*ids.shape[:-1], past + T))
     if logits_to_keep is not None:
         logits_to_keep = min(positive_int(logits_to_keep, "logits_to_keep"), T)
-    x = embed(ids, position_ids(mask, past, T))
-    if hidden is not None:
-        hidden.append(x)
-    for i, block in enumerate(blocks):
-        layer_cache = None if cache is None else cache[i]
-        if maps is None:
-            x = block(x, key_padding_mask=mask, cache=layer_cache)
-        else:
-            x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache)
-            maps.append(w)
+    with blas_limit(get_num_threads()) if ids.size <= DECODE_ROWS else nullcontext():
+        x = embed(ids, position_ids(mask, past, T))
         if hidden is not None:
             hidden.append(x)
-    if logits_to_keep is not None:
-        x = x[..., T - logits_to_keep :, :]
-    return head(x)
+        for i, block in enumerate(blocks):
+            layer_cache = None if cache is None else cache[i]
+            if maps is None:
+                x = block(x, key_padding_mask=mask, cache=layer_cache)
+            else:
+                x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache)
+                maps.append(w)
+            if hidden is not None:
+                hidden.append(x)
+        if logits_to_keep is not None:
+            x = x[..., T - logits_to_keep :, :]
+        return head(x)
 
 
 def next_token(
@@ -204,9 +216,7 @@ def next_token(
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
         z[z < kth] = -np.inf
-    z -= z.max(axis=-1, keepdims=True)
-    p = np.exp(z)
-    cdf = np.cumsum(p, axis=-1)
+    cdf = np.cumsum(softmax(z, axis=-1), axis=-1)
     u = rng.random(z.shape[:-1])[..., None] * cdf[..., -1:]
     choice = (cdf <= u).sum(axis=-1)  # the first index whose cumulative mass exceeds u
     return np.minimum(choice, z.shape[-1] - 1).astype(np.int64)

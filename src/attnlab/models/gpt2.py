@@ -35,7 +35,7 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.io import CheckpointError, read_header, read_json
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models import generate as _decoding
+from attnlab.models.generate import check_token_ids, decoder_forward, generate
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import KVCache
@@ -323,7 +323,7 @@ class GPT2(Module):
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
         c = self.config
-        return _decoding.decoder_forward(
+        return decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
             vocab_size=c.vocab_size, n_positions=c.n_positions, positions_name="n_positions",
             logits_to_keep=logits_to_keep, hidden=hidden, maps=maps,
@@ -398,7 +398,7 @@ class GPT2(Module):
                 not left-padded, a negative temperature, ``top_k`` without sampling.
         """
         c = self.config
-        return _decoding.generate(
+        return generate(
             self, input_ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.n_positions,
             positions_name="n_positions", attention_mask=attention_mask, temperature=temperature,
             top_k=top_k, rng=rng, eos_token_id=eos_token_id,
@@ -461,7 +461,7 @@ class GPT2(Module):
     def _one_sequence(self, ids_or_text) -> tuple[np.ndarray, list[str]]:
         if isinstance(ids_or_text, str):
             return self.encode(ids_or_text)
-        ids = _decoding.check_token_ids(ids_or_text, self.config.vocab_size, "ids")
+        ids = check_token_ids(ids_or_text, self.config.vocab_size, "ids")
         if ids.ndim != 1:
             raise shape_error("ids", ids.shape, "(T,): one sequence")
         tokens = [self.tokenizer.id_to_token(int(i)) or str(int(i)) for i in ids] if self.tokenizer \
