@@ -121,6 +121,13 @@ def position_ids(attention_mask: np.ndarray | None, past: int, T: int) -> np.nda
 DECODE_ROWS = 16
 
 
+def decoding_threads(tokens: int):
+    """The BLAS threads of a call on ``tokens`` tokens, as a context: one thread for a
+    decoding step (at most :data:`DECODE_ROWS` tokens), else all of them. Whatever
+    computes the same arrays again (a trace) uses it too, so they come out equal."""
+    return blas_limit(get_num_threads()) if tokens <= DECODE_ROWS else nullcontext()
+
+
 def cache_length(cache, n_layers: int) -> int:
     """The number of cached tokens of a per-layer cache (a list of ``n_layers``
     :class:`~attnlab.nn.KVCache`), 0 for None."""
@@ -171,7 +178,7 @@ def decoder_forward(
     mask = check_attention_mask(attention_mask, (*ids.shape[:-1], past + T))
     if logits_to_keep is not None:
         logits_to_keep = min(positive_int(logits_to_keep, "logits_to_keep"), T)
-    with blas_limit(get_num_threads()) if ids.size <= DECODE_ROWS else nullcontext():
+    with decoding_threads(ids.size):
         x = embed(ids, position_ids(mask, past, T))
         if hidden is not None:
             hidden.append(x)

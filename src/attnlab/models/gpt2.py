@@ -35,7 +35,7 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.io import CheckpointError, read_header, read_json
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models.generate import check_token_ids, decoder_forward, generate
+from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, generate
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import KVCache
@@ -488,11 +488,12 @@ class GPT2(Module):
         k = layer_number(layer, self.config.n_layer, embeddings=False)
         if len(ids) > self.config.n_positions:
             raise shape_error("ids", ids.shape, f"(T,) with T <= n_positions={self.config.n_positions}")
-        x = self._embed(ids, np.arange(len(ids)))
-        for block in self.layers[: k - 1]:
-            x = block(x)
-        block = self.layers[k - 1]
-        t = trace(block.attn, block.attention_input(x), tokens=labels if tokens is None else tokens,
-                  is_causal=block.causal, head=head)
+        with decoding_threads(len(ids)):  # as the forward pass runs them: the same numbers
+            x = self._embed(ids, np.arange(len(ids)))
+            for block in self.layers[: k - 1]:
+                x = block(x)
+            block = self.layers[k - 1]
+            t = trace(block.attn, block.attention_input(x), tokens=labels if tokens is None else tokens,
+                      is_causal=block.causal, head=head)
         t.layer = k
         return t
