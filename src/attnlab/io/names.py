@@ -18,7 +18,8 @@ from attnlab._validation import fmt_shape
 from attnlab.io.files import CheckpointError
 from attnlab.io.safetensors import FLOAT_DTYPES, load_tensors, read_header
 
-__all__ = ["NameMap", "bert_name_map", "load_mapped", "map_tensors"]
+__all__ = ["NameMap", "bert_name_map", "gpt2_name_map", "gpt2_transposed", "load_mapped", "load_transposed",
+           "map_tensors"]
 
 NameMap = dict[str, tuple[str, ...]]
 
@@ -152,3 +153,67 @@ def load_mapped(
     names = [prefix + s for sources in name_map.values() for s in sources]
     tensors = load_tensors(path, names, dtype=dtype, header=header)
     return _assemble(name_map, tensors, prefix, dtype)
+
+
+def gpt2_name_map(num_layers: int) -> NameMap:
+    """attnlab :class:`~attnlab.models.GPT2` names -> ``transformers`` ``GPT2Model`` names
+    (``GPT2LMHeadModel`` files add a ``transformer.`` prefix; the output layer is the token
+    embedding, so it has no tensor of its own). The four weights of
+    :func:`gpt2_transposed` are stored as ``Conv1D`` matrices ``(in, out)``; load them with
+    :func:`load_transposed`.
+
+    >>> m = gpt2_name_map(1)
+    >>> m["blocks.0.attn.in_proj_weight"], m["blocks.0.mlp.2.bias"]
+    (('h.0.attn.c_attn.weight',), ('h.0.mlp.c_proj.bias',))
+    """
+    names: NameMap = {"tok_emb.weight": ("wte.weight",), "pos_emb.weight": ("wpe.weight",)}
+    for i in range(num_layers):
+        hf, ours = f"h.{i}.", f"blocks.{i}."
+        for part in ("weight", "bias"):
+            names[f"{ours}ln_1.{part}"] = (f"{hf}ln_1.{part}",)
+        names[ours + "attn.in_proj_weight"] = (hf + "attn.c_attn.weight",)
+        names[ours + "attn.in_proj_bias"] = (hf + "attn.c_attn.bias",)
+        for ours_name, hf_name in (("attn.out_proj", "attn.c_proj"), ("ln_2", "ln_2"), ("mlp.0", "mlp.c_fc"),
+                                   ("mlp.2", "mlp.c_proj")):
+            for part in ("weight", "bias"):
+                names[f"{ours}{ours_name}.{part}"] = (f"{hf}{hf_name}.{part}",)
+    names["ln_f.weight"] = ("ln_f.weight",)
+    names["ln_f.bias"] = ("ln_f.bias",)
+    return names
+
+
+def gpt2_transposed(num_layers: int) -> frozenset[str]:
+    """The attnlab names of :func:`gpt2_name_map` whose tensors are ``Conv1D`` weights,
+    stored ``(in, out)`` (``y = x W + b``) where attnlab's ``Linear`` keeps ``(out, in)``.
+
+    >>> sorted(gpt2_transposed(1))
+    ['blocks.0.attn.in_proj_weight', 'blocks.0.attn.out_proj.weight', 'blocks.0.mlp.0.weight', \
+'blocks.0.mlp.2.weight']
+    """
+    parts = ("attn.in_proj_weight", "attn.out_proj.weight", "mlp.0.weight", "mlp.2.weight")
+    return frozenset(f"blocks.{i}.{p}" for i in range(num_layers) for p in parts)
+
+
+def load_transposed(
+    source: str | os.PathLike | Mapping[str, np.ndarray],
+    name_map: NameMap,
+    shapes: Mapping[str, tuple[int, ...]],
+    transposed: frozenset[str],
+    **options,
+) -> dict[str, np.ndarray]:
+    """:func:`load_mapped` (``source`` a file) or :func:`map_tensors` (``source`` a dict) for
+    checkpoints that store the ``transposed`` parameters as their transpose (``Conv1D``
+    weights): those tensors are checked in the stored layout (an error shows the shape the
+    file should hold) and come back in attnlab's, as transposed views.
+
+    >>> w = {"c.weight": np.arange(6, dtype=np.float32).reshape(2, 3)}  # (in, out)
+    >>> load_transposed(w, {"lin.weight": ("c.weight",)}, {"lin.weight": (3, 2)},
+    ...                 frozenset({"lin.weight"}))["lin.weight"].shape
+    (3, 2)
+    """
+    stored = {k: tuple(reversed(s)) if k in transposed else tuple(s) for k, s in shapes.items()}
+    if isinstance(source, Mapping):
+        state = map_tensors(source, name_map, stored, **options)
+    else:
+        state = load_mapped(source, name_map, stored, **options)
+    return {k: v.T if k in transposed else v for k, v in state.items()}

@@ -2,7 +2,9 @@
 
 :mod:`attnlab.models.tiny` holds the small GPT-style :class:`TinyTransformer` that
 ``attnlab train`` trains; :mod:`attnlab.models.bert` a BERT encoder in NumPy and the bundled
-all-MiniLM-L6-v2 model (the ``pretrained`` extra). Heavy optional dependencies
+all-MiniLM-L6-v2 model (the ``pretrained`` extra); :mod:`attnlab.models.gpt2` GPT-2, which
+loads Hugging Face checkpoints. Both decoders generate with a key/value cache
+(:mod:`attnlab.models.generate`). Heavy optional dependencies
 (safetensors, tokenizers) are imported only when a model is loaded.
 """
 
@@ -13,12 +15,16 @@ from attnlab.models.bert import (
     load_minilm,
     minilm_available,
 )
+from attnlab.models.gpt2 import GPT2, GPT2Config, GPT2Output
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 
 __all__ = [
     "BertConfig",
     "BertEncoder",
     "CheckpointError",
+    "GPT2",
+    "GPT2Config",
+    "GPT2Output",
     "TinyTransformer",
     "TinyTransformerConfig",
     "load_minilm",

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
+from attnlab.models.generate import decoder_forward, generate
 from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.layers import Embedding, LayerNorm
@@ -137,15 +138,30 @@ class TinyTransformer(Module):
         return ids
 
     def _embed(self, ids: np.ndarray, past: int = 0) -> np.ndarray:
-        return self.tok_emb(ids) + self.pos_emb(np.arange(past, past + ids.shape[-1]))
+        return self._embed_at(ids, np.arange(past, past + ids.shape[-1]))
 
-    def forward(self, ids: np.ndarray, *, cache: list[KVCache] | None = None) -> np.ndarray:
+    def _embed_at(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        # positions (T,) are shared by the batch, (B, T) are per sequence (a padded batch)
+        self._save(positions_per_sequence=positions.ndim == ids.ndim == 2)
+        return self.tok_emb(ids) + self.pos_emb(positions)
+
+    def forward(
+        self,
+        ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        *,
+        cache: list[KVCache] | None = None,
+        logits_to_keep: int | None = None,
+    ) -> np.ndarray:
         """``ids (B, T)`` or ``(T,)`` integer tokens -> ``logits (B, T, vocab_size)``.
 
         With ``cache`` (from :meth:`new_cache`) ``ids`` are the tokens after those already
         cached: their positions continue from there, their keys and values are appended,
         and the logits equal those of the whole sequence run at once. No backward pass
-        through a cached call.
+        through a cached call. ``attention_mask`` ``(B, P + T)`` (1 = real token, the
+        ``P`` cached ones included) leaves padding out and numbers positions over the real
+        tokens; ``logits_to_keep`` keeps only the last positions' logits (see
+        :func:`attnlab.models.generate.decoder_forward`).
 
         >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
         >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
@@ -155,30 +171,49 @@ class TinyTransformer(Module):
         >>> bool(np.abs(np.concatenate(step, axis=1) - model(ids)).max() < 1e-5)
         True
         """
-        past = 0
-        if cache is not None:
-            if not isinstance(cache, list | tuple) or len(cache) != len(self.layers) or not all(
-                isinstance(c, KVCache) for c in cache
-            ):
-                raise TypeError(
-                    f"cache must be a list of {len(self.layers)} KVCache (model.new_cache()), "
-                    f"got {type(cache).__name__}"
-                )
-            past = cache[0].length
-        ids = self._check_ids(ids, past)
-        x = self._embed(ids, past)
-        for i, block in enumerate(self.layers):
-            x = block(x, cache=None if cache is None else cache[i])
-        return self.head(self.ln_f(x))
+        c = self.config
+        return decoder_forward(
+            ids, attention_mask, cache, embed=self._embed_at, blocks=self.layers,
+            head=lambda h: self.head(self.ln_f(h)), vocab_size=c.vocab_size, n_positions=c.context_length,
+            positions_name="context_length", ids_name="ids", logits_to_keep=logits_to_keep,
+        )
+
+    def generate(
+        self,
+        ids: np.ndarray,
+        max_new_tokens: int,
+        *,
+        attention_mask: np.ndarray | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | None = None,
+    ) -> np.ndarray:
+        """The sequences ``ids (B, T)`` followed by up to ``max_new_tokens`` new tokens, with a
+        key/value cache: greedy when ``temperature == 0``, else sampled with ``rng``
+        (see :func:`attnlab.models.generate.generate`).
+
+        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
+        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
+        >>> model.generate(np.array([1, 2, 3]), 4).shape
+        (7,)
+        """
+        c = self.config
+        return generate(
+            self, ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.context_length,
+            positions_name="context_length", attention_mask=attention_mask, temperature=temperature,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+        )
 
     def backward(self, grad_logits: np.ndarray) -> None:
         """Fill ``.grad`` of every parameter from ``dLoss/dlogits`` (ids have no gradient)."""
+        per_sequence = self._saved()["positions_per_sequence"]
         g = self.ln_f.backward(self.head.backward(grad_logits))
         for block in reversed(self.layers):
             g = block.backward(g)
         self.tok_emb.backward(g)
-        # Positions are the same for every sequence: sum over the batch axis first.
-        self.pos_emb.backward(g.reshape(-1, *g.shape[-2:]).sum(axis=0))
+        # Positions shared by every sequence: sum over the batch axis first.
+        self.pos_emb.backward(g if per_sequence else g.reshape(-1, *g.shape[-2:]).sum(axis=0))
 
     def _one_sequence(self, ids) -> np.ndarray:
         ids = self._check_ids(ids)

@@ -1,0 +1,327 @@
+"""Decoding with attnlab's causal language models, written once for every decoder
+(:class:`~attnlab.models.GPT2`, :class:`~attnlab.models.TinyTransformer`).
+
+- :func:`decoder_forward`: token ids (with the tokens already in a key/value cache and
+  an optional ``attention_mask``) -> embeddings at their positions -> the causal blocks ->
+  logits. Positions follow ``transformers``: without a mask ``past .. past + T - 1``; with
+  a mask (1 = real token, left padding) each token's position counts the real tokens
+  before it (``cumsum(mask) - 1``; padding gets position 0), so a left-padded prompt gives
+  its real tokens the logits of the unpadded prompt.
+- :func:`next_token`: the greedy choice (``temperature == 0``) or a sample from
+  ``softmax(logits / temperature)`` (optionally among the ``top_k`` likeliest tokens).
+- :func:`generate`: the loop. The prompt runs once and fills a per-layer
+  :class:`~attnlab.nn.KVCache`; then each step feeds only the token just chosen, whose
+  query attends bottom-right causally over every cached key.
+
+Shapes: ``B`` prompts, ``T`` new tokens in a call, ``P`` tokens already cached, ``V``
+vocabulary size, ``D`` model width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import numpy as np
+
+from attnlab._threads import blas_limit, get_num_threads
+from attnlab._validation import generator, positive_int, shape_error
+from attnlab.core import softmax
+from attnlab.nn.attention import KVCache
+
+__all__ = ["check_attention_mask", "check_token_ids", "decoder_forward", "generate", "next_token",
+           "position_ids"]
+
+
+def check_token_ids(input_ids, vocab_size: int, name: str = "input_ids") -> np.ndarray:
+    """``input_ids`` as an integer array ``(B, T)`` or ``(T,)`` of ids in ``0..vocab_size-1``.
+
+    >>> check_token_ids([[1, 7]], 5)
+    Traceback (most recent call last):
+    ...
+    ValueError: input_ids holds token id 7, but token ids must lie in [0, 5) (the vocabulary has 5 tokens)
+    """
+    ids = np.asarray(input_ids)
+    if ids.ndim not in (1, 2):
+        raise shape_error(name, ids.shape, "(B, T) or (T,)")
+    if ids.size == 0 and ids.dtype == np.float64:  # an empty list
+        ids = ids.astype(np.int64)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.shape[-1] == 0:
+        raise shape_error(name, ids.shape, "(B, T) with T >= 1: at least one token")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, but token ids must lie in [0, {vocab_size}) "
+                             f"(the vocabulary has {vocab_size} tokens)")
+    return ids
+
+
+def check_attention_mask(
+    attention_mask, shape: tuple[int, ...], *, left_padded: bool = False
+) -> np.ndarray | None:
+    """``attention_mask`` (bool, or 0/1 integers; 1 = real token) of ``shape`` as a bool
+    array, or None when it is None or all ones (nothing is padded).
+
+    With ``left_padded`` each row must be zeros, then ones (at least one): the padding of
+    a batch of prompts that will be continued on the right.
+
+    >>> check_attention_mask([[0, 1, 1], [1, 1, 1]], (2, 3), left_padded=True).astype(int)
+    array([[0, 1, 1],
+           [1, 1, 1]])
+    """
+    if attention_mask is None:
+        return None
+    mask = np.asarray(attention_mask)
+    if mask.shape != tuple(shape):
+        raise shape_error("attention_mask", mask.shape, f"{tuple(shape)} (one entry per token, cached "
+                          "ones included)")
+    if mask.dtype != np.bool_:
+        if not (np.issubdtype(mask.dtype, np.integer) or np.issubdtype(mask.dtype, np.floating)) \
+                or not np.isin(mask, (0, 1)).all():
+            raise ValueError("attention_mask must be boolean or hold only 0 and 1 (1 = real token)")
+        mask = mask.astype(bool)
+    if left_padded:
+        rows = mask.reshape(-1, mask.shape[-1])
+        empty = ~rows.any(axis=-1)
+        if empty.any():
+            raise ValueError(f"attention_mask row {int(np.argmax(empty))} has no real token (all 0)")
+        late = (np.diff(rows.astype(np.int8), axis=-1) < 0).any(axis=-1)
+        if late.any():
+            raise ValueError(f"attention_mask row {int(np.argmax(late))} is not left-padded: a prompt "
+                             "to continue must be padded on the left (0s, then 1s)")
+    return None if mask.all() else mask
+
+
+def position_ids(attention_mask: np.ndarray | None, past: int, T: int) -> np.ndarray:
+    """The positions of ``T`` new tokens after ``past`` cached ones: ``(T,)`` without a mask,
+    else ``(B, T)`` counted over the real tokens (``cumsum(mask) - 1``, padding at 0), as
+    ``transformers``' ``generate`` computes them.
+
+    >>> position_ids(None, 2, 3)
+    array([2, 3, 4])
+    >>> position_ids(np.array([[False, True, True], [True, True, True]]), 0, 3)
+    array([[0, 0, 1],
+           [0, 1, 2]])
+    """
+    if attention_mask is None:
+        return np.arange(past, past + T)
+    pos = np.cumsum(attention_mask, axis=-1) - 1
+    pos[~attention_mask] = 0
+    return pos[..., past:]
+
+
+#: A call with at most this many tokens (a decoding step: ``B`` rows against every weight
+#: matrix) holds BLAS to one thread. Such matrix-vector products are bound by memory, not
+#: arithmetic, and a second BLAS thread mostly waits: GPT-2 small with 512 cached tokens
+#: took 68-97 ms per token with one thread and 165-580 ms with two (batch 4: 171-179 ms vs
+#: 451-505 ms; 2 shared cores). Longer calls (a prompt) keep every thread.
+DECODE_ROWS = 16
+
+
+def decoding_threads(tokens: int):
+    """The BLAS threads of a call on ``tokens`` tokens, as a context: one thread for a
+    decoding step (at most :data:`DECODE_ROWS` tokens), else all of them. Whatever
+    computes the same arrays again (a trace) uses it too, so they come out equal."""
+    return blas_limit(get_num_threads()) if tokens <= DECODE_ROWS else nullcontext()
+
+
+def cache_length(cache, n_layers: int) -> int:
+    """The number of cached tokens of a per-layer cache (a list of ``n_layers``
+    :class:`~attnlab.nn.KVCache`), 0 for None."""
+    if cache is None:
+        return 0
+    if not isinstance(cache, list | tuple) or len(cache) != n_layers or not all(
+        isinstance(c, KVCache) for c in cache
+    ):
+        raise TypeError(
+            f"cache must be a list of {n_layers} KVCache (model.new_cache()), got {type(cache).__name__}"
+        )
+    return cache[0].length
+
+
+def decoder_forward(
+    input_ids,
+    attention_mask,
+    cache,
+    *,
+    embed: Callable[[np.ndarray, np.ndarray], np.ndarray],
+    blocks: Sequence,
+    head: Callable[[np.ndarray], np.ndarray],
+    vocab_size: int,
+    n_positions: int,
+    positions_name: str,
+    ids_name: str = "input_ids",
+    logits_to_keep: int | None = None,
+    hidden: list | None = None,
+    maps: list | None = None,
+) -> np.ndarray:
+    """The forward pass of a causal decoder: ``embed(ids, positions)`` -> every block (causal,
+    with the key padding mask and its layer's cache) -> ``head`` (final norm and output
+    layer) -> logits ``(..., T, V)`` (``(..., logits_to_keep, V)``: only the last ones).
+
+    ``positions_name`` names the model's limit on positions in errors
+    (``"n_positions"``, ``"context_length"``), ``ids_name`` the ids' argument. Given lists, ``hidden`` receives the
+    embeddings and every block's output ``(..., T, D)``, ``maps`` every block's attention
+    weights ``(..., H, T, P + T)`` (the blocks' own ``need_weights`` maps).
+    """
+    past = cache_length(cache, len(blocks))
+    ids = check_token_ids(input_ids, vocab_size, ids_name)
+    T = ids.shape[-1]
+    if past + T > n_positions:
+        need = f"(B, T) with 1 <= T <= {positions_name}={n_positions}"
+        if past:
+            need += f" - {past} cached tokens"
+        raise shape_error(ids_name, ids.shape, need)
+    mask = check_attention_mask(attention_mask, (*ids.shape[:-1], past + T))
+    if logits_to_keep is not None:
+        logits_to_keep = min(positive_int(logits_to_keep, "logits_to_keep"), T)
+    with decoding_threads(ids.size):
+        x = embed(ids, position_ids(mask, past, T))
+        if hidden is not None:
+            hidden.append(x)
+        for i, block in enumerate(blocks):
+            layer_cache = None if cache is None else cache[i]
+            if maps is None:
+                x = block(x, key_padding_mask=mask, cache=layer_cache)
+            else:
+                x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache)
+                maps.append(w)
+            if hidden is not None:
+                hidden.append(x)
+        if logits_to_keep is not None:
+            x = x[..., T - logits_to_keep :, :]
+        return head(x)
+
+
+def next_token(
+    logits: np.ndarray,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
+    """The next token of each row of ``logits (B, V)``: ``(B,)`` int64.
+
+    ``temperature == 0``: the likeliest token (the first on ties, as ``argmax``). Else a
+    sample from ``softmax(logits / temperature)`` drawn with ``rng``, restricted to the
+    ``top_k`` likeliest tokens (ties with the ``top_k``-th kept) when ``top_k`` is given.
+
+    >>> next_token(np.array([[0.1, 2.0, -1.0]]))
+    array([1])
+    >>> next_token(np.array([[0.1, 2.0, -1.0]]), temperature=1.0, top_k=1, rng=np.random.default_rng(0))
+    array([1])
+    """
+    temperature, top_k = _check_sampling(temperature, top_k)
+    logits = np.asarray(logits)
+    if temperature == 0.0:
+        return logits.argmax(axis=-1).astype(np.int64)
+    rng = generator(rng)
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
+        z[z < kth] = -np.inf
+    cdf = np.cumsum(softmax(z, axis=-1), axis=-1)
+    u = rng.random(z.shape[:-1])[..., None] * cdf[..., -1:]
+    choice = (cdf <= u).sum(axis=-1)  # the first index whose cumulative mass exceeds u
+    return np.minimum(choice, z.shape[-1] - 1).astype(np.int64)
+
+
+def _check_sampling(temperature, top_k) -> tuple[float, int | None]:
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.integer | np.floating):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not (np.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None:
+        top_k = positive_int(top_k, "top_k")
+        if temperature == 0.0:
+            raise ValueError(f"top_k={top_k} needs sampling (temperature > 0); greedy decoding "
+                             "takes the likeliest token")
+    return temperature, top_k
+
+
+def _eos_ids(eos_token_id) -> np.ndarray | None:
+    if eos_token_id is None:
+        return None
+    ids = np.atleast_1d(np.asarray(eos_token_id))
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer) or (ids < 0).any():
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos_token_id!r}")
+    return ids.astype(np.int64)
+
+
+def generate(
+    model,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    vocab_size: int,
+    n_positions: int,
+    positions_name: str = "n_positions",
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng: np.random.Generator | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> np.ndarray:
+    """Continue ``input_ids`` by ``max_new_tokens`` tokens with a key/value cache.
+
+    ``model`` is a decoder: ``model.new_cache()`` gives an empty per-layer cache and
+    ``model(ids, attention_mask=..., cache=..., logits_to_keep=1)`` the logits of the last
+    new token. The prompt runs once; each step then runs only the chosen token. With
+    ``eos_token_id`` a row that has produced it is finished: it continues with
+    ``eos_token_id`` (the first, for a list) and the loop stops when every row is
+    finished, as ``transformers``' ``generate`` does without a ``pad_token_id``.
+
+    Args:
+        model: the decoder.
+        input_ids: ``(B, T)`` or ``(T,)`` prompts, left-padded to one length.
+        max_new_tokens: how many tokens to add (0: the prompt back).
+        vocab_size, n_positions, positions_name: the model's vocabulary size and its
+            limit on positions (and that limit's name, for errors).
+        attention_mask: ``(B, T)`` (``(T,)``) 1 for real tokens, 0 for the left padding.
+        temperature, top_k, rng: see :func:`next_token`.
+        eos_token_id: the token (or tokens) that ends a sequence; None: never stop early.
+
+    Returns:
+        ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=
+        max_new_tokens`` new tokens.
+    """
+    ids = check_token_ids(input_ids, vocab_size)
+    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
+    temperature, top_k = _check_sampling(temperature, top_k)
+    eos = _eos_ids(eos_token_id)
+    if temperature > 0:
+        rng = generator(rng)
+    T = ids.shape[-1]
+    if T + max_new_tokens > n_positions:
+        raise ValueError(f"the prompt has {T} tokens and max_new_tokens={max_new_tokens}: {T + max_new_tokens} "
+                         f"positions, but the model has {positions_name}={n_positions}")
+    mask = check_attention_mask(attention_mask, ids.shape, left_padded=True)
+    single = ids.ndim == 1
+    rows = ids.astype(np.int64).reshape(-1, T)
+    mask = None if mask is None else mask.reshape(rows.shape)
+    if max_new_tokens == 0:
+        return rows[0] if single else rows
+    cache = model.new_cache()
+    finished = np.zeros(len(rows), dtype=bool)
+    out = np.empty((len(rows), T + max_new_tokens), dtype=np.int64)
+    out[:, :T] = rows
+    step_ids, n = rows, 0
+    while True:
+        logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+        token = next_token(logits, temperature=temperature, top_k=top_k, rng=rng)
+        if eos is not None:
+            token[finished] = eos[0]
+            finished |= np.isin(token, eos)
+        out[:, T + n] = token
+        n += 1
+        if n == max_new_tokens or finished.all():
+            break
+        step_ids = token[:, None]
+        if mask is not None:
+            mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=bool)], axis=1)
+    out = out[:, : T + n]
+    return out[0] if single else out

@@ -1,0 +1,499 @@
+"""GPT-2 built from attnlab's blocks: a causal language model that loads Hugging Face
+checkpoints and generates with a key/value cache.
+
+:class:`GPT2` is an arrangement of the shared :mod:`attnlab.nn` layers, as
+``transformers``' ``GPT2LMHeadModel`` computes it::
+
+    ids (B, T) -> token embedding + learned position embedding
+               -> n_layer x pre-norm TransformerBlock (causal, tanh GELU)
+               -> LayerNorm -> tied output layer (the token embedding) -> logits (B, T, V)
+
+Its attention is :class:`~attnlab.MultiheadAttention` inside
+:class:`~attnlab.nn.TransformerBlock`, so the maps, :meth:`GPT2.trace` and the cache come
+from the blocks. :meth:`GPT2.from_pretrained` reads ``config.json`` and
+``model.safetensors`` with attnlab's own safetensors reader (no torch, no pickle); the
+checkpoint's ``Conv1D`` weights ``(in, out)`` are transposed at load
+(:func:`attnlab.io.names.load_transposed`). A ``tokenizer.json`` is read with the
+``tokenizers`` library when the folder has one (:meth:`GPT2.generate_text`).
+
+Shapes: ``B`` sequences, ``T`` tokens, ``D = n_embd``, ``H = n_head``, ``V = vocab_size``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import re
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
+from attnlab.io import CheckpointError, read_header, read_json
+from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
+from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, generate
+from attnlab.nn import functional as F
+from attnlab.nn import init
+from attnlab.nn.attention import KVCache
+from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.layers import Embedding, LayerNorm
+from attnlab.nn.module import Module
+from attnlab.trace import Trace, trace
+
+__all__ = ["GPT2", "GPT2Config", "GPT2Output"]
+
+# transformers' activation names -> attnlab's (``gelu_new`` is GPT-2's tanh approximation).
+ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """The architecture of a GPT-2 model (the fields of ``transformers``' ``config.json``).
+
+    Attributes:
+        vocab_size: number of token ids ``V``.
+        n_positions: the longest sequence (number of position embeddings).
+        n_embd: width ``D``; ``n_head`` must divide it.
+        n_layer: number of transformer blocks.
+        n_head: attention heads per block.
+        n_inner: feed-forward width (None: ``4 * n_embd``).
+        activation_function: ``"gelu_new"`` (GPT-2's tanh GELU), ``"gelu_pytorch_tanh"``,
+            ``"gelu"`` (exact) or ``"relu"``.
+        layer_norm_epsilon: the LayerNorms' ``eps``.
+        bos_token_id, eos_token_id: the tokenizer's special ids (kept for the caller;
+            :meth:`GPT2.generate` stops only at an ``eos_token_id`` it is given).
+
+    >>> GPT2Config(n_embd=64, n_head=4).d_ff
+    256
+    >>> GPT2Config(n_embd=64, n_head=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: n_embd=64 must be divisible by n_head=5
+    """
+
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    bos_token_id: int | None = 50256
+    eos_token_id: int | None = 50256
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"):
+            positive_int(getattr(self, name), name)
+        if self.n_inner is not None:
+            positive_int(self.n_inner, "n_inner")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.activation_function not in ACTIVATIONS:
+            raise ValueError(f"activation_function must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                             f"got {self.activation_function!r}")
+        eps = self.layer_norm_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not (math.isfinite(eps) and eps > 0):
+            raise ValueError(f"layer_norm_epsilon must be a positive float, got {eps!r}")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(value, name, allow_zero=True)
+
+    @property
+    def d_ff(self) -> int:
+        return 4 * self.n_embd if self.n_inner is None else self.n_inner
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> GPT2Config:
+        """Read a ``transformers`` GPT-2 ``config.json``; errors name the file and the field.
+
+        Options attnlab's GPT-2 does not compute are refused: unscaled or layer-scaled
+        attention, cross-attention, an output layer not tied to the token embedding.
+        """
+        path = Path(path)
+        data = read_json(path)
+        if data.get("model_type") != "gpt2":
+            raise CheckpointError(f"{path}: model_type is {data.get('model_type')!r}, but should be 'gpt2' "
+                                  "(this is not a GPT-2 checkpoint)")
+        unsupported = [("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                       ("add_cross_attention", False), ("tie_word_embeddings", True)]
+        for key, needed in unsupported:
+            if data.get(key, needed) != needed:
+                raise CheckpointError(f"{path}: {key}={data[key]!r} is not supported (attnlab's GPT-2 "
+                                      f"needs {key}={needed})")
+        values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        for key in ("bos_token_id", "eos_token_id"):  # a list of ids: the first
+            if isinstance(values.get(key), list):
+                values[key] = values[key][0] if values[key] else None
+        missing = [n for n in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if n not in values]
+        if missing:
+            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+
+
+@dataclass
+class GPT2Output:
+    """Everything :meth:`GPT2.inspect` records for a batch.
+
+    Attributes:
+        logits: ``(B, T, V)``.
+        hidden_states: ``(n_layer + 1, B, T, D)``: layer 0 is the embeddings (token +
+            position), layer ``k`` the output of block ``k`` (before the final LayerNorm;
+            ``transformers``' last hidden state is after it).
+        attentions: ``(n_layer, B, H, T, T)``, each row a causal map summing to 1 (a
+            padded query's row is all 0: it has no real token to attend to).
+    """
+
+    logits: np.ndarray
+    hidden_states: np.ndarray
+    attentions: np.ndarray
+
+
+def _layers_in(names, prefix: str) -> int:
+    found = {int(m.group(1)) for n in names if (m := re.match(re.escape(prefix) + r"h\.(\d+)\.", n))}
+    return max(found) + 1 if found else 0
+
+
+class GPT2(Module):
+    """A GPT-2 language model (``transformers``' ``GPT2LMHeadModel``, eval mode).
+
+    Build it with :meth:`from_pretrained` (a checkpoint folder), from a config and a
+    ``transformers``-named weights dict (``weights=``, with or without the
+    ``transformer.`` prefix), or from a config alone (random weights from ``rng``). It is
+    built in eval mode. Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
+    ``blocks.{i}.ln_1.weight``, ``blocks.{i}.attn.in_proj_weight``, …, ``ln_f.bias``; the
+    output layer is ``tok_emb.weight`` (tied).
+
+    Args:
+        config: the :class:`GPT2Config`.
+        weights: tensor name -> array in ``transformers``' names, ``Conv1D`` layout.
+        tokenizer: a ``tokenizers.Tokenizer`` for the text methods.
+        rng: Generator of the random weights (only without ``weights``).
+        dtype: float32 (default) or float64.
+        name: a human-readable description.
+        attention_fn: passed to every attention layer (a faster kernel).
+
+    >>> cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    >>> model = GPT2(cfg, rng=np.random.default_rng(0))
+    >>> model(np.array([[1, 2, 3]])).shape
+    (1, 3, 50)
+    >>> model.generate(np.array([[1, 2, 3]]), 4).shape
+    (1, 7)
+    """
+
+    def __init__(
+        self,
+        config: GPT2Config,
+        weights: dict[str, np.ndarray] | None = None,
+        tokenizer=None,
+        *,
+        rng: np.random.Generator | None = None,
+        dtype=np.float32,
+        name: str | None = None,
+        attention_fn=None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, GPT2Config):
+            raise TypeError(f"config must be a GPT2Config, got {type(config).__name__}")
+        c = config
+        dtype = float_dtype(dtype)
+        object.__setattr__(self, "config", c)
+        object.__setattr__(self, "tokenizer", tokenizer)
+        object.__setattr__(self, "name", name or f"GPT-2 ({c.n_layer} layers)")
+        rng = generator(rng)
+        with init.empty_weights() if weights is not None else contextlib.nullcontext():
+            self.tok_emb = Embedding(c.vocab_size, c.n_embd, dtype=dtype, rng=rng)
+            self.pos_emb = Embedding(c.n_positions, c.n_embd, dtype=dtype, rng=rng)
+            for emb in (self.tok_emb, self.pos_emb):  # GPT-2's N(0, 0.02), not torch's N(0, 1)
+                emb.weight.data[...] = init.normal(rng, emb.weight.shape, dtype, std=0.02)
+            self.blocks = Module()
+            for i in range(c.n_layer):
+                block = TransformerBlock(
+                    c.n_embd, c.n_head, c.d_ff, activation=ACTIVATIONS[c.activation_function], causal=True,
+                    norm_first=True, layer_norm_eps=c.layer_norm_epsilon, attention_fn=attention_fn,
+                    rng=rng, dtype=dtype,
+                )
+                setattr(self.blocks, str(i), block)
+            self.ln_f = LayerNorm(c.n_embd, c.layer_norm_epsilon, dtype=dtype)
+        if weights is not None:
+            self.load_state_dict(load_transposed(weights, gpt2_name_map(c.n_layer), self._shapes(),
+                                                 gpt2_transposed(c.n_layer), dtype=dtype,
+                                                 prefixes=("", "transformer."), what="GPT-2"))
+        self.eval()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"GPT2({self.name!r}, layers={c.n_layer}, heads={c.n_head}, n_embd={c.n_embd}, "
+                f"vocab_size={c.vocab_size}, n_positions={c.n_positions}, dtype={self.dtype})")
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tok_emb.weight.dtype
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        """The transformer blocks, first to last (layer ``k`` is ``layers[k - 1]``)."""
+        return list(self.blocks._modules.values())
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: p.shape for n, p in self.named_parameters()}
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype=np.float32, name: str | None = None) -> GPT2:
+        """Load a GPT-2 checkpoint folder: ``config.json``, ``model.safetensors`` and, when
+        present, ``tokenizer.json`` (read with the ``tokenizers`` library).
+
+        Nothing is downloaded and pickle files (``pytorch_model.bin``) are never read.
+        Every tensor is checked (present, float, the shape the config needs, in the
+        ``Conv1D`` layout) before any is read; a ``transformer.`` prefix
+        (``GPT2LMHeadModel`` files) is accepted.
+
+        Raises:
+            FileNotFoundError: the folder, ``config.json`` or ``model.safetensors`` is missing.
+            CheckpointError: a malformed file, an unsupported config, a missing tensor or
+                one of the wrong shape or dtype (the message names the file, the tensor
+                and the shape found and needed), a folder with only ``pytorch_model.bin``.
+        """
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder} is not a folder (a GPT-2 checkpoint folder needs "
+                                    "config.json and model.safetensors)")
+        weights_file = folder / "model.safetensors"
+        if not weights_file.exists() and (folder / "pytorch_model.bin").is_file():
+            raise CheckpointError(f"{folder} has only pytorch_model.bin (a pickle file, never loaded by "
+                                  "attnlab); convert it to model.safetensors")
+        config = GPT2Config.from_json(folder / "config.json")
+        dtype = float_dtype(dtype)
+        header = read_header(weights_file)
+        prefix = "transformer." if "transformer.wte.weight" in header[0] else ""
+        n = _layers_in(header[0], prefix)
+        if n > config.n_layer:
+            raise CheckpointError(f"{folder / 'config.json'}: n_layer is {config.n_layer}, but "
+                                  f"{weights_file} holds {n} layers")
+        tokenizer = None
+        if (folder / "tokenizer.json").is_file():
+            if importlib.util.find_spec("tokenizers") is None:
+                warnings.warn(f"{folder / 'tokenizer.json'} is not read: the tokenizers library is not "
+                              "installed (pip install tokenizers); the text methods need it", stacklevel=2)
+            else:
+                from attnlab.models.bert import _load_tokenizer
+
+                tokenizer = _load_tokenizer(folder / "tokenizer.json")
+        with init.empty_weights():
+            model = cls(config, tokenizer=tokenizer, dtype=dtype, name=name or folder.name)
+        c = config
+        model.load_state_dict(load_transposed(
+            weights_file, gpt2_name_map(c.n_layer), model._shapes(), gpt2_transposed(c.n_layer),
+            dtype=dtype, prefixes=(prefix,), what="GPT-2", header=header,
+        ))
+        return model
+
+    # ------------------------------------------------------------------ forward
+
+    def new_cache(self) -> list[KVCache]:
+        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
+        :meth:`forward` ``(..., cache=...)``."""
+        return [KVCache() for _ in self.layers]
+
+    def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        x = self.tok_emb(ids)  # a fresh array
+        x += self.pos_emb(positions)
+        return x
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        """The final LayerNorm, then the output layer tied to the token embedding."""
+        return F.linear(self.ln_f(h), self.tok_emb.weight.data)
+
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
+        c = self.config
+        return decoder_forward(
+            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
+            vocab_size=c.vocab_size, n_positions=c.n_positions, positions_name="n_positions",
+            logits_to_keep=logits_to_keep, hidden=hidden, maps=maps,
+        )
+
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        *,
+        cache: list[KVCache] | None = None,
+        logits_to_keep: int | None = None,
+    ) -> np.ndarray:
+        """``input_ids (B, T)`` (or ``(T,)``) -> ``logits (B, T, V)``.
+
+        Args:
+            input_ids: integer token ids in ``0..V-1``.
+            attention_mask: ``(B, P + T)``, 1 (True) for real tokens, 0 for padding, the
+                ``P`` cached tokens included. Padded keys take no part; positions count
+                the real tokens (``cumsum(mask) - 1``, as ``transformers``' ``generate``),
+                so a left-padded sequence's real tokens get the logits of the unpadded one.
+                (``GPT2LMHeadModel.forward`` itself numbers positions ``0..T-1`` unless
+                given ``position_ids``.) Logits at padded positions mean nothing.
+            cache: from :meth:`new_cache`: ``input_ids`` are the tokens after the cached ones;
+                their keys and values are appended, and the logits equal those of the
+                whole sequence run at once.
+            logits_to_keep: only the last this many positions' logits (None: all).
+        """
+        return self._run(input_ids, attention_mask, cache, logits_to_keep)
+
+    def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> GPT2Output:
+        """The logits with every layer's hidden states and attention maps (see
+        :class:`GPT2Output`), as ``GPT2LMHeadModel(..., output_hidden_states=True,
+        output_attentions=True)``.
+
+        >>> cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+        >>> out = GPT2(cfg, rng=np.random.default_rng(0)).inspect(np.array([[1, 2, 3]]))
+        >>> out.hidden_states.shape, out.attentions.shape, float(out.attentions[0, 0, 0, 0, 1])
+        ((3, 1, 3, 16), (2, 1, 2, 3, 3), 0.0)
+        """
+        hidden, maps = [], []
+        logits = self._run(input_ids, attention_mask, None, hidden=hidden, maps=maps)
+        return GPT2Output(logits, np.stack(hidden), np.stack(maps))
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        max_new_tokens: int,
+        *,
+        attention_mask: np.ndarray | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """The prompts followed by up to ``max_new_tokens`` new tokens: ``(B, T + n)``.
+
+        The prompt runs once and fills a per-layer key/value cache; each step runs only the
+        token just chosen, whose query attends bottom-right causally over the cached keys.
+        Greedy when ``temperature == 0`` (token for token as ``transformers``'
+        ``generate(do_sample=False)``); otherwise a sample from ``softmax(logits /
+        temperature)`` (among the ``top_k`` likeliest) drawn with ``rng``. A batch of
+        prompts of different lengths is left-padded, with ``attention_mask`` (1 = real
+        token). With ``eos_token_id`` a finished row continues with it and generation stops
+        when every row has finished. See :func:`attnlab.models.generate.generate`.
+
+        Raises:
+            ValueError: token ids outside the vocabulary, the prompt plus
+                ``max_new_tokens`` longer than ``n_positions``, a mask that is not 0/1 or
+                not left-padded, a negative temperature, ``top_k`` without sampling.
+        """
+        c = self.config
+        return generate(
+            self, input_ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.n_positions,
+            positions_name="n_positions", attention_mask=attention_mask, temperature=temperature,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+        )
+
+    # ------------------------------------------------------------------ text
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError("this GPT2 has no tokenizer: load a folder with tokenizer.json "
+                             "(GPT2.from_pretrained) or pass tokenizer=")
+        return self.tokenizer
+
+    def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
+        """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (tokens as the
+        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        enc = self._tokenizer().encode(text)
+        if not enc.ids:
+            raise ValueError("text is empty: it has no tokens")
+        return np.array(enc.ids, dtype=np.int64), list(enc.tokens)
+
+    def generate_text(
+        self,
+        prompt: str | Sequence[str],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> str | list[str]:
+        """Text in, text out: each prompt and its continuation (up to an ``eos_token_id``,
+        which is left out), decoded by the tokenizer. Several prompts run as one
+        left-padded batch. The options are :meth:`generate`'s.
+        """
+        single = isinstance(prompt, str)
+        prompts = [prompt] if single else list(prompt)
+        if not prompts:
+            raise ValueError("prompt is empty: give a text or a list of texts")
+        encoded = [self.encode(p)[0] for p in prompts]
+        T = max(len(e) for e in encoded)
+        ids = np.zeros((len(encoded), T), dtype=np.int64)
+        mask = np.zeros((len(encoded), T), dtype=bool)
+        for i, e in enumerate(encoded):
+            ids[i, T - len(e) :], mask[i, T - len(e) :] = e, True
+        out = self.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature,
+                            top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+        stop = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
+        texts = []
+        for row, e in zip(out, encoded, strict=True):
+            new = row[T:].tolist()
+            end = next((j for j, t in enumerate(new) if t in stop), len(new))
+            texts.append(self.tokenizer.decode(e.tolist() + new[:end]))
+        return texts[0] if single else texts
+
+    # ------------------------------------------------------------------ inspection
+
+    def _one_sequence(self, ids_or_text) -> tuple[np.ndarray, list[str]]:
+        if isinstance(ids_or_text, str):
+            return self.encode(ids_or_text)
+        ids = check_token_ids(ids_or_text, self.config.vocab_size, "ids")
+        if ids.ndim != 1:
+            raise shape_error("ids", ids.shape, "(T,): one sequence")
+        tokens = [self.tokenizer.id_to_token(int(i)) or str(int(i)) for i in ids] if self.tokenizer \
+            else [str(int(i)) for i in ids]
+        return ids, tokens
+
+    def trace(self, ids_or_text, *, layer: int = -1, head: int | None = None, tokens=None) -> Trace:
+        """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s causal attention on
+        one sequence.
+
+        Args:
+            ids_or_text: ``(T,)`` token ids, or a text (needs the tokenizer).
+            layer: ``1..n_layer`` (the block whose attention is traced), negatives from
+                the end; 0 (the embeddings) has no attention.
+            head: keep only this head's per-head steps (``None``: every head).
+            tokens: ``T`` labels (default: the tokenizer's tokens, else the ids).
+
+        >>> cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+        >>> t = GPT2(cfg, rng=np.random.default_rng(0)).trace(np.array([1, 2, 3]), layer=1, head=1)
+        >>> t.layer, t.head, t.get("weights", 1).round(2)[0]
+        (1, 1, array([1., 0., 0.], dtype=float32))
+        """
+        ids, labels = self._one_sequence(ids_or_text)
+        k = layer_number(layer, self.config.n_layer, embeddings=False)
+        if len(ids) > self.config.n_positions:
+            raise shape_error("ids", ids.shape, f"(T,) with T <= n_positions={self.config.n_positions}")
+        with decoding_threads(len(ids)):  # as the forward pass runs them: the same numbers
+            x = self._embed(ids, np.arange(len(ids)))
+            for block in self.layers[: k - 1]:
+                x = block(x)
+            block = self.layers[k - 1]
+            t = trace(block.attn, block.attention_input(x), tokens=labels if tokens is None else tokens,
+                      is_causal=block.causal, head=head)
+        t.layer = k
+        return t
