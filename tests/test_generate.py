@@ -180,12 +180,12 @@ def test_cli_generate_errors_are_one_line(recall, capsys, args, message):
 
 def test_cli_generate_missing_or_bad_checkpoint(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(tmp_path / "none.npz"), "k1"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "file not found" in capsys.readouterr().err
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip")
     assert main(["generate", "--checkpoint", str(bad), "k1"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "not a readable .npz checkpoint" in err
+    assert err.count("\n") == 1 and "is not an .npz checkpoint (it is not a zip archive)" in err
 
 
 # ----------------------------------------------------------------------------- induction notes

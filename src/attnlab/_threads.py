@@ -25,6 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -153,6 +154,20 @@ class _BlasLimiter:
 BLAS_LIMITER = _BlasLimiter()
 
 
+@contextmanager
+def blas_limit(threads: int):
+    """BLAS held to one thread while the block runs, through the process-wide
+    :data:`BLAS_LIMITER` (a no-op for ``threads == 1``, where nothing else competes)."""
+    if threads == 1:
+        yield
+        return
+    BLAS_LIMITER.acquire()
+    try:
+        yield
+    finally:
+        BLAS_LIMITER.release()
+
+
 def run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
     """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
 
@@ -185,14 +200,10 @@ def run_units(units: Iterable, run_unit: Callable, threads: int) -> None:
     if threads == 1:
         loop()
         return
-    BLAS_LIMITER.acquire()
-    try:
-        with ThreadPoolExecutor(threads - 1, thread_name_prefix="attnlab") as ex:
-            futures = [ex.submit(loop) for _ in range(threads - 1)]
-            try:
-                loop()
-            finally:
-                for f in futures:
-                    f.result()
-    finally:
-        BLAS_LIMITER.release()
+    with blas_limit(threads), ThreadPoolExecutor(threads - 1, thread_name_prefix="attnlab") as ex:
+        futures = [ex.submit(loop) for _ in range(threads - 1)]
+        try:
+            loop()
+        finally:
+            for f in futures:
+                f.result()
