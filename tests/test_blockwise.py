@@ -50,14 +50,16 @@ def naive_mask(kind, L, S, rng, dtype):
     return m, {"attn_mask": m}
 
 
-def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, fused=False, **blocks):
+def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, fused=False, diag_rows=None, **blocks):
     """The blockwise kernel (on the chosen element-wise pass, always on a real pool when
-    ``num_threads > 1``) against the naive path, forward and backward."""
+    ``num_threads > 1``; causal diagonal tiles cut into pieces of ``diag_rows`` rows when
+    given) against the naive path, forward and backward."""
     dtype = q.dtype.type
     mask, kw = naive_mask(kind, q.shape[-2], k.shape[-2], rng, dtype)
     spec = attention_mod.check_attention_args(q, k, v, attn_mask=mask, enable_gqa=gqa)
     want, want_g = naive.forward(spec), naive.backward(spec, g)
-    with kernel_tuning(fused):
+    pieces = {} if diag_rows is None else {"diag_rows": diag_rows}
+    with kernel_tuning(fused, **pieces):
         out, lse = blockwise_attention_forward(q, k, v, enable_gqa=gqa, **kw, **blocks)
         got_g = blockwise_attention_backward(g, q, k, v, enable_gqa=gqa, out=out, lse=lse, **kw, **blocks)
     assert out.dtype == q.dtype and not np.isnan(out).any()
@@ -80,17 +82,19 @@ def check_against_naive(q, k, v, g, kind, rng, *, gqa=False, fused=False, **bloc
     threads=st.sampled_from([1, 2, 3]),
     kv_heads=st.sampled_from([1, 3]),  # 1: GQA, 3 query heads share one key/value head
     fused=st.sampled_from([False, True] if bw.fused_available() else [False]),
+    diag_rows=st.integers(1, 12),
 )
 def test_equals_naive_for_any_blocks(
-    seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads, kv_heads, fused
+    seed, L, S, E, Ev, block_q, block_k, kind, dtype, threads, kv_heads, fused, diag_rows
 ):
-    """Any tile sizes, on both element-wise passes (the compiled one computes float32; a
-    float64 call runs on NumPy), with pools that really start (2 or 3 threads)."""
+    """Any tile sizes and causal diagonal pieces, on both element-wise passes (the compiled
+    one computes float32; a float64 call runs on NumPy), with pools that really start (2 or
+    3 threads)."""
     rng = np.random.default_rng(seed)
     q, k, v, g = inputs(rng, (2,), 3, kv_heads, L, S, E, Ev, dtype)
     check_against_naive(
         q, k, v, g, kind, rng, gqa=kv_heads != 3, block_q=block_q, block_k=block_k,
-        num_threads=threads, fused=fused,
+        num_threads=threads, fused=fused, diag_rows=diag_rows,
     )
 
 
@@ -125,6 +129,31 @@ def test_blocks_dividing_neither_L_nor_S(dtype, kind, L, S, fused):
     rng = np.random.default_rng(L * S)
     q, k, v, g = inputs(rng, (), 2, 2, L, S, 16, 12, dtype)
     check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2, fused=fused)
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+@pytest.mark.parametrize("kind", ["causal", "bottom-right"])
+@pytest.mark.parametrize("diag_rows", [1, 5, 16, 64])
+def test_causal_diagonal_pieces(kind, diag_rows, fused):
+    """Diagonal tiles cut into row pieces that each stop at their own last visible key
+    (pieces dividing the tile or not, down to single rows) give the naive numbers."""
+    rng = np.random.default_rng(diag_rows)
+    q, k, v, g = inputs(rng, (), 2, 2, 150, 170, 16, 12, np.float32)
+    check_against_naive(
+        q, k, v, g, kind, rng, block_q=64, block_k=48, num_threads=2, fused=fused, diag_rows=diag_rows
+    )
+
+
+def test_causal_pieces_skip_the_hidden_keys():
+    """A diagonal tile is cut into pieces that each stop at their rows' last visible key;
+    fully visible tiles stay whole."""
+    spec = attention_mod.check_attention_args(*np.zeros((3, 8, 2)), is_causal=True)
+    with bw.tuned(diag_rows=3):
+        plan = bw._plan(spec, None, 8, 8, 1)
+        assert plan.pieces(0, 8, 0, 8) == [(0, 3, 3), (3, 6, 6), (6, 8, 8)]
+        assert plan.pieces(4, 8, 0, 4) == [(4, 8, 4)]  # every row sees every key
+    with bw.tuned(diag_rows=8):
+        assert bw._plan(spec, None, 8, 8, 1).pieces(0, 8, 0, 8) == [(0, 8, 8)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
