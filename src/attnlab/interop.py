@@ -174,6 +174,8 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
+    if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder):
+        raise TypeError(f"to_torch supports {_TO_TORCH}, got {type(layer).__name__}")
     state = layer.state_dict()  # NumPy copies, wherever the weights are
     dtype = getattr(torch, _TORCH_DTYPES[next(iter(state.values())).dtype])
     if isinstance(layer, BertEncoder):
@@ -187,10 +189,8 @@ def to_torch(layer: Module):
     elif isinstance(layer, SelfAttention):
         cls = _torch_self_attention_class()
         module = cls(layer.d_in, layer.d_out, qkv_bias=layer.W_q.bias is not None).to(dtype)
-    elif isinstance(layer, TinyTransformer):
-        module = torch_tiny_transformer(layer.config)
     else:
-        raise TypeError(f"to_torch supports {_TO_TORCH}, got {type(layer).__name__}")
+        module = torch_tiny_transformer(layer.config)
     module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     module.train(layer.training)
     return module
