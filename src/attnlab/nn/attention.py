@@ -49,6 +49,14 @@ def _reshape(x, shape: tuple[int, ...]):
     return x.reshape(shape) if isinstance(x, np.ndarray) else namespace(x).reshape(x, shape)
 
 
+def _split_heads(x, N: int, H: int, D: int):
+    """``(N, S, H * D) -> (N, S, H, D) -> (N, H, S, D)``."""
+    if isinstance(x, np.ndarray):
+        return x.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+    xp = namespace(x)
+    return xp.permute_dims(xp.reshape(x, (N, -1, H, D)), (0, 2, 1, 3))
+
+
 def _concat(arrays: list, axis: int):
     a = arrays[0]
     return np.concatenate(arrays, axis=axis) if isinstance(a, np.ndarray) else namespace(a).concat(arrays, axis=axis)
@@ -494,10 +502,7 @@ class MultiheadAttention(Module):
             kp = _concat([kp, xp.broadcast_to(self.bias_k.data[0, ...], (N, 1, E))], axis=1)
             vp = _concat([vp, xp.broadcast_to(self.bias_v.data[0, ...], (N, 1, E))], axis=1)
             am, kpm = self._pad_keys(am), self._pad_keys(kpm)
-        # (N, L, E) -> (N, L, H, D) -> (N, H, L, D)
-        qh = _permute(_reshape(qp, (N, L, H, D)), (0, 2, 1, 3))
-        kh = _permute(_reshape(kp, (N, -1, H, D)), (0, 2, 1, 3))
-        vh = _permute(_reshape(vp, (N, -1, H, D)), (0, 2, 1, 3))
+        qh, kh, vh = _split_heads(qp, N, H, D), _split_heads(kp, N, H, D), _split_heads(vp, N, H, D)
         if self.add_zero_attn:
             zeros = _full((N, H, 1, D), 0.0, kh)
             kh = _concat([kh, zeros], axis=2)
@@ -511,6 +516,8 @@ class MultiheadAttention(Module):
     def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
         """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, E)``."""
         N, H, L, D = out_h.shape
+        if isinstance(out_h, np.ndarray):
+            return out_h.transpose(0, 2, 1, 3).reshape(N, L, H * D)
         return _reshape(_permute(out_h, (0, 2, 1, 3)), (N, L, H * D))
 
     # ---- forward / backward ------------------------------------------------------------

@@ -16,7 +16,7 @@ def check_input(x, name: str, like, last_dim: int, layout: str = "(..., {d})") -
     and dtype of ``like`` (the layer's weight)."""
     need = layout.format(d=last_dim)
     if isinstance(like, np.ndarray):
-        if not is_numpy(x):
+        if type(x) is not np.ndarray and not is_numpy(x):
             raise TypeError(
                 f"{name} is {array_type(x)}, but the layer's weights are NumPy arrays: pass a NumPy "
                 f"array, or move the layer to that library once with layer.to(...)"
