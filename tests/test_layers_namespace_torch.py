@@ -203,6 +203,7 @@ def test_to_targets_an_array_a_device_and_keeps_the_library_for_a_device():
     assert layer.to(torch.zeros(1)) is layer and isinstance(layer.weight.data, torch.Tensor)
     layer.to("cpu")
     assert isinstance(layer.weight.data, torch.Tensor) and layer.weight.data.device.type == "cpu"
+    assert torch.equal(to_torch(layer).weight.detach(), layer.weight.data)  # exports from any library
     layer.to(np.zeros(1))
     assert type(layer.weight.data) is np.ndarray
     layer.to("cpu")  # NumPy on the host: nothing to do
@@ -266,3 +267,12 @@ def test_bad_targets_are_refused():
     with pytest.raises(TypeError, match="pass one device"):
         layer.to("cpu", device="cpu")
     assert type(layer.weight.data) is np.ndarray  # nothing moved
+
+
+def test_a_layer_without_weights_moves_nowhere_and_layernorm_without_weights_moves():
+    assert GELU().to("cuda").approximate == "none"  # nothing to move, even to a device NumPy lacks
+    ln = LayerNorm(4, elementwise_affine=False, dtype=np.float64).to(torch)
+    y = ln.to("cpu")(torch.ones(2, 4, dtype=torch.float64))
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float64
+    with pytest.raises(TypeError, match=r"x is numpy\.ndarray, but the layer's weights are torch\.Tensor"):
+        ln(np.ones((2, 4)))

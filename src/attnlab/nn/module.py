@@ -68,10 +68,10 @@ def to_host(x) -> np.ndarray:
         return x
     if is_numpy(x):
         return np.asarray(x)
-    import array_api_compat
-
     if array_type(x) == "array_api_strict.Array":  # its host device is called CPU_DEVICE
         return np.asarray(x.to_device(type(x.device)("CPU_DEVICE")))
+    import array_api_compat
+
     return np.asarray(array_api_compat.to_device(x, "cpu"))
 
 
@@ -254,9 +254,12 @@ class Module:
         else:  # a device: the library the weights are in now
             if target is not None and device is not None:
                 raise TypeError(f"pass one device: target={target!r} or device={device!r}")
-            first = next(self.parameters(), None)
-            xp = np if first is None else namespace(first.data)
-            dev = device if target is None else target
+            held: list = []
+            for _, m in self.named_modules():
+                m._apply(lambda a: held.append(a) or a)
+            if not held:
+                return self  # no weights (an activation): nothing to move
+            xp, dev = namespace(held[0]), device if target is None else target
         if xp is np and dev is not None and str(dev) != "cpu":
             raise ValueError(
                 f"NumPy arrays live on the host, not on device {dev!r}: name the library too, "
