@@ -1,6 +1,7 @@
 """Whole models to torch and back: TinyTransformer as a torch module with the same outputs and
 state_dict names, and that module training under DistributedDataParallel (two CPU processes,
-gloo on 127.0.0.1) with the gradients of a single-process run."""
+gloo on 127.0.0.1) with the gradients of a single-process run; BertEncoder as a transformers
+BertModel with equal hidden states."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import numpy as np
 import pytest
 
 from attnlab.interop import from_torch, to_torch
+from attnlab.io.names import bert_name_map
 from attnlab.models import TinyTransformer, TinyTransformerConfig
+from attnlab.models.bert import BertConfig, BertEncoder, minilm_available, shared_minilm
+from attnlab.nn import GELU
 
 torch = pytest.importorskip("torch")
 
@@ -86,8 +90,104 @@ def test_weights_trained_in_torch_come_back():
 
 
 def test_from_torch_names_what_it_supports():
-    with pytest.raises(TypeError, match=r"from_torch supports .*to_torch\(TinyTransformer\), got Sequential"):
+    with pytest.raises(TypeError, match=r"from_torch supports .*to_torch\(TinyTransformer\) and transformers' "
+                                        r"BertModel, got Sequential"):
         from_torch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=r"to_torch supports .*TinyTransformer and BertEncoder, got GELU"):
+        to_torch(GELU())
+
+
+# --- BERT: attnlab's BertEncoder <-> transformers' BertModel --------------------------------
+
+BERT = BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32,
+                  max_position_embeddings=20, layer_norm_eps=1e-7)
+
+
+def make_bert(dtype="float32", seed=0):
+    model = BertEncoder(BERT, rng=np.random.default_rng(seed), dtype=dtype)
+    rng = np.random.default_rng(seed + 1)
+    for p in model.parameters():  # move LayerNorm/bias off their ones/zeros
+        p.data += (rng.standard_normal(p.shape) * 0.1).astype(p.dtype)
+    return model
+
+
+def bert_batch(seed=2):
+    """ids, a padded attention mask (the second text has 3 padding tokens) and token types."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, BERT.vocab_size, size=(2, 9))
+    mask = np.ones((2, 9), dtype=np.int64)
+    mask[1, 6:] = 0
+    return ids, mask, rng.integers(0, 2, size=(2, 9))
+
+
+def hf_hidden_states(module, ids, mask, types) -> np.ndarray:
+    with torch.no_grad():
+        out = module(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                     token_type_ids=torch.from_numpy(types), output_hidden_states=True)
+    return np.stack([h.numpy() for h in out.hidden_states])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_bert_to_torch_is_a_transformers_bert_model_with_equal_hidden_states(dtype):
+    transformers = pytest.importorskip("transformers")
+    model = make_bert(dtype)
+    module = to_torch(model)
+    assert type(module) is transformers.BertModel and not module.training
+    hf = module.config
+    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "hidden_act", "pad_token_id"):
+        assert getattr(hf, field) == getattr(BERT, field), field
+    names = bert_name_map(BERT.num_hidden_layers)
+    state = module.state_dict()
+    assert sorted(state) == sorted(src for sources in names.values() for src in sources)  # no pooler
+    ours = model.state_dict()
+    for name, sources in names.items():  # the fused query/key/value weights are split back
+        np.testing.assert_array_equal(np.concatenate([state[s].numpy() for s in sources]), ours[name])
+        assert all(state[s].dtype == getattr(torch, dtype) for s in sources)
+    ids, mask, types = bert_batch()
+    want = model(ids, mask, types).hidden_states  # (layers + 1, B, T, D), padded positions included
+    got = hf_hidden_states(module, ids, mask, types)
+    assert got.dtype == np.dtype(dtype)
+    assert rel_error(got, want) <= TOL[dtype]
+
+
+def test_bert_round_trip_and_weights_trained_in_torch_come_back():
+    transformers = pytest.importorskip("transformers")
+    model = make_bert("float64", seed=3)
+    module = to_torch(model)
+    back = from_torch(module)
+    assert isinstance(back, BertEncoder) and back.config == model.config and back.dtype == np.float64
+    assert list(back.state_dict()) == list(model.state_dict())
+    for name, w in model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], w)
+    ids, mask, types = bert_batch(4)
+    module.train()
+    hidden = module(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).last_hidden_state
+    hidden.square().mean().backward()
+    with torch.no_grad():
+        for p in module.parameters():
+            p -= 0.5 * p.grad
+    module.eval()
+    back = from_torch(module)
+    moved = [not np.array_equal(back.state_dict()[n], w) for n, w in model.state_dict().items()]
+    assert all(moved)
+    assert rel_error(back(ids, mask, types).hidden_states, hf_hidden_states(module, ids, mask, types)) <= 1e-12
+    # a model with a BERT inside gives its encoder back
+    masked_lm = transformers.BertForMaskedLM(module.config).double()
+    inner = from_torch(masked_lm)
+    for name, w in inner.state_dict().items():
+        np.testing.assert_array_equal(w, from_torch(masked_lm.bert).state_dict()[name])
+
+
+def test_minilm_exports_to_a_bert_model_with_its_hidden_states():
+    pytest.importorskip("transformers")
+    if not minilm_available():
+        pytest.skip("the MiniLM model (the pretrained extra) is not installed")
+    model = shared_minilm()
+    ids = np.array([[101, 1996, 2924, 1997, 1996, 2314, 1012, 102]])  # [CLS] the bank of the river . [SEP]
+    mask, types = np.ones_like(ids), np.zeros_like(ids)
+    got = hf_hidden_states(to_torch(model), ids, mask, types)
+    assert rel_error(got, model(ids, mask, types).hidden_states) <= TOL["float32"]
 
 
 # --- DistributedDataParallel: two processes on this machine -------------------------------

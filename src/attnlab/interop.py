@@ -1,9 +1,17 @@
 """Move layers and models between attnlab and PyTorch (torch is imported here, only when called).
 
-A model exported with :func:`to_torch` is an ordinary ``torch.nn.Module`` with attnlab's
-``state_dict`` names: it trains with torch's optimizers and, across processes or machines,
-with ``torch.nn.parallel.DistributedDataParallel``; :func:`from_torch` brings the trained
-weights back.
+A model exported with :func:`to_torch` is an ordinary ``torch.nn.Module``: it trains with
+torch's optimizers and, across processes or machines, with
+``torch.nn.parallel.DistributedDataParallel``; :func:`from_torch` brings the trained weights
+back. What each attnlab class becomes:
+
+- ``Linear``, ``MultiheadAttention``: ``torch.nn.Linear``, ``torch.nn.MultiheadAttention``;
+- ``SelfAttention``, ``TinyTransformer``: torch modules with attnlab's ``state_dict`` names;
+- ``BertEncoder``: a ``transformers`` ``BertModel`` (Hugging Face names, through
+  :func:`attnlab.io.bert_name_map`; needs the ``transformers`` package).
+
+To run a layer's own forward on torch tensors instead, convert its weights with
+:meth:`attnlab.nn.Module.to` (``layer.to(torch)``).
 
 >>> import numpy as np, attnlab
 >>> layer = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
@@ -17,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from attnlab.io.names import NameMap, bert_name_map
+from attnlab.models.bert import BertConfig, BertEncoder
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.models.tiny_torch import torch_tiny_transformer
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
@@ -24,6 +34,12 @@ from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
 
 _TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+# What to_torch and from_torch support, for their errors (a new model adds its names here).
+_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, TinyTransformer and BertEncoder"
+_FROM_TORCH = (
+    "nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention), to_torch(TinyTransformer) and "
+    "transformers' BertModel"
+)
 
 
 def _torch():
@@ -54,6 +70,73 @@ def _torch_self_attention_class():
     return TorchSelfAttention
 
 
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("BERT models move to torch as transformers' BertModel: pip install transformers") from exc
+    return transformers
+
+
+def _split_to_checkpoint(state: dict[str, np.ndarray], name_map: NameMap) -> dict[str, np.ndarray]:
+    """attnlab-named arrays -> checkpoint-named ones: the inverse of the name map's loading
+    (a fused tensor is split back, along axis 0, into its equal sources)."""
+    out = {}
+    for ours, sources in name_map.items():
+        for src, part in zip(sources, np.split(state[ours], len(sources)), strict=True):
+            out[src] = part
+    return out
+
+
+# ---- BERT: attnlab's BertEncoder <-> transformers' BertModel ------------------------------
+def _bert_to_torch(model: BertEncoder):
+    """A ``transformers.BertModel`` (no pooler, no dropout: the same function as ``model``)."""
+    transformers, torch = _transformers(), _torch()
+    c = model.config
+    hf_config = transformers.BertConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, intermediate_size=c.intermediate_size,
+        max_position_embeddings=c.max_position_embeddings, type_vocab_size=c.type_vocab_size,
+        layer_norm_eps=c.layer_norm_eps, hidden_act=c.hidden_act, pad_token_id=c.pad_token_id,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )
+    state = _split_to_checkpoint(model.state_dict(), bert_name_map(c.num_hidden_layers))
+    dtype = getattr(torch, _TORCH_DTYPES[next(iter(state.values())).dtype])
+    module = transformers.BertModel(hf_config, add_pooling_layer=False).to(dtype)
+    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+    return module
+
+
+def _bert_from_torch(module, rng) -> BertEncoder:
+    """A :class:`~attnlab.models.BertEncoder` with a ``BertModel``'s architecture and weights
+    (the pooler, which attnlab's encoder has not, is left out)."""
+    hf = module.config
+    kind = getattr(hf, "position_embedding_type", "absolute")
+    if kind != "absolute":
+        raise ValueError(f"BertEncoder has absolute position embeddings; this BertModel's are {kind!r}")
+    config = BertConfig(
+        vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_hidden_layers=hf.num_hidden_layers,
+        num_attention_heads=hf.num_attention_heads, intermediate_size=hf.intermediate_size,
+        max_position_embeddings=hf.max_position_embeddings, type_vocab_size=hf.type_vocab_size,
+        layer_norm_eps=hf.layer_norm_eps, hidden_act=hf.hidden_act, pad_token_id=hf.pad_token_id or 0,
+    )
+    state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    dtype = state["embeddings.word_embeddings.weight"].dtype
+    return BertEncoder(config, weights=state, dtype=dtype, rng=rng)
+
+
+def _is_bert_model(module) -> bool:
+    """A ``transformers`` ``BertModel`` (transformers is imported only for its modules)."""
+    if not type(module).__module__.startswith("transformers."):
+        return False
+    return isinstance(module, _transformers().BertModel)
+
+
+# GPT-2 (attnlab.models.gpt2 <-> transformers' GPT2LMHeadModel) goes beside BERT: a
+# _gpt2_to_torch / _gpt2_from_torch pair through its name map in attnlab.io.names, one branch
+# in to_torch and in from_torch, and its names in _TO_TORCH / _FROM_TORCH.
+
+
 def _mha_config(mha) -> dict:
     """Constructor arguments of a MultiheadAttention, attnlab's or torch's (same attributes)."""
     return dict(
@@ -74,9 +157,13 @@ def to_torch(layer: Module):
 
     Supports :class:`~attnlab.MultiheadAttention` (-> ``torch.nn.MultiheadAttention``),
     :class:`~attnlab.Linear` (-> ``torch.nn.Linear``), :class:`~attnlab.SelfAttention`
-    (-> an equivalent torch module) and :class:`~attnlab.models.TinyTransformer` (-> a torch
-    module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits).
-    Training/eval mode is copied.
+    (-> an equivalent torch module), :class:`~attnlab.models.TinyTransformer` (-> a torch
+    module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits)
+    and :class:`~attnlab.models.BertEncoder` (-> a ``transformers`` ``BertModel`` built from
+    a matching ``BertConfig``, without pooler and with dropout 0 as attnlab's encoder, whose
+    ``last_hidden_state`` and ``hidden_states`` equal the encoder's; the tokenizer stays
+    with attnlab). Training/eval mode is copied. The weights may be in any library
+    (:meth:`~attnlab.nn.Module.to`).
 
     >>> import numpy as np, torch
     >>> from attnlab.models import TinyTransformer, TinyTransformerConfig
@@ -87,7 +174,14 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
-    dtype = getattr(torch, _TORCH_DTYPES[np.dtype(next(layer.parameters()).dtype)])
+    if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder):
+        raise TypeError(f"to_torch supports {_TO_TORCH}, got {type(layer).__name__}")
+    state = layer.state_dict()  # NumPy copies, wherever the weights are
+    dtype = getattr(torch, _TORCH_DTYPES[next(iter(state.values())).dtype])
+    if isinstance(layer, BertEncoder):
+        module = _bert_to_torch(layer)
+        module.train(layer.training)
+        return module
     if isinstance(layer, MultiheadAttention):
         module = torch.nn.MultiheadAttention(**_mha_config(layer), dtype=dtype)
     elif isinstance(layer, Linear):
@@ -95,14 +189,9 @@ def to_torch(layer: Module):
     elif isinstance(layer, SelfAttention):
         cls = _torch_self_attention_class()
         module = cls(layer.d_in, layer.d_out, qkv_bias=layer.W_q.bias is not None).to(dtype)
-    elif isinstance(layer, TinyTransformer):
-        module = torch_tiny_transformer(layer.config)
     else:
-        raise TypeError(
-            f"to_torch supports MultiheadAttention, SelfAttention, Linear and TinyTransformer, "
-            f"got {type(layer).__name__}"
-        )
-    module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in layer.state_dict().items()})
+        module = torch_tiny_transformer(layer.config)
+    module.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
     module.train(layer.training)
     return module
 
@@ -110,14 +199,21 @@ def to_torch(layer: Module):
 def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     """An attnlab layer with ``module``'s configuration and weights (same dtype).
 
-    Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear`` and the modules returned by
-    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` (also after training in
-    torch), and any of these wrapped in ``DistributedDataParallel`` or ``DataParallel``.
-    ``rng`` drives the new layer's dropout.
+    Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear``, the modules returned by
+    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` and a ``transformers``
+    ``BertModel`` (-> a :class:`~attnlab.models.BertEncoder` without tokenizer; its pooler is
+    left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
+    also after training in torch, and any of these wrapped in ``DistributedDataParallel``
+    or ``DataParallel``. ``rng`` drives the new layer's dropout.
     """
     torch = _torch()
     if isinstance(module, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
         module = module.module  # the wrapped model, with its own state_dict names
+    inner = getattr(module, "bert", None)  # BertForMaskedLM, BertForSequenceClassification, ...
+    if _is_bert_model(module) or (inner is not None and _is_bert_model(inner)):
+        layer = _bert_from_torch(module if inner is None else inner, rng)
+        layer.train(module.training)
+        return layer
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -129,10 +225,7 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     elif isinstance(getattr(module, "attnlab_config", None), TinyTransformerConfig):
         layer = TinyTransformer(module.attnlab_config, rng=rng)
     else:
-        raise TypeError(
-            f"from_torch supports nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention) and "
-            f"to_torch(TinyTransformer), got {type(module).__name__}"
-        )
+        raise TypeError(f"from_torch supports {_FROM_TORCH}, got {type(module).__name__}")
     layer.load_state_dict(state)
     layer.train(module.training)
     return layer

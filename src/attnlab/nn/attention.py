@@ -31,10 +31,42 @@ from attnlab.core import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from attnlab.core._namespace import as_dtype, device, is_bool, is_floating, namespace
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
+
+
+# Array operations whose NumPy spelling is not the Array API's (the layers' weights may be
+# another library's after Module.to); NumPy keeps its own, cheapest, call.
+def _permute(x, axes: tuple[int, ...]):
+    """``x`` with its axes reordered."""
+    return x.transpose(axes) if isinstance(x, np.ndarray) else namespace(x).permute_dims(x, axes)
+
+
+def _reshape(x, shape: tuple[int, ...]):
+    return x.reshape(shape) if isinstance(x, np.ndarray) else namespace(x).reshape(x, shape)
+
+
+def _split_heads(x, N: int, H: int, D: int):
+    """``(N, S, H * D) -> (N, S, H, D) -> (N, H, S, D)``."""
+    if isinstance(x, np.ndarray):
+        return x.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+    xp = namespace(x)
+    return xp.permute_dims(xp.reshape(x, (N, -1, H, D)), (0, 2, 1, 3))
+
+
+def _concat(arrays: list, axis: int):
+    a = arrays[0]
+    return np.concatenate(arrays, axis=axis) if isinstance(a, np.ndarray) else namespace(a).concat(arrays, axis=axis)
+
+
+def _full(shape: tuple[int, ...], value, like):
+    """A new array of ``shape`` filled with ``value``, in ``like``'s library, device and dtype."""
+    if isinstance(like, np.ndarray):
+        return np.full(shape, value, dtype=like.dtype)
+    return namespace(like).full(shape, value, dtype=like.dtype, device=device(like))
 
 
 def _replay(rng: np.random.Generator, state) -> np.random.Generator | None:
@@ -91,13 +123,13 @@ class SelfAttention(Module):
     def check_inputs(self, x: np.ndarray, key_value: np.ndarray | None = None):
         """``(x, key_value)`` checked: float arrays of the layer's dtype, ``(..., T, d_in)``."""
         d = self.d_in
-        x = check_input(x, "x", self.W_q.weight.dtype, d, "(T, {d}) or (B, T, {d})")
+        x = check_input(x, "x", self.W_q.weight.data, d, "(T, {d}) or (B, T, {d})")
         if x.ndim not in (2, 3):
             raise shape_error("x", x.shape, f"(T, {d}) or (B, T, {d})")
         if key_value is None:
             return x, x
         need = f"(S, {d})" if x.ndim == 2 else f"({x.shape[0]}, S, {d})"
-        kv = check_input(key_value, "key_value", self.W_q.weight.dtype, d, need)
+        kv = check_input(key_value, "key_value", self.W_q.weight.data, d, need)
         if kv.ndim != x.ndim or kv.shape[:-2] != x.shape[:-2]:
             raise shape_error("key_value", kv.shape, need, "it must match x's batch layout")
         return x, kv
@@ -171,7 +203,8 @@ class KVCache:
     def append(self, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add ``key (N, H, S_new, E)`` and ``value (N, H, S_new, Ev)``; return every cached
         key and value, ``(N, H, S, E)`` and ``(N, H, S, Ev)`` (views of the storage)."""
-        key, value = np.asarray(key), np.asarray(value)
+        if namespace(key, value, names=("key", "value")) is np:
+            key, value = np.asarray(key), np.asarray(value)
         if key.ndim != 4 or value.shape[:-1] != key.shape[:-1] or value.dtype != key.dtype:
             raise shape_error("value", value.shape, f"(N, H, S_new, Ev) with N, H, S_new of key "
                               f"{fmt_shape(key.shape)} and its dtype")
@@ -186,15 +219,15 @@ class KVCache:
             capacity = max(16, 2 * (self.length + n))
             grown = []
             for old, new in ((self._key, key), (self._value, value)):
-                buf = np.empty((*new.shape[:2], capacity, new.shape[3]), dtype=new.dtype)
+                buf = _full((*new.shape[:2], capacity, new.shape[3]), 0, new)  # in new's library
                 if old is not None:
-                    buf[:, :, : self.length] = old[:, :, : self.length]
+                    buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
             self._key, self._value = grown
-        self._key[:, :, self.length : self.length + n] = key
-        self._value[:, :, self.length : self.length + n] = value
+        self._key[:, :, self.length : self.length + n, :] = key
+        self._value[:, :, self.length : self.length + n, :] = value
         self.length += n
-        return self._key[:, :, : self.length], self._value[:, :, : self.length]
+        return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
 
 
 @dataclass
@@ -341,7 +374,7 @@ class MultiheadAttention(Module):
         E = self.embed_dim
         if self._qkv_same_embed_dim:
             w = self.in_proj_weight.data
-            ws = (w[:E], w[E : 2 * E], w[2 * E :])
+            ws = (w[:E, :], w[E : 2 * E, :], w[2 * E :, :])
         else:
             ws = (self.q_proj_weight.data, self.k_proj_weight.data, self.v_proj_weight.data)
         if self.in_proj_bias is None:
@@ -351,27 +384,28 @@ class MultiheadAttention(Module):
 
     def _to_batch_first(self, x, batched):
         if not batched:
-            return x[None]
-        return x if self.batch_first else x.transpose(1, 0, 2)
+            return x[None] if isinstance(x, np.ndarray) else namespace(x).expand_dims(x, axis=0)
+        return x if self.batch_first else _permute(x, (1, 0, 2))
 
     def _from_batch_first(self, x, batched):
         if not batched:
-            return x[0]
-        return x if self.batch_first else x.transpose(1, 0, 2)
+            return x[0, ...]
+        return x if self.batch_first else _permute(x, (1, 0, 2))
 
-    def _check_mask(self, mask, name, need_shapes):
+    def _check_mask(self, mask, name, need_shapes, query):
         if mask is None:
             return None
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_ and not np.issubdtype(mask.dtype, np.floating):
+        if namespace(query, mask, names=("query", name)) is np:  # one library for both
+            mask = np.asarray(mask)
+        if not (is_bool(mask) or is_floating(mask)):
             raise TypeError(
                 f"{name} must be boolean (True = takes part) or floating-point (added to the "
                 f"scores), got dtype {mask.dtype}"
             )
-        if mask.shape not in need_shapes:
-            raise shape_error(name, mask.shape, " or ".join(fmt_shape(s) for s in need_shapes))
-        if mask.dtype != np.bool_:
-            mask = mask.astype(self.dtype, copy=False)
+        if tuple(mask.shape) not in need_shapes:
+            raise shape_error(name, tuple(mask.shape), " or ".join(fmt_shape(s) for s in need_shapes))
+        if not is_bool(mask):
+            mask = as_dtype(mask, query.dtype)
         return mask
 
     @staticmethod
@@ -379,16 +413,15 @@ class MultiheadAttention(Module):
         """Append one key that takes part to a mask (for bias_kv / zero_attn)."""
         if mask is None:
             return None
-        pad = np.ones if mask.dtype == np.bool_ else np.zeros
-        return np.concatenate([mask, pad((*mask.shape[:-1], 1), dtype=mask.dtype)], axis=-1)
+        return _concat([mask, _full((*mask.shape[:-1], 1), is_bool(mask), mask)], axis=-1)
 
     def _merge_masks(self, attn_mask, key_padding_mask):
         if attn_mask is None or key_padding_mask is None:
             return key_padding_mask if attn_mask is None else attn_mask
-        if attn_mask.dtype == np.bool_ and key_padding_mask.dtype == np.bool_:
+        if is_bool(attn_mask) and is_bool(key_padding_mask):
             return attn_mask & key_padding_mask
         def as_bias(m):
-            return mask_to_bias(m, self.dtype) if m.dtype == np.bool_ else m
+            return mask_to_bias(m, self.dtype) if is_bool(m) else m
         return as_bias(attn_mask) + as_bias(key_padding_mask)
 
     def _project(self, q, k, v, self_attention: bool):
@@ -419,13 +452,14 @@ class MultiheadAttention(Module):
         E, H, D = self.embed_dim, self.num_heads, self.head_dim
         self_attention = query is key and key is value
         lay = "(N, {L}, {d})" if self.batch_first else "({L}, N, {d})"
-        q_in = check_input(query, "query", self.dtype, E, lay.format(L="L", d="{d}") + " or (L, {d})")
+        like = self.out_proj.weight.data  # inputs must be of its library, device and dtype
+        q_in = check_input(query, "query", like, E, lay.format(L="L", d="{d}") + " or (L, {d})")
         if q_in.ndim not in (2, 3):
             raise shape_error("query", q_in.shape, lay.format(L="L", d=E) + f" or (L, {E})")
         batched = q_in.ndim == 3
         kv_lay = (lay.format(L="S", d="{d}") if batched else "(S, {d})")
-        k_in = check_input(key, "key", self.dtype, self.kdim, kv_lay)
-        v_in = check_input(value, "value", self.dtype, self.vdim, kv_lay)
+        k_in = check_input(key, "key", like, self.kdim, kv_lay)
+        v_in = check_input(value, "value", like, self.vdim, kv_lay)
         for name, arr, d in (("key", k_in, self.kdim), ("value", v_in, self.vdim)):
             if arr.ndim != q_in.ndim:
                 state = "batched" if batched else "unbatched"
@@ -437,9 +471,9 @@ class MultiheadAttention(Module):
         S = k.shape[1]
         if k.shape[0] != N:
             need = kv_lay.format(d=self.kdim).replace("N", str(N))
-            raise shape_error("key", k_in.shape, need, "batch size differs from query's")
-        if v.shape[:2] != (N, S):
-            raise shape_error("value", v_in.shape, f"{fmt_shape(k_in.shape[:-1] + (self.vdim,))} to match key")
+            raise shape_error("key", tuple(k_in.shape), need, "batch size differs from query's")
+        if tuple(v.shape[:2]) != (N, S):
+            raise shape_error("value", tuple(v_in.shape), f"{fmt_shape((*k_in.shape[:-1], self.vdim))} to match key")
         extra_keys = (self.bias_k is not None) + self.add_zero_attn
         past = 0
         if cache is not None:
@@ -450,31 +484,29 @@ class MultiheadAttention(Module):
             past = cache.length
         S_all = past + S
 
-        kpm = self._check_mask(key_padding_mask, "key_padding_mask", [(N, S_all)] if batched else [(S_all,)])
+        kpm = self._check_mask(key_padding_mask, "key_padding_mask", [(N, S_all)] if batched else [(S_all,)], q)
         am = self._check_mask(
-            attn_mask, "attn_mask", [(L, S_all), (N * H, L, S_all)] if batched else [(L, S_all), (H, L, S_all)]
+            attn_mask, "attn_mask", [(L, S_all), (N * H, L, S_all)] if batched else [(L, S_all), (H, L, S_all)], q
         )
         if kpm is not None:
-            kpm = kpm.reshape(N, 1, 1, S_all)
+            kpm = _reshape(kpm, (N, 1, 1, S_all))
         if am is not None and am.ndim == 3:
-            am = am.reshape(N, H, L, S_all)
+            am = _reshape(am, (N, H, L, S_all))
         causal_flag = bool(is_causal) and am is None and kpm is None and not extra_keys and not past
         if is_causal and am is None and not causal_flag:
-            am = causal_mask(L, S_all, align="bottom-right" if past else "top-left")
+            am = causal_mask(L, S_all, align="bottom-right" if past else "top-left", like=q)
 
         qp, kp, vp = self._project(q, k, v, self_attention)
         if self.bias_k is not None:
-            kp = np.concatenate([kp, np.broadcast_to(self.bias_k.data[0], (N, 1, E))], axis=1)
-            vp = np.concatenate([vp, np.broadcast_to(self.bias_v.data[0], (N, 1, E))], axis=1)
+            xp = namespace(kp)
+            kp = _concat([kp, xp.broadcast_to(self.bias_k.data[0, ...], (N, 1, E))], axis=1)
+            vp = _concat([vp, xp.broadcast_to(self.bias_v.data[0, ...], (N, 1, E))], axis=1)
             am, kpm = self._pad_keys(am), self._pad_keys(kpm)
-        # (N, L, E) -> (N, H, L, D)
-        qh = qp.reshape(N, L, H, D).transpose(0, 2, 1, 3)
-        kh = kp.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
-        vh = vp.reshape(N, -1, H, D).transpose(0, 2, 1, 3)
+        qh, kh, vh = _split_heads(qp, N, H, D), _split_heads(kp, N, H, D), _split_heads(vp, N, H, D)
         if self.add_zero_attn:
-            zeros = np.zeros((N, H, 1, D), dtype=self.dtype)
-            kh = np.concatenate([kh, zeros], axis=2)
-            vh = np.concatenate([vh, zeros], axis=2)
+            zeros = _full((N, H, 1, D), 0.0, kh)
+            kh = _concat([kh, zeros], axis=2)
+            vh = _concat([vh, zeros], axis=2)
             am, kpm = self._pad_keys(am), self._pad_keys(kpm)
         if cache is not None:
             kh, vh = cache.append(kh, vh)
@@ -484,7 +516,9 @@ class MultiheadAttention(Module):
     def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
         """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, E)``."""
         N, H, L, D = out_h.shape
-        return out_h.transpose(0, 2, 1, 3).reshape(N, L, H * D)
+        if isinstance(out_h, np.ndarray):
+            return out_h.transpose(0, 2, 1, 3).reshape(N, L, H * D)
+        return _reshape(_permute(out_h, (0, 2, 1, 3)), (N, L, H * D))
 
     # ---- forward / backward ------------------------------------------------------------
     def forward(
@@ -515,9 +549,9 @@ class MultiheadAttention(Module):
         self._save(inputs=a, p=p, rng_state=rng_state)
         if weights is not None:
             if average_attn_weights:
-                weights = weights.mean(axis=1)
+                weights = namespace(weights).mean(weights, axis=1)
             if not a.batched:
-                weights = weights[0]
+                weights = weights[0, ...]
         return self._from_batch_first(out, a.batched), weights
 
     def backward(self, grad_output: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,14 +1,22 @@
-"""Stateless layer math shared by modules: each forward has its backward beside it."""
+"""Stateless layer math shared by modules: each forward has its backward beside it.
+
+The forwards also take arrays of another Array API library (the layers after
+:meth:`~attnlab.nn.Module.to`) and compute in its namespace; the backwards are NumPy-only.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     """``x @ weight.T + bias``: ``(..., in) -> (..., out)``, weight ``(out, in)`` as in torch."""
+    if not isinstance(x, np.ndarray):  # another array library: one broadcast matrix product there
+        y = namespace(x).matmul(x, mT(weight))
+        return y if bias is None else y + bias
     # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out)
     y = np.matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None:
@@ -73,13 +81,15 @@ _ERF_Q = _cheb_fit(_erf_tail, 1.0 / _ERF_CLIP**2, 1.0 / _ERF_SPLIT**2, 24)
 
 
 def _clenshaw(fit, t: np.ndarray) -> np.ndarray:
+    """The Chebyshev series ``fit`` at ``t`` (in ``t``'s dtype and namespace)."""
     coef, lo, hi = fit
-    tiny = np.finfo(t.dtype).eps / 16  # float32 needs fewer terms than float64
-    coef = coef[: int(np.nonzero(np.abs(coef) > tiny)[0].max()) + 1].astype(t.dtype)
-    u = (t * t.dtype.type(2.0 / (hi - lo))) - t.dtype.type((hi + lo) / (hi - lo))
+    xp = namespace(t)
+    tiny = xp.finfo(t.dtype).eps / 16  # float32 needs fewer terms than float64
+    coef = coef[: int(np.nonzero(np.abs(coef) > tiny)[0].max()) + 1].tolist()  # Python floats: keep t's dtype
+    u = t * (2.0 / (hi - lo)) - (hi + lo) / (hi - lo)
     u2 = u + u
-    b1 = np.full_like(u, coef[-1])
-    b2 = np.zeros_like(u)
+    b1 = xp.full_like(u, coef[-1])
+    b2 = xp.zeros_like(u)
     for c in coef[-2:0:-1]:
         b1, b2 = u2 * b1 - b2 + c, b1
     return u * b1 - b2 + coef[0]
@@ -136,11 +146,14 @@ def erf(x: np.ndarray) -> np.ndarray:
 
     float64: within a few ulp (Chebyshev fits of ``erf(x)/x`` and of the tail). float32:
     a rational fit evaluated in float64 and rounded once (absolute error below 1.6e-8).
-    Other inputs are computed in float64.
+    Other inputs are computed in float64. An array of another library is computed in its
+    namespace and dtype with the Chebyshev fits, using only the Array API standard.
 
     >>> erf(np.array([0.0, 0.5, -3.0])).round(6)
     array([ 0.      ,  0.5205  , -0.999978])
     """
+    if not is_numpy(x):
+        return _erf_namespace(x)
     x = np.asarray(x)
     if x.dtype.type in (np.float32, np.float16):
         return _erf32_inplace(x.astype(np.float64)).astype(x.dtype)
@@ -160,6 +173,18 @@ def erf(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _erf_namespace(x):
+    """:func:`erf` of another library's array: both Chebyshev fits evaluated everywhere, each
+    on arguments kept inside its range, and picked with ``where`` (no boolean indexing)."""
+    xp = namespace(x)
+    a = xp.abs(x)
+    small = a <= _ERF_SPLIT
+    t = xp.where(small, a * a, full_scalar(0.0, x))  # |x| <= 2: erf = |x| P(x^2)
+    c = xp.where(small, full_scalar(_ERF_SPLIT, x), xp.where(a > _ERF_CLIP, full_scalar(_ERF_CLIP, x), a))
+    tail = 1.0 - xp.exp(-c * c) / c * _clenshaw(_ERF_Q, 1.0 / (c * c))  # 2 < |x|: erfc from Q
+    return xp.where(small, a * _clenshaw(_ERF_P, t), tail) * xp.sign(x)  # NaN stays NaN
+
+
 _SQRT_2_OVER_PI = 0.7978845608028654  # sqrt(2 / pi)
 _INV_SQRT_2 = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -173,13 +198,17 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     ``[-12, 12]`` (torch's float32 GELU: 1.1e-6).
 
     Args:
-        x: ``(...)`` float array.
+        x: ``(...)`` float array (of any Array API library: see :func:`erf`).
         approximate: ``"none"`` or ``"tanh"``.
-        out: optional array of ``x``'s shape and dtype to write into (may be ``x``).
+        out: optional NumPy array of ``x``'s shape and dtype to write into (may be ``x``).
 
     >>> gelu(np.array([-1.0, 0.0, 1.0], dtype=np.float32))
     array([-0.15865526,  0.        ,  0.8413448 ], dtype=float32)
     """
+    if not is_numpy(x):  # another array library: the same formulas in its namespace
+        if approximate == "tanh":
+            return 0.5 * x * (1.0 + namespace(x).tanh(_SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))))
+        return 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
     x = np.asarray(x)
     if out is None:
         out = np.empty_like(x)
@@ -221,12 +250,16 @@ def layer_norm(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
     (biased variance, as torch)."""
+    xp = namespace(x)
     xc = x - row_mean(x)
-    rstd = 1.0 / np.sqrt(row_mean(xc * xc) + x.dtype.type(eps))
+    rstd = 1.0 / xp.sqrt(row_mean(xc * xc) + eps)  # a Python eps keeps x's dtype
     x_hat = xc * rstd
-    y = x_hat * weight if weight is not None else x_hat.copy()
+    if weight is not None:
+        y = x_hat * weight
+    else:
+        y = x_hat.copy() if xp is np else x_hat  # NumPy adds the bias in place
     if bias is not None:
-        y += bias
+        y = add_(y, bias)
     return y, x_hat, rstd
 
 

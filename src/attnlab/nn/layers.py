@@ -14,6 +14,7 @@ import math
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, positive_int, probability
+from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.linear import Linear, check_input  # noqa: F401  (Linear: the doctests)
@@ -49,6 +50,12 @@ class Embedding(Module):
         self.weight = Parameter(init.normal(rng, shape, float_dtype(dtype)))
 
     def forward(self, ids: np.ndarray) -> np.ndarray:
+        w = self.weight.data
+        if not isinstance(w, np.ndarray):
+            return self._lookup(w, ids)
+        if not is_numpy(ids):
+            raise TypeError(f"ids is {array_type(ids)}, but the layer's weights are NumPy arrays: pass NumPy "
+                            "ids, or move the layer to that library once with layer.to(...)")
         ids = np.asarray(ids)
         if not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
@@ -58,7 +65,25 @@ class Embedding(Module):
                 f"[{ids.min()}, {ids.max()}]"
             )
         self._save(ids=ids)
-        return self.weight.data[ids]
+        return w[ids]
+
+    def _lookup(self, w, ids):
+        """The rows of ``w``, a table of another library (:meth:`Module.to`), for ``ids`` of
+        that library or NumPy (moved to the table's device): ``xp.take``, no fancy indexing."""
+        xp = namespace(w)
+        if is_numpy(ids):
+            ids = xp.asarray(np.asarray(ids), device=device(w))
+        elif namespace(ids, names=("ids",)) is not xp:
+            raise TypeError(f"ids is {array_type(ids)}, but the layer's weights are {array_type(w)}")
+        if not xp.isdtype(ids.dtype, "integral"):
+            raise TypeError(f"ids must be an integer array, got dtype {ids.dtype} ({array_type(ids)})")
+        if math.prod(ids.shape):
+            lo, hi = int(xp.min(ids)), int(xp.max(ids))
+            if lo < 0 or hi >= self.num_embeddings:
+                raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got values in [{lo}, {hi}]")
+        self._save(ids=ids)
+        rows = xp.take(w, xp.reshape(ids, (-1,)), axis=0)  # (N, D) -> (..., D)
+        return xp.reshape(rows, (*ids.shape, self.embedding_dim))
 
     def backward(self, grad_output: np.ndarray) -> None:
         """Accumulates ``weight.grad``; ids have no gradient, so returns None."""
@@ -108,10 +133,15 @@ class LayerNorm(Module):
         D = self.normalized_shape
         self.weight = Parameter(np.ones(D, dtype)) if elementwise_affine else None
         self.bias = Parameter(np.zeros(D, dtype)) if elementwise_affine and bias else None
-        object.__setattr__(self, "_dtype", dtype)
+        # An empty array of the layer's library, device and dtype: what inputs must match.
+        object.__setattr__(self, "_like", np.empty(0, dtype))
+
+    def _apply(self, convert) -> None:
+        super()._apply(convert)
+        object.__setattr__(self, "_like", convert(self._like))
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x = check_input(x, "x", self._dtype, self.normalized_shape)
+        x = check_input(x, "x", self._like, self.normalized_shape)
         w = None if self.weight is None else self.weight.data
         b = None if self.bias is None else self.bias.data
         y, x_hat, rstd = F.layer_norm(x, w, b, self.eps)
@@ -150,7 +180,8 @@ class GELU(Module):
         self.inplace = bool(inplace)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x)
+        if is_numpy(x):
+            x = np.asarray(x)
         self._save(x=x)
         out = x if self.inplace and not self.training else None
         return F.gelu(x, approximate=self.approximate, out=out)
@@ -174,7 +205,10 @@ class ReLU(Module):
         self.inplace = bool(inplace)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        y = np.maximum(x, 0, out=x if self.inplace else None)
+        if is_numpy(x):
+            y = np.maximum(x, 0, out=x if self.inplace else None)
+        else:  # another array library (2022.12 has no maximum); NaN stays NaN
+            y = namespace(x).where(x < 0, namespace(x).zeros_like(x), x)
         self._save(pos=y > 0)
         return y
 
@@ -196,10 +230,17 @@ class Dropout(Module):
         object.__setattr__(self, "_rng", generator(rng))
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x = np.asarray(x)
+        host = is_numpy(x)
+        if host:
+            x = np.asarray(x)
         if not self.training or self.p == 0.0:
             self._save(keep=None)
             return x
+        if not host:  # the mask is drawn on the host, as the core's dropout does, and moved once
+            keep = from_host(self._rng.random(tuple(x.shape)) >= self.p, x)
+            keep = as_dtype(keep, x.dtype) * (1.0 / (1.0 - self.p))
+            self._save(keep=keep)
+            return x * keep
         keep = (self._rng.random(x.shape) >= self.p).astype(x.dtype)
         keep *= x.dtype.type(1.0 / (1.0 - self.p))
         self._save(keep=keep)

@@ -5,21 +5,39 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import as_float_array, float_dtype, generator, positive_int, shape_error
+from attnlab.core._namespace import array_type, device, float_array, is_numpy, namespace
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.module import Module, Parameter
 
 
-def check_input(x, name: str, dtype: np.dtype, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
-    """A layer's input: float, at least 1-D, last dim ``last_dim``, the layer's dtype."""
+def check_input(x, name: str, like, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
+    """A layer's input: float, at least 1-D, last dim ``last_dim``, and of the library, device
+    and dtype of ``like`` (the layer's weight)."""
     need = layout.format(d=last_dim)
-    x = as_float_array(x, name, min_ndim=1, layout=need)
+    if isinstance(like, np.ndarray):
+        if type(x) is not np.ndarray and not is_numpy(x):
+            raise TypeError(
+                f"{name} is {array_type(x)}, but the layer's weights are NumPy arrays: pass a NumPy "
+                f"array, or move the layer to that library once with layer.to(...)"
+            )
+        x = as_float_array(x, name, min_ndim=1, layout=need)
+    else:  # weights of another library (Module.to): the input must be there too
+        xp = namespace(like)
+        if namespace(x, names=(name,)) is not xp or device(x) != device(like):
+            where = "" if is_numpy(x) else f" on {device(x)}"
+            raise TypeError(
+                f"{name} is {array_type(x)}{where}, but the layer's weights are {array_type(like)} on "
+                f"{device(like)}: pass such an array, or move the layer with layer.to(...)"
+            )
+        x = float_array(x, name, xp, min_ndim=1, layout=need)
     if x.shape[-1] != last_dim:
-        raise shape_error(name, x.shape, need)
-    if x.dtype != dtype:
+        raise shape_error(name, tuple(x.shape), need)
+    if x.dtype != like.dtype:
+        build = f"dtype=np.{x.dtype}" if isinstance(like, np.ndarray) else "that dtype before .to()"
         raise TypeError(
-            f"{name} has dtype {x.dtype}, but the layer's parameters are {dtype} "
-            f"(cast the input or build the layer with dtype=np.{x.dtype})"
+            f"{name} has dtype {x.dtype}, but the layer's parameters are {like.dtype} "
+            f"(cast the input or build the layer with {build})"
         )
     return x
 
@@ -44,7 +62,7 @@ class Linear(Module):
         self.bias = Parameter(b) if bias else None
 
     def forward(self, x: np.ndarray) -> np.ndarray:
-        x = check_input(x, "x", self.weight.dtype, self.in_features)
+        x = check_input(x, "x", self.weight.data, self.in_features)
         self._save(x=x)
         return F.linear(x, self.weight.data, None if self.bias is None else self.bias.data)
 

@@ -4,15 +4,23 @@ The backward mechanism: a module called in training mode keeps what its backward
 needs (its cache); ``module.backward(grad_output)`` returns the gradients of its inputs and
 **adds** each parameter's gradient to ``param.grad``. Composite modules call their
 children's ``backward`` in reverse order, so each piece of math is written once.
+
+The array library: parameters are NumPy arrays until :meth:`Module.to` converts them, once,
+to another Array API library (torch, CuPy, JAX, ``array_api_strict``) or device; the
+forward passes then compute in that library through the core's namespace path
+(:mod:`attnlab.core._namespace`). The backward passes are NumPy-only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 
 from attnlab._validation import fmt_shape
+from attnlab.core._namespace import array_type, is_numpy, namespace
+from attnlab.core._namespace import device as device_of
 
 
 class Parameter:
@@ -43,10 +51,58 @@ class Parameter:
             self.grad += grad
 
     def __array__(self, dtype=None, copy=None):
-        return self.data if dtype is None else self.data.astype(dtype)
+        data = to_host(self.data)
+        return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array: itself if it is one, else a copy on the host (from any device).
+
+    >>> to_host(np.arange(3))
+    array([0, 1, 2])
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if is_numpy(x):
+        return np.asarray(x)
+    if array_type(x) == "array_api_strict.Array":  # its host device is called CPU_DEVICE
+        return np.asarray(x.to_device(type(x.device)("CPU_DEVICE")))
+    import array_api_compat
+
+    return np.asarray(array_api_compat.to_device(x, "cpu"))
+
+
+# What the layers' forward passes call in another library's namespace beyond the core's own
+# needs (which attnlab.core._namespace checks): checked once, when Module.to picks the library.
+LAYER_FUNCTIONS = (
+    "abs", "concat", "finfo", "full", "full_like", "mean", "permute_dims", "sign", "sqrt", "take", "tanh",
+)
+
+
+def _layer_namespace(like):
+    """The namespace of the array ``like``, checked for everything the layers call."""
+    xp = namespace(like, names=("target",))
+    missing = [name for name in LAYER_FUNCTIONS if xp is not np and not hasattr(xp, name)]
+    if missing:
+        raise TypeError(
+            f"attnlab's layers cannot compute on {array_type(like)} arrays: their namespace "
+            f"{getattr(xp, '__name__', xp)!r} lacks {', '.join(missing)} (Array API standard 2022.12)"
+        )
+    return xp
+
+
+def _library(target) -> object:
+    """The namespace an array library's module computes in (``np`` for NumPy), found through
+    one small array it makes; a clear error for anything else."""
+    if target is np or getattr(target, "__name__", "") in ("numpy", "array_api_compat.numpy"):
+        return np
+    make = getattr(target, "asarray", None)
+    if make is None:
+        raise TypeError(f"{target.__name__} is not an array library (it has no asarray)")
+    return _layer_namespace(make(0.0))
 
 
 class Module:
@@ -56,6 +112,9 @@ class Module:
     assignment order), implement ``forward`` and, to be trainable, ``backward``.
     Modules start in training mode, as in PyTorch.
     """
+
+    # The array type of the weights after ``to()`` moved them out of NumPy (None: NumPy).
+    _array_type: str | None = None
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", {})
@@ -103,8 +162,9 @@ class Module:
             yield from m.named_modules(prefix + name + ".")
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """A copy of every parameter, keyed by torch-style dotted names."""
-        return {name: p.data.copy() for name, p in self.named_parameters()}
+        """A NumPy copy of every parameter, keyed by torch-style dotted names (weights of
+        another library, see :meth:`to`, are copied to the host)."""
+        return {name: to_host(p.data).copy() for name, p in self.named_parameters()}
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> None:
         """Copy arrays into the parameters (cast to each parameter's dtype).
@@ -138,7 +198,89 @@ class Module:
                 )
             staged[name] = arr
         for name, arr in staged.items():  # all checked first: nothing is half-loaded
-            own[name].data[...] = arr
+            p = own[name]
+            if isinstance(p.data, np.ndarray):
+                p.data[...] = arr
+            else:  # weights of another library: a new array there, on their device
+                xp = namespace(p.data)
+                p.data = xp.astype(xp.asarray(arr, device=device_of(p.data), copy=True), p.data.dtype)
+
+    # ---- the array library ---------------------------------------------------------------
+    def to(self, target=None, *, device=None) -> Module:
+        """Convert every parameter, once and in place, to another array library or device;
+        returns ``self`` (as ``torch.nn.Module.to``).
+
+        After ``layer.to(torch)`` the forward pass takes torch tensors and returns torch
+        tensors of the weights' dtype, computed in torch through the core's namespace path;
+        ``layer.to(np)`` brings the weights back. Inputs must then come from the weights'
+        library and device (integer ids may be NumPy: they are moved). Backward passes stay
+        NumPy-only: calling one after a forward in another library raises a ``TypeError``
+        (to train in torch, export the model with :func:`attnlab.interop.to_torch`).
+
+        Args:
+            target: where the weights go:
+
+                - an array library's module: ``np`` (back to NumPy), ``torch``, ``cupy``,
+                  ``jax.numpy``, ``array_api_strict``, ... (its namespace comes from
+                  ``array_api_compat``, the ``arrayapi`` extra);
+                - an array: its library and its device (``layer.to(x)``);
+                - a device (``"cpu"``, ``"cuda:1"``, a ``torch.device``, ...): the same
+                  library, on that device.
+            device: the device within the library ``target`` names (default: the
+                library's default device; for an array ``target``, that array's device).
+
+        Dtypes are kept. Weights that move lose their ``.grad``. :meth:`state_dict` still
+        returns NumPy arrays (copied to the host), so checkpoints read and write as before.
+
+        Raises:
+            TypeError: a ``target`` that is none of the above, or a library whose namespace
+                lacks a function attnlab computes with (the message names the array type).
+            ValueError: a NumPy layer sent to a device other than ``"cpu"``.
+
+        >>> import numpy as np, torch
+        >>> from attnlab.nn import Linear
+        >>> layer = Linear(3, 2, rng=np.random.default_rng(0)).to(torch)
+        >>> layer(torch.ones(4, 3)).dtype
+        torch.float32
+        >>> type(layer.to(np).weight.data).__name__
+        'ndarray'
+        """
+        if isinstance(target, types.ModuleType):
+            xp, dev = _library(target), device
+        elif hasattr(target, "shape") and hasattr(target, "dtype"):  # an array: its library and device
+            if device is not None:
+                raise TypeError("pass device= with a library, not with an array (it brings its own device)")
+            xp, dev = _layer_namespace(target), device_of(target)
+        else:  # a device: the library the weights are in now
+            if target is not None and device is not None:
+                raise TypeError(f"pass one device: target={target!r} or device={device!r}")
+            held: list = []
+            for _, m in self.named_modules():
+                m._apply(lambda a: held.append(a) or a)
+            if not held:
+                return self  # no weights (an activation): nothing to move
+            xp, dev = namespace(held[0]), device if target is None else target
+        if xp is np and dev is not None and str(dev) != "cpu":
+            raise ValueError(
+                f"NumPy arrays live on the host, not on device {dev!r}: name the library too, "
+                f"e.g. layer.to(torch, device={str(dev)!r})"
+            )
+        convert = _converter(xp, dev)
+        kind = None if xp is np else array_type(xp.empty(0))  # what backward refuses
+        for _, m in self.named_modules():
+            m._apply(convert)
+            object.__setattr__(m, "_array_type", kind)
+        return self
+
+    def _apply(self, convert: Callable) -> None:
+        """Replace this module's own arrays by ``convert(array)`` (the parameters; a
+        subclass holding other arrays converts them too)."""
+        for p in self._parameters.values():
+            if p is None:
+                continue
+            new = convert(p.data)
+            if new is not p.data:
+                p.data, p.grad = new, None
 
     def zero_grad(self) -> None:
         for p in self.parameters():
@@ -168,6 +310,13 @@ class Module:
             )
         cache = self._cache
         object.__setattr__(self, "_cache", None)
+        if self._array_type is not None or not is_numpy(*cache.values()):
+            kind = self._array_type or next(array_type(v) for v in cache.values() if not is_numpy(v))
+            raise TypeError(
+                f"{type(self).__name__}.backward() runs on NumPy arrays only, but its forward pass "
+                f"ran on {kind}: call .to(np) before training with attnlab, or train in torch "
+                "(attnlab.interop.to_torch)"
+            )
         return cache
 
     def extra_repr(self) -> str:
@@ -178,3 +327,21 @@ class Module:
         for name, m in self._modules.items():
             lines.append(f"  ({name}): " + repr(m).replace("\n", "\n  "))
         return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + "\n)"
+
+
+def _converter(xp, dev) -> Callable:
+    """``array -> array`` in namespace ``xp`` on device ``dev`` (``None``: the library's
+    default, or where the array already is in that library); unchanged if already there."""
+    if xp is np:
+        return to_host
+
+    def convert(a):
+        if not isinstance(a, np.ndarray) and namespace(a) is xp:
+            if dev is None or device_of(a) == dev:
+                return a
+            import array_api_compat
+
+            return array_api_compat.to_device(a, dev)
+        return xp.asarray(to_host(a), device=dev, copy=True)
+
+    return convert
