@@ -271,3 +271,27 @@ def test_ddp_two_processes_match_one_process(tmp_path, monkeypatch):
                 assert rel_error(got[f"{step}/{name}"], g) <= 1e-12, (rank, step, name)
         for name, w in final.items():  # the trained weights, back in attnlab
             assert rel_error(got[f"final/{name}"], w) <= 1e-12, (rank, name)
+
+
+# ---- GPT-2: attnlab's GPT2 <-> transformers' GPT2LMHeadModel -------------------------------------
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gpt2_to_torch_is_a_gpt2_lm_head_model_with_equal_logits(dtype):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from attnlab.models import GPT2, GPT2Config
+
+    cfg = GPT2Config(vocab_size=97, n_positions=16, n_embd=24, n_layer=2, n_head=3)
+    model = GPT2(cfg, rng=np.random.default_rng(5), dtype=dtype)
+    for p in model.parameters():  # non-zero biases and LayerNorm weights
+        p.data += np.random.default_rng(6).standard_normal(p.shape).astype(dtype) * 0.1
+    ids = np.random.default_rng(7).integers(0, 97, size=(2, 9))
+    module = to_torch(model)
+    assert isinstance(module, transformers.GPT2LMHeadModel)
+    with torch.no_grad():
+        theirs = module(torch.from_numpy(ids)).logits.numpy()
+    assert theirs.dtype == dtype
+    assert rel_error(model(ids), theirs) <= (1e-5 if dtype == np.float32 else 1e-12)
+    back = from_torch(module)
+    assert isinstance(back, GPT2) and back.config == cfg
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], value)

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from attnlab.io.names import NameMap, bert_name_map
+from attnlab.io.names import NameMap, bert_name_map, gpt2_name_map, gpt2_transposed
 from attnlab.models.bert import BertConfig, BertEncoder
+from attnlab.models.gpt2 import GPT2, GPT2Config
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.models.tiny_torch import torch_tiny_transformer
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
@@ -35,9 +36,10 @@ from attnlab.nn.module import Module
 
 _TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 # What to_torch and from_torch support, for their errors (a new model adds its names here).
-_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, TinyTransformer and BertEncoder"
+_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, TinyTransformer, BertEncoder and GPT2"
 _FROM_TORCH = (
-    "nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention), to_torch(TinyTransformer) and "
+    "nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention), to_torch(TinyTransformer), "
+    "transformers' GPT2LMHeadModel or GPT2Model and "
     "transformers' BertModel"
 )
 
@@ -132,9 +134,53 @@ def _is_bert_model(module) -> bool:
     return isinstance(module, _transformers().BertModel)
 
 
-# GPT-2 (attnlab.models.gpt2 <-> transformers' GPT2LMHeadModel) goes beside BERT: a
-# _gpt2_to_torch / _gpt2_from_torch pair through its name map in attnlab.io.names, one branch
-# in to_torch and in from_torch, and its names in _TO_TORCH / _FROM_TORCH.
+# ---- GPT-2: attnlab's GPT2 <-> transformers' GPT2LMHeadModel -----------------------------
+def _gpt2_to_torch(model: GPT2):
+    """A ``transformers.GPT2LMHeadModel`` (dropout 0: the same function as ``model``)."""
+    transformers, torch = _transformers(), _torch()
+    c = model.config
+    hf_config = transformers.GPT2Config(
+        vocab_size=c.vocab_size, n_positions=c.n_positions, n_embd=c.n_embd, n_layer=c.n_layer,
+        n_head=c.n_head, n_inner=c.n_inner, activation_function=c.activation_function,
+        layer_norm_epsilon=c.layer_norm_epsilon, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )
+    transposed = gpt2_transposed(c.n_layer)
+    ours = model.state_dict()
+    state = {}
+    for name, (src,) in gpt2_name_map(c.n_layer).items():  # Conv1D weights are stored (in, out)
+        state["transformer." + src] = ours[name].T if name in transposed else ours[name]
+    state["lm_head.weight"] = ours["tok_emb.weight"]  # tied to the token embedding
+    dtype = getattr(torch, _TORCH_DTYPES[ours["tok_emb.weight"].dtype])
+    module = transformers.GPT2LMHeadModel(hf_config).to(dtype)
+    missing, unexpected = module.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
+    if unexpected or any(not k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing):
+        raise ValueError(f"GPT2LMHeadModel names do not match: missing {missing}, unexpected {unexpected}")
+    return module
+
+
+def _gpt2_from_torch(module, rng) -> GPT2:
+    """A :class:`~attnlab.models.GPT2` with a ``GPT2LMHeadModel``'s (or ``GPT2Model``'s)
+    architecture and weights."""
+    hf = module.config
+    config = GPT2Config(
+        vocab_size=hf.vocab_size, n_positions=hf.n_positions, n_embd=hf.n_embd, n_layer=hf.n_layer,
+        n_head=hf.n_head, n_inner=hf.n_inner, activation_function=hf.activation_function,
+        layer_norm_epsilon=hf.layer_norm_epsilon, bos_token_id=hf.bos_token_id, eos_token_id=hf.eos_token_id,
+    )
+    state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()
+             if not k.endswith((".attn.bias", ".attn.masked_bias")) and k != "lm_head.weight"}
+    dtype = next(iter(state.values())).dtype
+    return GPT2(config, weights=state, rng=rng, dtype=dtype)
+
+
+def _is_gpt2_model(module) -> bool:
+    """A ``transformers`` ``GPT2LMHeadModel`` or ``GPT2Model``."""
+    if not type(module).__module__.startswith("transformers."):
+        return False
+    t = _transformers()
+    return isinstance(module, t.GPT2LMHeadModel | t.GPT2Model)
 
 
 def _mha_config(mha) -> dict:
@@ -159,7 +205,9 @@ def to_torch(layer: Module):
     :class:`~attnlab.Linear` (-> ``torch.nn.Linear``), :class:`~attnlab.SelfAttention`
     (-> an equivalent torch module), :class:`~attnlab.models.TinyTransformer` (-> a torch
     module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits)
-    and :class:`~attnlab.models.BertEncoder` (-> a ``transformers`` ``BertModel`` built from
+    :class:`~attnlab.models.GPT2` (-> a ``transformers`` ``GPT2LMHeadModel`` with the same
+    logits, dropout 0) and :class:`~attnlab.models.BertEncoder` (-> a ``transformers``
+    ``BertModel`` built from
     a matching ``BertConfig``, without pooler and with dropout 0 as attnlab's encoder, whose
     ``last_hidden_state`` and ``hidden_states`` equal the encoder's; the tokenizer stays
     with attnlab). Training/eval mode is copied. The weights may be in any library
@@ -174,12 +222,12 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
-    if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder):
+    if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder | GPT2):
         raise TypeError(f"to_torch supports {_TO_TORCH}, got {type(layer).__name__}")
     state = layer.state_dict()  # NumPy copies, wherever the weights are
     dtype = getattr(torch, _TORCH_DTYPES[next(iter(state.values())).dtype])
-    if isinstance(layer, BertEncoder):
-        module = _bert_to_torch(layer)
+    if isinstance(layer, BertEncoder | GPT2):
+        module = (_bert_to_torch if isinstance(layer, BertEncoder) else _gpt2_to_torch)(layer)
         module.train(layer.training)
         return module
     if isinstance(layer, MultiheadAttention):
@@ -200,7 +248,8 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     """An attnlab layer with ``module``'s configuration and weights (same dtype).
 
     Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear``, the modules returned by
-    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer`` and a ``transformers``
+    :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer``, a ``transformers``
+    ``GPT2LMHeadModel`` or ``GPT2Model`` (-> a :class:`~attnlab.models.GPT2`) and a ``transformers``
     ``BertModel`` (-> a :class:`~attnlab.models.BertEncoder` without tokenizer; its pooler is
     left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
     also after training in torch, and any of these wrapped in ``DistributedDataParallel``
@@ -212,6 +261,10 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     inner = getattr(module, "bert", None)  # BertForMaskedLM, BertForSequenceClassification, ...
     if _is_bert_model(module) or (inner is not None and _is_bert_model(inner)):
         layer = _bert_from_torch(module if inner is None else inner, rng)
+        layer.train(module.training)
+        return layer
+    if _is_gpt2_model(module):
+        layer = _gpt2_from_torch(module, rng)
         layer.train(module.training)
         return layer
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
