@@ -53,7 +53,7 @@ def _torch():
 
 
 def _torch_self_attention_class():
-    """A torch module equal to :class:`attnlab.SelfAttention` (seed 004's class)."""
+    """A torch module equal to :class:`attnlab.SelfAttention` (the trainable single head)."""
     torch = _torch()
 
     class TorchSelfAttention(torch.nn.Module):

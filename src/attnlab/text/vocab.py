@@ -123,7 +123,7 @@ class Vocabulary:
 
         Args:
             tokens: token strings (use the tokenizer the vocabulary was built with).
-            warn: issue a ``UserWarning`` listing the unknown words.
+            warn: emit a ``UserWarning`` listing the unknown words.
         """
         if isinstance(tokens, str):
             raise TypeError("tokens must be a list of strings, got one str (tokenize it first)")
