@@ -283,6 +283,7 @@ def checkpoint_model(
     Raises:
         ValueError: unknown tokens, a text longer than the model's context, a bad file.
     """
+    from attnlab.core import softmax
     from attnlab.explain import Explanation
     from attnlab.train.checkpoint import load_checkpoint
 
@@ -296,9 +297,7 @@ def checkpoint_model(
         raise ValueError(f"text has {len(ids)} tokens, but the model's context holds {c.context_length}")
     out = model.inspect(ids)
     tokens = text.split()
-    logits = out["logits"]
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
+    probs = softmax(out["logits"], axis=-1)
     notes = induction_notes(tokens, out["attentions"], probs, task.vocab, keys_only=True)
     T = len(tokens)
     tr = None
