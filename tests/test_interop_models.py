@@ -90,10 +90,10 @@ def test_weights_trained_in_torch_come_back():
 
 
 def test_from_torch_names_what_it_supports():
-    with pytest.raises(TypeError, match=r"from_torch supports .*to_torch\(TinyTransformer\) and transformers' "
-                                        r"BertModel, got Sequential"):
+    with pytest.raises(TypeError, match=r"from_torch supports .*to_torch\(TinyTransformer\), transformers' "
+                                        r"GPT2LMHeadModel or GPT2Model and transformers' BertModel, got Sequential"):
         from_torch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
-    with pytest.raises(TypeError, match=r"to_torch supports .*TinyTransformer and BertEncoder, got GELU"):
+    with pytest.raises(TypeError, match=r"to_torch supports .*TinyTransformer, BertEncoder and GPT2, got GELU"):
         to_torch(GELU())
 
 
