@@ -207,6 +207,9 @@ def test_files_without_the_transformer_prefix(pair, tmp_path):
     plain = _copy(folder, tmp_path / "plain", tensors=rename)
     ids = _ids(ours.config.vocab_size, (1, 12), 10)
     assert np.array_equal(GPT2.from_pretrained(plain)(ids), ours(ids))
+    # a weights dict in transformers' names works as the file does
+    weights = load_tensors(folder / "model.safetensors")
+    assert np.array_equal(GPT2(ours.config, weights)(ids), ours(ids))
 
 
 # ----------------------------------------------------------------------------- text
