@@ -4,7 +4,7 @@
 the very functions the layer calls (its own argument checks and projections,
 :func:`attnlab.attention_scores`, :func:`attnlab.attention_weights`, its
 ``attention_fn``, ``F.linear``): the recorded weights *are* the layer's ``need_weights``
-maps, not a second computation. ``print(trace)`` shows the steps as tables,
+maps, not a second computation. ``str(trace)`` (what printing shows) gives the steps as tables,
 ``to_dict`` gives JSON, the HTML report draws them. Models give the trace of any of their
 layers (``model.trace(...)``).
 
