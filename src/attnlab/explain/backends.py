@@ -337,7 +337,7 @@ def gpt2_model(
     causal: each token attends to itself and the tokens before it. ``static`` is layer 0
     (token + position embeddings), ``contextual`` the last block's output after the final
     LayerNorm. The notes give the predicted next token and, for repeated tokens, whether
-    the last layer shows the induction pattern.
+    some head (in any layer) shows the induction pattern.
 
     Raises:
         ValueError: no ``path``, a text longer than ``n_positions`` tokens, ids that are
@@ -378,7 +378,7 @@ def gpt2_model(
         "diagonal is 0)",
         f"the predicted next token after the text: {shown!r} (id {nxt}, p={probs[-1, nxt]:.2f})",
     ]
-    if model.tokenizer is not None:
+    if any("Ġ" in t for t in tokens):
         notes.append("tokens are byte-level BPE pieces; 'Ġ' marks a leading space")
     notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
     tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
