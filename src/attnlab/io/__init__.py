@@ -6,12 +6,22 @@ sentence-transformers pipelines.
 ['embeddings.ln.bias', 'embeddings.ln.weight']
 """
 
-from attnlab.io.files import CheckpointError, read_json, regular_file
+from attnlab.io.files import (
+    CheckpointError,
+    check_tokenizer,
+    load_tokenizer,
+    read_json,
+    regular_file,
+    safetensors_weights,
+)
 from attnlab.io.names import NameMap, bert_name_map, load_mapped, map_tensors
 from attnlab.io.safetensors import TensorInfo, load_tensors, read_header, save_tensors
 from attnlab.io.sentence_transformers import SentencePipeline, read_pipeline
 
 __all__ = [
+    "check_tokenizer",
+    "load_tokenizer",
+    "safetensors_weights",
     "CheckpointError",
     "NameMap",
     "SentencePipeline",

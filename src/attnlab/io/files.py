@@ -7,7 +7,10 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["CheckpointError", "file_kind", "read_json", "regular_file"]
+__all__ = [
+    "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "regular_file",
+    "safetensors_weights",
+]
 
 # A config file larger than this is refused before it is parsed.
 MAX_JSON_BYTES = 4 << 20
@@ -77,3 +80,43 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind:
         what = "object" if kind is dict else kind.__name__
         raise CheckpointError(f"{path} should hold a JSON {what}, got {type(data).__name__}")
     return data
+
+
+def safetensors_weights(folder: str | os.PathLike) -> Path:
+    """``folder / "model.safetensors"``; a folder that holds only ``pytorch_model.bin`` (a
+    pickle file, which attnlab never loads) gets an error that says to convert it."""
+    folder = Path(folder)
+    weights = folder / "model.safetensors"
+    if not weights.exists() and (folder / "pytorch_model.bin").is_file():
+        raise CheckpointError(f"{folder} has only pytorch_model.bin (a pickle file, never loaded by attnlab); "
+                              "convert it to model.safetensors")
+    return weights
+
+
+def load_tokenizer(path: str | os.PathLike, *, lower_case: bool = False):
+    """A ``tokenizers.Tokenizer`` from a ``tokenizer.json``, checked; with ``lower_case`` a
+    Lowercase step goes first (as sentence-transformers' ``do_lower_case``)."""
+    path = regular_file(path, "tokenizer file (attnlab reads the tokenizers JSON format)")
+    from tokenizers import Tokenizer
+    from tokenizers import normalizers as norm
+
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises its own Exception subclass
+        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from None
+    current = tokenizer.normalizer
+    if lower_case and not isinstance(current, norm.Lowercase) and not (
+        isinstance(current, norm.Sequence) and any(isinstance(n, norm.Lowercase) for n in current)
+    ):  # as sentence-transformers' do_lower_case: a Lowercase step first
+        steps = list(current) if isinstance(current, norm.Sequence) else [current] if current else []
+        tokenizer.normalizer = norm.Sequence([norm.Lowercase(), *steps])
+    return tokenizer
+
+
+def check_tokenizer(tokenizer, vocab_size: int, where) -> None:
+    """Every id the tokenizer can produce must have an embedding row."""
+    n = tokenizer.get_vocab_size(with_added_tokens=True)
+    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= vocab_size:
+        raise CheckpointError(f"{where}: the tokenizer has ids up to {top} ({n} tokens), but the model "
+                              f"has vocab_size={vocab_size} embedding rows")

@@ -40,12 +40,14 @@ from attnlab._validation import float_dtype, generator, layer_number, positive_i
 from attnlab.io import (
     CheckpointError,
     bert_name_map,
+    check_tokenizer,
     load_mapped,
+    load_tokenizer,
     map_tensors,
     read_header,
     read_json,
     read_pipeline,
-    regular_file,
+    safetensors_weights,
 )
 from attnlab.io.sentence_transformers import POOLING_MODES
 from attnlab.nn import init
@@ -372,7 +374,7 @@ class BertEncoder(Module):
             raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         self.pooling, self.normalize = pooling, normalize
         if tokenizer is not None:
-            _check_tokenizer(tokenizer, c.vocab_size, "tokenizer")
+            check_tokenizer(tokenizer, c.vocab_size, "tokenizer")
         if weights is not None:
             check_config(c, {n: np.shape(a) for n, a in weights.items()}, "weights", "config")
         rng = generator(rng)
@@ -446,19 +448,14 @@ class BertEncoder(Module):
         """
         pipeline = read_pipeline(_local_folder(path))
         folder = pipeline.model_folder
-        weights_file = folder / "model.safetensors"
-        if not weights_file.exists() and (folder / "pytorch_model.bin").is_file():
-            raise CheckpointError(
-                f"{folder} has only pytorch_model.bin (a pickle file, never loaded by attnlab); "
-                "convert it to model.safetensors"
-            )
+        weights_file = safetensors_weights(folder)
         config = BertConfig.from_json(folder / "config.json")
         dtype = float_dtype(dtype)
         header = read_header(weights_file)
         check_config(config, {n: i.shape for n, i in header[0].items()}, str(weights_file),
                      str(folder / "config.json"))
-        tokenizer = _load_tokenizer(folder / "tokenizer.json", lower_case=pipeline.lower_case)
-        _check_tokenizer(tokenizer, config.vocab_size, folder / "tokenizer.json")
+        tokenizer = load_tokenizer(folder / "tokenizer.json", lower_case=pipeline.lower_case)
+        check_tokenizer(tokenizer, config.vocab_size, folder / "tokenizer.json")
         if max_seq_length is None:
             max_seq_length = _max_length(pipeline, config)
         with init.empty_weights():
@@ -817,33 +814,6 @@ def _max_length(pipeline, config: BertConfig) -> int:
                                       f"got {value!r:.40}")
             return int(min(value, limit))
     return limit
-
-
-def _load_tokenizer(path: Path, *, lower_case: bool = False):
-    path = regular_file(path, "tokenizer file (attnlab reads the tokenizers JSON format)")
-    from tokenizers import Tokenizer
-    from tokenizers import normalizers as norm
-
-    try:
-        tokenizer = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises its own Exception subclass
-        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from None
-    current = tokenizer.normalizer
-    if lower_case and not isinstance(current, norm.Lowercase) and not (
-        isinstance(current, norm.Sequence) and any(isinstance(n, norm.Lowercase) for n in current)
-    ):  # as sentence-transformers' do_lower_case: a Lowercase step first
-        steps = list(current) if isinstance(current, norm.Sequence) else [current] if current else []
-        tokenizer.normalizer = norm.Sequence([norm.Lowercase(), *steps])
-    return tokenizer
-
-
-def _check_tokenizer(tokenizer, vocab_size: int, where) -> None:
-    """Every id the tokenizer can produce must have an embedding row."""
-    n = tokenizer.get_vocab_size(with_added_tokens=True)
-    top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
-    if top >= vocab_size:
-        raise CheckpointError(f"{where}: the tokenizer has ids up to {top} ({n} tokens), but the model "
-                              f"has vocab_size={vocab_size} embedding rows")
 
 
 # ----------------------------------------------------------------------------- MiniLM

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
-from attnlab.io import CheckpointError, read_header, read_json
+from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
 from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, generate
 from attnlab.nn import functional as F
@@ -275,10 +275,7 @@ class GPT2(Module):
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder} is not a folder (a GPT-2 checkpoint folder needs "
                                     "config.json and model.safetensors)")
-        weights_file = folder / "model.safetensors"
-        if not weights_file.exists() and (folder / "pytorch_model.bin").is_file():
-            raise CheckpointError(f"{folder} has only pytorch_model.bin (a pickle file, never loaded by "
-                                  "attnlab); convert it to model.safetensors")
+        weights_file = safetensors_weights(folder)
         config = GPT2Config.from_json(folder / "config.json")
         dtype = float_dtype(dtype)
         header = read_header(weights_file)
@@ -293,9 +290,7 @@ class GPT2(Module):
                 warnings.warn(f"{folder / 'tokenizer.json'} is not read: the tokenizers library is not "
                               "installed (pip install tokenizers); the text methods need it", stacklevel=2)
             else:
-                from attnlab.models.bert import _load_tokenizer
-
-                tokenizer = _load_tokenizer(folder / "tokenizer.json")
+                tokenizer = load_tokenizer(folder / "tokenizer.json")
         with init.empty_weights():
             model = cls(config, tokenizer=tokenizer, dtype=dtype, name=name or folder.name)
         c = config
