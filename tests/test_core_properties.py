@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -81,3 +83,34 @@ def test_softmax_survives_large_values():
     x = np.array([1000.0, 1001.0, -np.inf], dtype=np.float32)
     p = attnlab.softmax(x)
     assert np.isfinite(p).all() and p[2] == 0 and abs(p.sum() - 1) < 1e-6
+
+
+@given(
+    st.integers(1, 5), st.integers(1, 40), st.integers(1, 300),
+    st.sampled_from([np.float32, np.float64]), st.integers(0, 2**32 - 1),
+)
+def test_in_place_softmax_in_blocks_equals_softmax(rows, cols, block, dtype, seed):
+    sm = importlib.import_module("attnlab.core.softmax")  # the module, not the function
+
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((rows, 3, cols)) * 5).astype(dtype)
+    x[0, 1] = -np.inf  # a row with nothing to attend to
+    x[-1, -1, 1::2] = -np.inf  # some keys masked (column 0 stays)
+    expected = attnlab.softmax(x)
+    before = sm._SOFTMAX_BLOCK
+    try:
+        sm._SOFTMAX_BLOCK = block  # blocks of one row up to the whole array
+        work = x.copy()
+        assert sm.softmax_(work) is work
+        wide = np.zeros((rows, 3, 2 * cols), dtype=dtype)
+        strided = wide[..., ::2]  # not C-contiguous: one piece
+        strided[...] = x
+        assert not strided.flags.c_contiguous and sm.softmax_(strided) is strided
+    finally:
+        sm._SOFTMAX_BLOCK = before
+    np.testing.assert_allclose(work, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
+    np.testing.assert_allclose(strided, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
+    assert not work[0, 1].any() and np.isfinite(work).all()
+    sums = work.sum(-1)
+    sums[0, 1] += 1  # the empty row sums to 0
+    np.testing.assert_allclose(sums, 1.0, rtol=1e-5)

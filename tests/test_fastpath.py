@@ -369,3 +369,16 @@ def test_dispatch_threshold_follows_the_l2_cache(monkeypatch):
     assert dispatch.use_blockwise(spec)
     monkeypatch.setattr(dispatch, "cpu_info", lambda: huge)
     assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
+
+
+def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs():
+    rng = np.random.default_rng(32)
+    q = rng.standard_normal((12, 200, 16)).astype(np.float32)  # 200^2 per head, 1.8 MiB in all
+    spec = check_attention_args(q, q, q)
+    with bw.tuned(fused=True):
+        assert dispatch.use_blockwise(spec)  # compiled pass: blockwise from 192^2 per head
+    with bw.tuned(fused=False):
+        assert not dispatch.use_blockwise(spec)  # NumPy pass: from 256^2
+    with bw.tuned(fused=True):
+        q64 = q.astype(np.float64)  # float64 has no compiled pass
+        assert not dispatch.use_blockwise(check_attention_args(q64, q64, q64))

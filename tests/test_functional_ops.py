@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -70,3 +71,58 @@ def test_layer_norm_matches_torch():
         torch.from_numpy(x), (384,), torch.from_numpy(w), torch.from_numpy(b), 1e-12
     ).numpy()
     assert np.abs(ours - ref).max() < 1e-5
+
+
+def test_float32_gelu_is_zero_far_below_zero_as_torch():
+    # x * (1 + erf(-4)) / 2 once grew with |x|: gelu(-1e30) gave -6.9e21
+    x = np.array([-np.inf, -1e30, -1e3, -10.0, -5.7, -5.6, np.nan, np.inf], dtype=np.float32)
+    ours = gelu(x)
+    ref = torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+    assert np.array_equal(ours[:5], np.zeros(5, np.float32))
+    assert abs(ours[5] - ref[5]) < 1e-7 and np.isnan(ours[6]) and ours[7] == np.inf
+    assert ref[1] == 0 and ref[3] == 0  # torch: 0 there too
+
+
+def _gelu_inputs():
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(3 * 2**20) * 4).astype(np.float32)
+    x[:9] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30, 5.65, -5.66]
+    return x
+
+
+@pytest.mark.skipif(importlib.util.find_spec("numba") is None, reason="numba (the fast extra) is not installed")
+def test_compiled_gelu_gives_the_numpy_numbers_bit_for_bit():
+    from attnlab.core import blockwise
+    from attnlab.nn import _compiled
+
+    x = _gelu_inputs()
+    with blockwise.tuned(fused=False):
+        expected = gelu(x)
+    calls = []
+    original = _compiled.gelu_erf32_
+    try:
+        _compiled.gelu_erf32_ = lambda a: calls.append(a.size) or original(a)
+        out = gelu(x)  # a new array
+        inplace = x.copy()
+        assert gelu(inplace, out=inplace) is inplace
+    finally:
+        _compiled.gelu_erf32_ = original
+    assert calls == [x.size, x.size]  # both calls ran on the compiled loop
+    np.testing.assert_array_equal(out, expected)  # NaN at the same places, the rest equal
+    np.testing.assert_array_equal(inplace, expected)
+    assert np.signbit(out[4]) and np.signbit(expected[4])  # gelu(-0.0) = -0.0 on both paths
+
+
+def test_small_gelus_go_compiled_once_the_numpy_work_adds_up(monkeypatch):
+    from attnlab.core import blockwise
+    from attnlab.nn import functional as F
+
+    x = np.ones(F._GELU_COMPILED_SMALL, dtype=np.float32)
+    seen = []
+    monkeypatch.setattr(blockwise, "fused_planned", lambda dtype, n, min_n=None, use=None: seen.append(min_n) or False)
+    monkeypatch.setattr(F, "_gelu_numpy_elements", 0)
+    gelu(x)
+    assert seen == [F._GELU_COMPILED_MIN] and F._gelu_numpy_elements == x.size
+    monkeypatch.setattr(F, "_gelu_numpy_elements", F._GELU_COMPILED_AFTER)
+    gelu(x)
+    assert seen[-1] == F._GELU_COMPILED_SMALL

@@ -200,12 +200,31 @@ def fused_available() -> bool:
     return importlib.util.find_spec("numba") is not None
 
 
-def _fused_kernels(use: bool | None, dtype, n_scores: int, t: Tuning):
+def fused_planned(dtype, n: int, *, min_n: int | None = None, use: bool | None = None) -> bool:
+    """Whether float work of ``n`` elements (scores) runs on compiled kernels: float32,
+    numba installed and not turned off (``ATTNLAB_NO_NUMBA=1``, ``tuned(fused=False)``),
+    and ``n >= min_n`` (default: :attr:`Tuning.fused_min_scores`; below it numba's
+    import, ~0.3 s once per process, would cost more than it saves). The choice depends
+    on the size alone, so a call gives the same numbers whatever ran before it. ``use``
+    (or ``tuned(fused=True)``) forces the answer; forcing without numba fails at the
+    import.
+
+    >>> fused_planned(np.float64, 2**30)
+    False
+    """
+    t = tuning()
+    if np.dtype(dtype) != np.float32 or t.fused is False or use is False:
+        return False
+    if use is True or t.fused is True:
+        return True
+    if not fused_available():
+        return False
+    return n >= (t.fused_min_scores if min_n is None else min_n)
+
+
+def _fused_kernels(use: bool | None, dtype, n_scores: int):
     """The compiled-kernel module for this call, or None for the NumPy pass."""
-    if dtype != np.float32 or t.fused is False or use is False:
-        return None
-    forced = use is True or t.fused is True
-    if not forced and (n_scores < t.fused_min_scores or not fused_available()):
+    if not fused_planned(dtype, n_scores, use=use):
         return None
     from attnlab.core import _fused  # imports numba; raises ImportError without it
 
@@ -274,7 +293,7 @@ class _Plan:
         self.threads = pool_threads(num_threads)
         self.min_scores_per_thread = t.min_scores_per_thread
         self.diag_rows = positive_int(t.diag_rows, "diag_rows")
-        self.kernels = _fused_kernels(fused, self.dtype, len(self.heads) * self.L * self.S, t)
+        self.kernels = _fused_kernels(fused, self.dtype, len(self.heads) * self.L * self.S)
         self._per_head: dict = {}
         self._lock = threading.Lock()
 

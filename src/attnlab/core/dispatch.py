@@ -111,15 +111,19 @@ def widened(spec: AttentionSpec) -> AttentionSpec:
     )
 
 
-# Where the blockwise kernel beats materialising the scores (measured in CPU time on one
-# thread, forward; a second thread favours the blockwise kernel further, as the naive
-# path's element-wise passes use one core):
+# Where the blockwise kernel beats materialising the scores (forward, bool key-padding
+# mask, E = 32, 12 heads, batches of about 4000 query rows; the naive path's softmax runs
+# in place, block by block):
 # - the scores of all heads together no longer fit in twice the per-core L2 cache (the
-#   naive path's five passes over them then stream from L3 or memory), and
-# - each head has at least 256 x 256 scores, so per-tile costs stay small.
-# On a 2-core AVX2 EPYC (512 KiB L2): 8 heads x 256^2 blockwise 0.54x the naive time
-# (NumPy pass; 0.43x compiled), 8 x 128^2 1.23x, 1 x 1024^2 0.94x, 1 x 384^2 1.27x.
+#   naive path's passes over them then stream from L3 or memory), and
+# - each head has at least 256 x 256 scores (NumPy pass), or 192 x 192 when the compiled
+#   pass runs, so that per-tile costs stay small.
+# On a 2-core AVX2 EPYC (512 KiB L2), blockwise time / naive time, one thread, NumPy pass
+# then compiled: T = 180: 1.47, 1.06; T = 192: 1.34, 0.97; T = 250: 1.20, 0.88; T = 384:
+# 0.98, 0.71; T = 512: 0.90, 0.67. Two threads: T = 180: 1.55, 1.05; 192: 1.46, 0.98;
+# 250: 1.04, 0.72; 384: 0.71, 0.47.
 BLOCKWISE_MIN_SCORES_PER_HEAD = 256 * 256
+BLOCKWISE_MIN_SCORES_PER_HEAD_FUSED = 192 * 192
 
 
 def blockwise_min_score_bytes() -> int:
@@ -135,11 +139,16 @@ def blockwise_min_score_bytes() -> int:
 def use_blockwise(spec: AttentionSpec) -> bool:
     """The blockwise kernel is exact for everything but dropout; pick it where it is faster
     (see :data:`BLOCKWISE_MIN_SCORES_PER_HEAD` and :func:`blockwise_min_score_bytes`)."""
-    if spec.dropout_p > 0 or spec.query.dtype not in (np.float32, np.float64):
+    dtype = spec.query.dtype
+    if spec.dropout_p > 0 or dtype not in (np.float32, np.float64):
         return False
     per_head = spec.L * spec.S
-    total_bytes = per_head * math.prod(spec.batch_shape) * spec.query.dtype.itemsize
-    return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD and total_bytes >= blockwise_min_score_bytes()
+    heads = math.prod(spec.batch_shape)
+    if per_head * heads * dtype.itemsize < blockwise_min_score_bytes():
+        return False
+    if blockwise.fused_planned(dtype, per_head * heads):
+        return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD_FUSED
+    return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD
 
 
 def attention_scores(

@@ -17,7 +17,7 @@ from attnlab._validation import generator
 from attnlab.core._namespace import add_, as_dtype, fill_forbidden, from_host, is_bool, mT, mul_
 from attnlab.core._reduce import row_sum
 from attnlab.core.masks import causal_mask
-from attnlab.core.softmax import softmax
+from attnlab.core.softmax import softmax_
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 
@@ -54,7 +54,7 @@ def dropout_keep(spec: AttentionSpec, shape: tuple, rng):
 
 def weights(spec: AttentionSpec, *, rng=None):
     """The attention weights after dropout, ``(..., Hq, L, S)``."""
-    probs = softmax(scores(spec), axis=-1)
+    probs = softmax_(scores(spec))  # the scores are fresh: in place
     keep = dropout_keep(spec, probs.shape, rng)
     return probs if keep is None else mul_(probs, keep)
 
@@ -69,7 +69,7 @@ def backward(spec: AttentionSpec, grad_out, *, rng=None):
     dims are summed back to the caller's shapes. Plain array math (no autograd), so it runs
     in every namespace."""
     xp = spec.xp
-    probs = softmax(scores(spec), axis=-1)  # (..., Hq, L, S)
+    probs = softmax_(scores(spec))  # (..., Hq, L, S), fresh: in place
     keep = dropout_keep(spec, probs.shape, rng)
     dropped = probs if keep is None else probs * keep
     grad_v = xp.matmul(mT(dropped), grad_out)  # (..., Hq, S, Ev)
