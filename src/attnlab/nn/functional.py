@@ -253,7 +253,8 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
             r += 1.0
             r *= xb
             r *= 0.5
-            np.copyto(r, 0.0, where=xb < -_GELU32_ZERO_BELOW)
+            if r.size and not xb.min() >= -_GELU32_ZERO_BELOW:  # rare (or NaN): a min costs less
+                np.copyto(r, 0.0, where=xb < -_GELU32_ZERO_BELOW)
             flat_out[start : start + m] = r
     return out
 
