@@ -247,3 +247,21 @@ def test_option_grid_smoke():
         assert out.shape == (3, 2, 8) and w.shape == (2, 3, 4 + bkv + zero)
         out, w = mha(q[:, 0], k[:, 0], v[:, 0], average_attn_weights=False)
         assert out.shape == (3, 8) and w.shape == (2, 3, 4 + bkv + zero)
+
+
+def test_load_state_dict_assign_adopts_fresh_arrays_and_copies_the_rest():
+    layer = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
+    rng = np.random.default_rng(1)
+    state = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in layer.state_dict().items()}
+    state["out_proj.weight"] = np.asfortranarray(state["out_proj.weight"])  # not C-contiguous
+    state["in_proj_bias"] = state["in_proj_bias"].astype(np.float64)  # another dtype
+    layer.load_state_dict(state, assign=True)
+    assert layer.in_proj_weight.data is state["in_proj_weight"]
+    assert layer.out_proj.weight.data is not state["out_proj.weight"]
+    assert layer.out_proj.weight.data.flags.c_contiguous
+    assert layer.in_proj_bias.data is not state["in_proj_bias"] and layer.in_proj_bias.dtype == np.float32
+    for k, v in layer.state_dict().items():
+        np.testing.assert_array_equal(v, state[k].astype(np.float32))
+    copied = attnlab.MultiheadAttention(8, 2, rng=np.random.default_rng(0))
+    copied.load_state_dict(state)
+    assert copied.in_proj_weight.data is not state["in_proj_weight"]

@@ -466,7 +466,7 @@ class BertEncoder(Module):
         model.load_state_dict(load_mapped(
             weights_file, bert_name_map(config.num_hidden_layers), shapes, dtype=dtype,
             prefixes=("", "bert."), what="BERT", header=header,
-        ))
+        ), assign=True)  # fresh arrays: no second copy
         return model
 
     # ------------------------------------------------------------------ tokens

@@ -297,7 +297,7 @@ class GPT2(Module):
         model.load_state_dict(load_transposed(
             weights_file, gpt2_name_map(c.n_layer), model._shapes(), gpt2_transposed(c.n_layer),
             dtype=dtype, prefixes=(prefix,), what="GPT-2", header=header,
-        ))
+        ), assign=True)  # fresh arrays (transposed ones, not C-contiguous, are copied)
         return model
 
     # ------------------------------------------------------------------ forward

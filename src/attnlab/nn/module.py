@@ -166,8 +166,12 @@ class Module:
         another library, see :meth:`to`, are copied to the host)."""
         return {name: to_host(p.data).copy() for name, p in self.named_parameters()}
 
-    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False) -> None:
         """Copy arrays into the parameters (cast to each parameter's dtype).
+
+        ``assign=True`` (as in torch) makes writeable C-contiguous NumPy arrays of the
+        parameter's dtype the parameters themselves, without a copy: for arrays nothing
+        else holds, such as those a loader has just read (others are still copied).
 
         Raises:
             KeyError: a missing or unexpected key (only missing ones if ``strict=False``
@@ -200,7 +204,10 @@ class Module:
         for name, arr in staged.items():  # all checked first: nothing is half-loaded
             p = own[name]
             if isinstance(p.data, np.ndarray):
-                p.data[...] = arr
+                if assign and arr.dtype == p.data.dtype and arr.flags.writeable and arr.flags.c_contiguous:
+                    p.data = arr
+                else:
+                    p.data[...] = arr
             else:  # weights of another library: a new array there, on their device
                 xp = namespace(p.data)
                 p.data = xp.astype(xp.asarray(arr, device=device_of(p.data), copy=True), p.data.dtype)
