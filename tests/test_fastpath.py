@@ -332,15 +332,32 @@ def test_compiled_pass_needs_numba_only_when_forced(monkeypatch):
 def test_tile_sizes_follow_the_l2_cache():
     def tiles(l2):
         t = bw.derive_tuning(CPUInfo("x", frozenset(), 32 * 1024, l2, 32 * 2**20, True))
-        return t.block_q, t.block_k
+        return t.block_q, t.block_k, t.forward_block_k
 
-    assert tiles(512 * 1024) == (512, 512)
-    assert tiles(1024 * 1024) == (512, 1024)
-    assert tiles(2 * 2**20) == (512, 2048)
-    assert tiles(8 * 2**20) == (512, 2048)  # clamped
-    assert tiles(32 * 1024) == (512, 128)
+    assert tiles(512 * 1024) == (512, 512, 1024)
+    assert tiles(1024 * 1024) == (512, 1024, 2048)
+    assert tiles(2 * 2**20) == (512, 2048, 2048)
+    assert tiles(8 * 2**20) == (512, 2048, 2048)  # clamped
+    assert tiles(32 * 1024) == (512, 128, 128)
     with bw.tuned(block_k=48, min_scores_per_thread=0) as t:
         assert bw.tuning() is t and t.block_k == 48
+    rng = np.random.default_rng(33)
+    q = rng.standard_normal((1, 300, 8)).astype(np.float32)
+    seen = []
+    original = bw._forward_tile_numpy
+
+    def spy(plan, *args):
+        seen.append((plan.bk, plan.bk_forward))
+        return original(plan, *args)
+
+    bw._forward_tile_numpy = spy
+    try:
+        with bw.tuned(block_k=64, forward_block_k=128, fused=False):
+            blockwise_attention(q, q, q)  # the tuning's two sizes
+            blockwise_attention(q, q, q, block_k=32)  # one size given: both passes
+    finally:
+        bw._forward_tile_numpy = original
+    assert seen[0] == (64, 128) and seen[-1] == (32, 32)
     assert bw.tuning() == bw._machine_tuning()
 
 

@@ -175,8 +175,7 @@ def run(args) -> int:
                        "scores per call, NumPy below")
     else:
         passes_note = "NumPy (numba not installed or turned off)"
-    print(f"attnlab tiles {tuning.block_q} x {tuning.block_k} ({tuning.source}); "
-          f"element-wise pass: {passes_note}")
+    print(f"attnlab tiles: {tuning.source}; element-wise pass: {passes_note}")
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
           f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}")

@@ -79,7 +79,8 @@ class Tuning:
 
     Attributes:
         block_q: query rows per tile.
-        block_k: key rows per tile.
+        block_k: key rows per tile of the backward pass.
+        forward_block_k: key rows per tile of the forward pass (``0``: ``block_k``).
         min_scores_per_thread: calls with fewer scores (all heads together) run in one
             thread; starting threads would cost more than it saves.
         fused_min_scores: float32 calls with at least this many scores use the compiled
@@ -98,20 +99,25 @@ class Tuning:
     block_k: int
     min_scores_per_thread: int
     fused_min_scores: int
+    forward_block_k: int = 0
     diag_rows: int = 128
     fused: bool | None = None
     source: str = ""
 
 
 # Tile sizes from the per-core L2 cache: the score tile (block_q x block_k float32) is
-# twice the L2, with 512 query rows. Measured in CPU time on one thread of a 2-core AVX2
-# EPYC (512 KiB L2), L = S = 4096, E = 64, compiled pass, % of SGEMM: forward 256 x 256
-# 63%, 256 x 512 67%, 512 x 512 70%, 512 x 1024 72%; forward+backward 70%, 74%, 76%, 74%;
-# the NumPy pass 51%, 52%, 55% (forward). Larger tiles amortise the per-tile cost (two
-# BLAS calls packing their operands, a Python loop step) until the tile no longer stays
-# in the cache levels below L3; the range keeps causal diagonals (about block_q / 2
-# wasted keys per row) and tiny caches in bounds.
+# twice the L2 in the backward pass, four times in the forward pass, with 512 query rows.
+# Measured in CPU time on one thread of a 2-core AVX2 EPYC (512 KiB L2), L = S = 4096,
+# E = 64, compiled pass, % of SGEMM: forward 256 x 256 63%, 256 x 512 67%, 512 x 512 70%,
+# 512 x 1024 72%; forward+backward 70%, 74%, 76%, 74%; the NumPy pass 51%, 52%, 55%
+# (forward). Forward alone against torch, 2 threads, time of 512 x 1024 over 512 x 512
+# (compiled pass): L = 2048 1.00, causal 0.95; L = 4096 0.95, causal 0.98 (NumPy pass
+# 0.98-1.01). Larger tiles amortise the per-tile cost (two BLAS calls packing their
+# operands, a Python loop step) until the tile no longer stays in the cache levels below
+# L3 (the backward pass holds more per tile); the range keeps causal diagonals (about
+# block_q / 2 wasted keys per row) and tiny caches in bounds.
 _TILE_L2_SHARE = 2.0
+_FORWARD_TILE_L2_SHARE = 4.0
 _BLOCK_Q = 512
 _BLOCK_K_RANGE = (128, 2048)
 # Causal diagonal tiles are cut into pieces of this many query rows (each up to its own
@@ -130,23 +136,28 @@ def derive_tuning(info: CPUInfo) -> Tuning:
 
     >>> from attnlab._cpu import CPUInfo
     >>> t = derive_tuning(CPUInfo("x", frozenset({"avx2"}), 32768, 512 * 1024, 2**25, True))
-    >>> t.block_q, t.block_k
-    (512, 512)
+    >>> t.block_q, t.block_k, t.forward_block_k
+    (512, 512, 1024)
     >>> derive_tuning(CPUInfo("x", frozenset(), 32768, 2 * 2**20, 2**25, True)).block_k
     2048
     """
-    tile_floats = int(info.l2 * _TILE_L2_SHARE) // 4
-    block_k = tile_floats // _BLOCK_Q
-    block_k = 1 << max(0, block_k.bit_length() - 1)  # a power of two, rounded down
-    block_k = min(max(block_k, _BLOCK_K_RANGE[0]), _BLOCK_K_RANGE[1])
+
+    def keys(share: float) -> int:
+        k = int(info.l2 * share) // 4 // _BLOCK_Q
+        k = 1 << max(0, k.bit_length() - 1)  # a power of two, rounded down
+        return min(max(k, _BLOCK_K_RANGE[0]), _BLOCK_K_RANGE[1])
+
+    block_k, forward_block_k = keys(_TILE_L2_SHARE), keys(_FORWARD_TILE_L2_SHARE)
     return Tuning(
         block_q=_BLOCK_Q,
         block_k=block_k,
+        forward_block_k=forward_block_k,
         min_scores_per_thread=_MIN_SCORES_PER_THREAD,
         fused_min_scores=_FUSED_MIN_SCORES,
         diag_rows=min(_DIAG_ROWS, _BLOCK_Q),
         fused=False if os.environ.get("ATTNLAB_NO_NUMBA", "").strip() not in ("", "0") else None,
-        source=f"{_BLOCK_Q} x {block_k} float32 score tile ~ {_TILE_L2_SHARE:g}x the "
+        source=f"{_BLOCK_Q} x {forward_block_k} forward, {_BLOCK_Q} x {block_k} backward "
+        f"float32 score tiles ~ {_FORWARD_TILE_L2_SHARE:g}x and {_TILE_L2_SHARE:g}x the "
         f"{info.l2 // 1024} KiB L2{'' if info.from_os else ' (assumed)'}",
     )
 
@@ -290,6 +301,7 @@ class _Plan:
         self.scale = self.dtype.type(spec.scale)
         self.bq = t.block_q if block_q is None else positive_int(block_q, "block_q")
         self.bk = t.block_k if block_k is None else positive_int(block_k, "block_k")
+        self.bk_forward = (t.forward_block_k or t.block_k) if block_k is None else self.bk
         self.threads = pool_threads(num_threads)
         self.min_scores_per_thread = t.min_scores_per_thread
         self.diag_rows = positive_int(t.diag_rows, "diag_rows")
@@ -468,8 +480,8 @@ def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, stats, scrat
     bad = np.zeros(rows, dtype=np.int32)
     pv = _buffer(scratch, "pv", (rows, plan.Ev), dt)
     kend = plan.key_end(i1)
-    for j0 in range(0, kend, plan.bk):
-        for a0, a1, j1 in plan.pieces(i0, i1, j0, min(j0 + plan.bk, kend)):
+    for j0 in range(0, kend, plan.bk_forward):
+        for a0, a1, j1 in plan.pieces(i0, i1, j0, min(j0 + plan.bk_forward, kend)):
             how = plan.mask_tile(h, a0, a1, j0, j1)
             if how is None:
                 continue
@@ -547,8 +559,8 @@ def _forward_tile_numpy(plan: _Plan, n: int, i0: int, i1: int, out, stats, scrat
         return plan.apply_mask(s, h, i0, j0)
 
     kend = plan.key_end(i1)
-    for j0 in range(0, kend, plan.bk):
-        j1 = min(j0 + plan.bk, kend)
+    for j0 in range(0, kend, plan.bk_forward):
+        j1 = min(j0 + plan.bk_forward, kend)
         s = _buffer(scratch, "s", (rows, j1 - j0), dt)
         if not scores(s, j0, j1):
             continue
