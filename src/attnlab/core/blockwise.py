@@ -491,7 +491,7 @@ def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, stats, scrat
             K.forward_tile(s, how[0], how[1], how[2], m[r], l[r], alpha[r], bad[r])
             np.matmul(s, v[j0:j1], out=pv[r])
             K.accumulate(out[r], pv[r], alpha[r])
-    _finish_rows(out, stats, m, l, bad > 0)
+    K.finish_rows(out, stats, m, l, bad)
 
 
 def _finish_rows(acc, stats, c, l, nan_rows) -> None:
