@@ -133,7 +133,7 @@ _GELU_COMPILED_AFTER = 1 << 25
 _gelu_numpy_elements = 0
 
 
-def _erf32_inplace(z: np.ndarray, scratch: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+def _erf32_inplace(z: np.ndarray, scratch: list[np.ndarray] | None = None) -> np.ndarray:
     """Overwrite the float64 array ``z`` with erf(z) to float32 accuracy (see above).
     ``scratch``: three float64 arrays of ``z``'s shape to work in (else fresh ones)."""
     u, p, q = (None, None, None) if scratch is None else scratch
