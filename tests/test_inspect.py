@@ -191,6 +191,25 @@ def test_direct_logit_attribution_token_forms(pair):
         direct_logit_attribution(ours, {k: v for k, v in cache.items() if "hook_z" not in k}, 3)
 
 
+def test_one_unbatched_sequence_gives_the_batched_numbers(pair):
+    ours, _ = pair
+    V = ours.config.vocab_size
+    ids = _ids(V, (6,), 14)
+    _, one = ours.run_with_cache(ids)
+    _, batch = ours.run_with_cache(ids[None])
+    np.testing.assert_allclose(logit_lens(ours, one), logit_lens(ours, batch)[:, 0], atol=1e-6)
+    a, b = direct_logit_attribution(ours, one, 2), direct_logit_attribution(ours, batch, 2)
+    assert a.heads.shape == b.heads.shape[:2] + (6,)
+    for x, y in zip(a.stack()[0], b.stack()[0], strict=True):
+        np.testing.assert_allclose(x, y[0], atol=1e-6)
+    metric = lambda logits: logits[..., -1, 1].sum()  # noqa: E731
+    corrupted = (ids + 1) % V
+    for hook in ("resid_pre", "z"):
+        np.testing.assert_allclose(activation_patching(ours, ids, corrupted, metric, hook=hook),
+                                   activation_patching(ours, ids[None], corrupted[None], metric, hook=hook),
+                                   atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- ablation
 
 

@@ -134,7 +134,7 @@ def attention_rollout(model, cache: Mapping[str, np.ndarray]) -> np.ndarray:
             ``blocks.{i}.attn.hook_pattern`` ``(B, H, T, T)``.
 
     Returns:
-        float64 ``(N, B, T, T)`` (``(N, T, T)`` for an unbatched run): entry ``i`` is the
+        float64 ``(N, B, T, T)`` (``B`` as the cached maps have it): entry ``i`` is the
         rollout through blocks ``0..i``, so ``[-1]`` is the whole model's. Each row sums
         to 1.
 

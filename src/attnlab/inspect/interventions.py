@@ -163,24 +163,13 @@ def activation_patching(
     N = len(blocks(model))
     names = [PATCH_HOOKS[hook].format(i=i) for i in range(N)]
     _, cache = model.run_with_cache(clean_ids, names_filter=names, **forward_kwargs)
-    # The slice to patch: position p of (B, T, ...) (or (T, ...)); head h of z (..., T, H, D).
-    if hook == "z":
-        count = num_heads(model)
-
-        def where(k: int) -> tuple:
-            return (..., k, slice(None))
-    else:
-        count = clean_ids.shape[-1]
-        lead = clean_ids.ndim - 1
-
-        def where(k: int) -> tuple:
-            return (slice(None),) * lead + (k,)
-
+    # The slice to patch: position p of (..., T, E), or head h of z (..., T, H, D).
+    count = num_heads(model) if hook == "z" else clean_ids.shape[-1]
     out = np.empty((N, count))
     for i, name in enumerate(names):
         source = np.asarray(cache[name])
         for k in range(count):
-            sl = where(k)
+            sl = (..., k, slice(None))
 
             def patch(a: np.ndarray, _name: str, sl=sl, source=source) -> np.ndarray:
                 a = a.copy()

@@ -166,9 +166,9 @@ def direct_logit_attribution(model, cache: Mapping[str, np.ndarray], token) -> L
         x = x[None]
     B, T, E = x.shape
 
-    def part(name: str) -> np.ndarray:
+    def part(name: str, ndim: int = 3) -> np.ndarray:  # with a batch axis, whether or not it was cached with one
         a = cached(cache, name, what)
-        return a if batched else a[None]
+        return a[None] if a.ndim == ndim - 1 else a
 
     W_U, b_U = unembedding(model, E, x.dtype)
     V = W_U.shape[1]
@@ -190,7 +190,7 @@ def direct_logit_attribution(model, cache: Mapping[str, np.ndarray], token) -> L
     attn_bias, mlp = np.zeros((N, B, T)), np.empty((N, B, T))
     for i, block in enumerate(layers):
         W_O, b_O = output_projection(block.attn)
-        z = part(Z.format(i=i)).astype(np.float64)  # (B, T, H, D)
+        z = part(Z.format(i=i), 4).astype(np.float64)  # (B, T, H, D)
         read = np.einsum("hde,bte->bthd", W_O.astype(np.float64), d)
         heads[i] = np.einsum("bthd,bthd->hbt", z, read)
         if b_O is not None:
