@@ -78,7 +78,7 @@ def pair(request, tmp_path_factory):
         bridge = TransformerBridge.boot_transformers(str(folder), hf_model=hf, load_weights=True,
                                                      tokenizer=tokenizer)
         bridge.enable_compatibility_mode(no_processing=True)
-    return GPT2.from_pretrained(folder), bridge
+    return GPT2.from_pretrained(folder), bridge, folder
 
 
 def _ids(vocab: int, shape, seed: int) -> np.ndarray:
@@ -97,7 +97,7 @@ def _err(a, b) -> float:
 
 
 def test_logit_lens_matches_transformer_lens(pair):
-    ours, bridge = pair
+    ours, bridge, _ = pair
     ids = _ids(ours.config.vocab_size, (2, 7), 1)
     logits, cache = ours.run_with_cache(ids)
     lens = logit_lens(ours, cache)
@@ -112,7 +112,7 @@ def test_logit_lens_matches_transformer_lens(pair):
 
 def test_logit_lens_reads_only_the_cache(pair):
     """Changing a cached residual changes that entry of the lens and no other."""
-    ours, _ = pair
+    ours, _, _ = pair
     _, cache = ours.run_with_cache(_ids(ours.config.vocab_size, (1, 5), 2))
     edited = dict(cache)
     edited["blocks.0.hook_resid_post"] = cache["blocks.0.hook_resid_post"][:, ::-1].copy()
@@ -142,7 +142,7 @@ def _their_dla(bridge, ids, tokens):
 
 
 def test_direct_logit_attribution_matches_transformer_lens(pair):
-    ours, bridge = pair
+    ours, bridge, _ = pair
     c = ours.config
     ids = _ids(c.vocab_size, (2, 6), 3)
     token = _ids(c.vocab_size, (2, 6), 4)
@@ -172,8 +172,42 @@ def test_direct_logit_attribution_matches_transformer_lens(pair):
     np.testing.assert_allclose(stack.sum(0), dla.total(), atol=1e-9)
 
 
+def test_direct_logit_attribution_is_transformer_lens_logit_attrs(pair):
+    """With the final norm's weight folded into the unembedding (``fold_ln``, nothing
+    centred), TransformerLens's own ``cache.logit_attrs`` is the same attribution, and its
+    folded ``b_U`` is our ``bias``."""
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import GPT2LMHeadModel
+
+    ours, _, folder = pair
+    c = ours.config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = GPT2LMHeadModel.from_pretrained(folder).eval()  # a fresh copy: folding rewrites its weights
+        folded = TransformerBridge.boot_transformers(str(folder), hf_model=hf, load_weights=True)
+        folded.enable_compatibility_mode(fold_ln=True, center_writing_weights=False, center_unembed=False,
+                                         fold_value_biases=False)
+    ids, token = _ids(c.vocab_size, (2, 6), 15), _ids(c.vocab_size, (2, 6), 16)
+    _, cache = ours.run_with_cache(ids)
+    dla = direct_logit_attribution(ours, cache, token)
+    with torch.no_grad():
+        _, tc = folded.run_with_cache(torch.from_numpy(ids))
+        t = torch.from_numpy(token)
+        heads = _np(tc.logit_attrs(tc.stack_head_results(layer=-1), t))
+        parts, labels = tc.decompose_resid(layer=-1, return_labels=True)
+        parts = dict(zip(labels, _np(tc.logit_attrs(parts, t)), strict=True))
+        b_U = _np(folded.b_U)
+    N, H = c.n_layer, c.n_head
+    err = max(_err(dla.heads.reshape(N * H, 2, 6), heads), _err(dla.embed, parts["embed"]),
+              _err(dla.pos_embed, parts["pos_embed"]), _err(dla.bias, b_U[token]))
+    for i in range(N):
+        err = max(err, _err(dla.mlp[i], parts[f"{i}_mlp_out"]),
+                  _err(dla.heads[i].sum(0) + dla.attn_bias[i], parts[f"{i}_attn_out"]))
+    assert _record("direct_logit_attribution vs TL logit_attrs (fold_ln)", err) <= TOL
+
+
 def test_direct_logit_attribution_token_forms(pair):
-    ours, _ = pair
+    ours, _, _ = pair
     V = ours.config.vocab_size
     ids = _ids(V, (2, 5), 5)
     _, cache = ours.run_with_cache(ids)
@@ -192,7 +226,7 @@ def test_direct_logit_attribution_token_forms(pair):
 
 
 def test_one_unbatched_sequence_gives_the_batched_numbers(pair):
-    ours, _ = pair
+    ours, _, _ = pair
     V = ours.config.vocab_size
     ids = _ids(V, (6,), 14)
     _, one = ours.run_with_cache(ids)
@@ -230,7 +264,7 @@ def _their_ablation(bridge, ids, heads, fills=None):
 
 
 def test_zero_ablating_any_head_matches_transformer_lens(pair):
-    ours, bridge = pair
+    ours, bridge, _ = pair
     c = ours.config
     ids = _ids(c.vocab_size, (2, 6), 6)
     clean = ours(ids)
@@ -243,7 +277,7 @@ def test_zero_ablating_any_head_matches_transformer_lens(pair):
 
 
 def test_mean_ablation_matches_transformer_lens(pair):
-    ours, bridge = pair
+    ours, bridge, _ = pair
     c = ours.config
     ids = _ids(c.vocab_size, (3, 6), 7)
     heads = [(c.n_layer - 1, c.n_head - 1), (0, 0)]
@@ -256,7 +290,7 @@ def test_mean_ablation_matches_transformer_lens(pair):
 
 
 def test_ablation_rejects_bad_heads(pair):
-    ours, _ = pair
+    ours, _, _ = pair
     c = ours.config
     ids = _ids(c.vocab_size, (1, 4), 8)
     with pytest.raises(ValueError, match=rf"head {c.n_head} is out of range for blocks with {c.n_head} heads"):
@@ -301,7 +335,7 @@ def _their_patching(bridge, clean, corrupted, metric, hook, count):
 
 @pytest.mark.parametrize("hook", ["resid_pre", "attn_out", "mlp_out", "z"])
 def test_activation_patching_matches_transformer_lens(pair, hook):
-    ours, bridge = pair
+    ours, bridge, _ = pair
     c = ours.config
     clean = _ids(c.vocab_size, (2, 6), 9)
     corrupted = clean.copy()
@@ -324,7 +358,7 @@ def test_activation_patching_matches_transformer_lens(pair, hook):
 
 
 def test_patching_rejects_bad_input(pair):
-    ours, _ = pair
+    ours, _, _ = pair
     V = ours.config.vocab_size
     clean, longer = _ids(V, (1, 5), 10), _ids(V, (1, 6), 11)
     metric = lambda logits: logits[0, -1, 0]  # noqa: E731
@@ -346,7 +380,7 @@ def test_patching_rejects_bad_input(pair):
 def test_detect_heads_equals_transformer_lens(pair, kind, exclude):
     from transformer_lens.head_detector import detect_head
 
-    ours, bridge = pair
+    ours, bridge, _ = pair
     V = ours.config.vocab_size
     rng = np.random.default_rng(12)
     # Repeated halves, so every kind has something to find; TransformerLens prepends BOS (id 0).
@@ -381,7 +415,7 @@ def test_detection_patterns_follow_their_definitions():
 
 
 def test_detect_heads_rejects_an_unknown_kind(pair):
-    ours, _ = pair
+    ours, _, _ = pair
     with pytest.raises(ValueError, match="got 'induction_head'"):
         detect_heads(ours, np.array([[1, 2, 1, 2]]), "induction_head")
 
