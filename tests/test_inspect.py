@@ -350,6 +350,15 @@ def test_activation_patching_matches_transformer_lens(pair, hook):
     assert got.shape == (c.n_layer, count) and got.dtype == np.float64
     theirs = _their_patching(bridge, clean, corrupted, metric, hook, count)
     assert _record(f"activation_patching {hook}", _err(got, theirs)) <= TOL
+    # TransformerLens's own patching functions agree too.
+    from transformer_lens import patching
+
+    utility = {"resid_pre": patching.get_act_patch_resid_pre, "attn_out": patching.get_act_patch_attn_out,
+               "mlp_out": patching.get_act_patch_mlp_out, "z": patching.get_act_patch_attn_head_out_all_pos}[hook]
+    with torch.no_grad():
+        _, tc = bridge.run_with_cache(torch.from_numpy(clean))
+        theirs = _np(utility(bridge, torch.from_numpy(corrupted), tc, lambda logits: metric(_np(logits))))
+    assert _record(f"activation_patching {hook} vs transformer_lens.patching", _err(got, theirs)) <= TOL
     if hook == "resid_pre":
         # Patching the changed position into block 0's input restores the clean run; the
         # positions before it change nothing.
