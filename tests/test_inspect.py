@@ -13,6 +13,8 @@ import warnings
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnlab.inspect import (
     LogitAttribution,
@@ -421,6 +423,18 @@ def test_detection_patterns_follow_their_definitions():
     with pytest.raises(ValueError, match="kind must be one of 'previous_token', 'duplicate_token', 'induction', "
                                          "got 'copy'"):
         detection_pattern(ids, "copy")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+def test_detection_patterns_equal_transformer_lens(ids):
+    from transformer_lens import head_detector
+
+    ids = np.array(ids)
+    tokens = torch.from_numpy(ids)[None]
+    for kind in ("previous_token", "duplicate_token", "induction"):
+        theirs = getattr(head_detector, f"get_{kind}_head_detection_pattern")(tokens)
+        np.testing.assert_array_equal(detection_pattern(ids, kind), _np(theirs).astype(np.float64))
 
 
 def test_detect_heads_rejects_an_unknown_kind(pair):

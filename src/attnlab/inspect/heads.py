@@ -12,13 +12,14 @@ from collections.abc import Mapping
 import numpy as np
 
 from attnlab.inspect._model import PATTERN, blocks, cached, check_cache, token_ids
+from attnlab.nn.module import Module
 
 __all__ = ["HEAD_KINDS", "attention_rollout", "detect_heads", "detection_pattern"]
 
 HEAD_KINDS = ("previous_token", "duplicate_token", "induction")
 
 
-def detection_pattern(ids, kind: str) -> np.ndarray:
+def detection_pattern(ids: np.ndarray, kind: str) -> np.ndarray:
     """The attention map a head of ``kind`` would have on one sequence: 0/1, lower
     triangular ``(T, T)`` (query, key), float64.
 
@@ -56,8 +57,8 @@ def detection_pattern(ids, kind: str) -> np.ndarray:
 
 
 def detect_heads(
-    model,
-    inputs,
+    model: Module,
+    inputs: np.ndarray,
     kind: str = "induction",
     *,
     exclude_bos: bool = False,
@@ -119,7 +120,7 @@ def detect_heads(
     return scores.mean(axis=1)
 
 
-def attention_rollout(model, cache: Mapping[str, np.ndarray]) -> np.ndarray:
+def attention_rollout(model: Module, cache: Mapping[str, np.ndarray]) -> np.ndarray:
     """Attention rollout (Abnar & Zuidema, 2020): how much each token's output draws on each
     input token, through every block.
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from attnlab.inspect._model import ATTN_OUT, MLP_OUT, RESID_PRE, Z, blocks, num_heads, token_ids
+from attnlab.nn.module import Module
 
 __all__ = ["ABLATIONS", "PATCH_HOOKS", "ablate_heads", "activation_patching"]
 
@@ -48,7 +49,13 @@ def _heads(heads: object, N: int, H: int) -> dict[int, list[int]]:
     return chosen
 
 
-def ablate_heads(model, inputs, heads: Sequence[tuple[int, int]], how: str = "zero", **forward_kwargs):
+def ablate_heads(
+    model: Module,
+    inputs: np.ndarray,
+    heads: Sequence[tuple[int, int]],
+    how: str = "zero",
+    **forward_kwargs,
+):
     """The model's output with some attention heads knocked out.
 
     A head is ablated at ``blocks.{i}.attn.hook_z`` ``(B, T, H, D)``, its output before
@@ -106,9 +113,9 @@ def ablate_heads(model, inputs, heads: Sequence[tuple[int, int]], how: str = "ze
 
 
 def activation_patching(
-    model,
-    clean,
-    corrupted,
+    model: Module,
+    clean: np.ndarray,
+    corrupted: np.ndarray,
     metric: Callable[[object], float],
     hook: str = "resid_pre",
     **forward_kwargs,

@@ -28,11 +28,12 @@ from attnlab.inspect._model import (
     output_projection,
     unembedding,
 )
+from attnlab.nn.module import Module
 
 __all__ = ["LogitAttribution", "direct_logit_attribution", "logit_lens"]
 
 
-def logit_lens(model, cache: Mapping[str, np.ndarray]) -> np.ndarray:
+def logit_lens(model: Module, cache: Mapping[str, np.ndarray]) -> np.ndarray:
     """The logits the residual stream would give after each block: the logit lens.
 
     Entry 0 reads the embeddings (``blocks.0.hook_resid_pre``), entry ``i + 1`` the
@@ -125,7 +126,9 @@ class LogitAttribution:
         return np.concatenate(parts), labels
 
 
-def direct_logit_attribution(model, cache: Mapping[str, np.ndarray], token) -> LogitAttribution:
+def direct_logit_attribution(
+    model: Module, cache: Mapping[str, np.ndarray], token: int | np.ndarray
+) -> LogitAttribution:
     """How much each head, each MLP and the embeddings write directly to ``token``'s logit.
 
     Args:
