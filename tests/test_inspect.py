@@ -529,3 +529,12 @@ def test_attention_rollout_needs_the_maps(minilm):
         attention_rollout(minilm, {})
     with pytest.raises(TypeError, match="cache must be the mapping"):
         attention_rollout(minilm, [1, 2])
+
+
+def test_the_vocabulary_readings_refuse_an_encoder(minilm):
+    _, cache = minilm.run_with_cache(np.array([[101, 2003, 102]]))
+    with pytest.raises(TypeError, match=r"BertEncoder has no final norm and unembedding \(ln_final, unembed\): "
+                                        "the logit lens is defined for decoders"):
+        logit_lens(minilm, cache)
+    with pytest.raises(TypeError, match="the direct logit attribution is defined for decoders"):
+        direct_logit_attribution(minilm, cache, 0)

@@ -74,13 +74,13 @@ def output_projection(attn) -> tuple[np.ndarray, np.ndarray | None]:
     return W, (None if out.bias is None else np.asarray(out.bias.data))
 
 
-def final_norm(model):
-    """The final norm module (``model.ln_final``)."""
-    norm = getattr(model, "ln_final", None)
-    if norm is None:
-        raise TypeError(f"{type(model).__name__} has no final norm (ln_final): the direct logit "
-                        "attribution is defined for decoders")
-    return norm
+def decoder_head(model, what: str):
+    """``(model.ln_final, model.unembed)``, or a ``TypeError`` saying ``what`` needs a decoder."""
+    norm, unembed = getattr(model, "ln_final", None), getattr(model, "unembed", None)
+    if norm is None or unembed is None:
+        raise TypeError(f"{type(model).__name__} has no final norm and unembedding (ln_final, unembed): "
+                        f"the {what} is defined for decoders")
+    return norm, unembed
 
 
 def norm_linearisation(norm, resid: np.ndarray) -> tuple[bool, np.ndarray, np.ndarray | None, np.ndarray | None]:
@@ -124,9 +124,6 @@ def unembedding(model, E: int, dtype) -> tuple[np.ndarray, np.ndarray | None]:
         bias = getattr(layer, "bias", None)
         return (np.asarray(getattr(weight, "data", weight)).T,
                 None if bias is None else np.asarray(getattr(bias, "data", bias)))
-    if layer is None:
-        raise TypeError(f"{type(model).__name__} has no unembed: the direct logit attribution is defined "
-                        "for decoders")
     probe = np.concatenate([np.zeros((1, E), dtype), np.eye(E, dtype=dtype)])[None]  # (1, 1 + E, E)
     out = np.asarray(layer(probe))[0].astype(np.float64)
     b = out[0]

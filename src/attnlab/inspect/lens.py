@@ -22,7 +22,7 @@ from attnlab.inspect._model import (
     blocks,
     cached,
     check_cache,
-    final_norm,
+    decoder_head,
     norm_linearisation,
     num_heads,
     output_projection,
@@ -64,16 +64,14 @@ def logit_lens(model: Module, cache: Mapping[str, np.ndarray]) -> np.ndarray:
     ((3, 1, 4, 50), True)
     """
     layers = blocks(model)
+    norm, unembed = decoder_head(model, "logit lens")
     check_cache(cache)
     what = "logit_lens"
     resid = [cached(cache, RESID_PRE.format(i=0), what)]
     resid += [cached(cache, RESID_POST.format(i=i), what) for i in range(len(layers))]
     stack = np.stack(resid)  # (N + 1, ..., T, E)
-    unembed = getattr(model, "unembed", None)
-    if unembed is None:
-        raise TypeError(f"{type(model).__name__} has no unembed: the logit lens is defined for decoders")
     flat = stack.reshape(-1, *stack.shape[-2:])  # (N + 1, B, T, E) -> ((N + 1) B, T, E)
-    logits = np.asarray(unembed(final_norm(model)(flat)))
+    logits = np.asarray(unembed(norm(flat)))
     return logits.reshape(*stack.shape[:-1], logits.shape[-1])
 
 
@@ -160,6 +158,7 @@ def direct_logit_attribution(
     True
     """
     layers = blocks(model)
+    norm, _ = decoder_head(model, "direct logit attribution")
     check_cache(cache)
     what = "direct_logit_attribution"
     N = len(layers)
@@ -176,7 +175,7 @@ def direct_logit_attribution(
     W_U, b_U = unembedding(model, E, x.dtype)
     V = W_U.shape[1]
     tokens = _tokens(token, B, T, V, batched)
-    centre, scale, w, b = norm_linearisation(final_norm(model), x)
+    centre, scale, w, b = norm_linearisation(norm, x)
     u = np.moveaxis(W_U[:, tokens].astype(np.float64), 0, -1)  # (E, B, T) -> (B, T, E)
     d = u if w is None else u * w
     if centre:  # (c - mean(c)) @ d == c @ (d - mean(d))
