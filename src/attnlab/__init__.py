@@ -4,7 +4,9 @@ Exact (PyTorch's numbers), fast, trainable, real and visual. The functional core
 :mod:`attnlab.core` (naive and blockwise attention, masks, softmax), the layers in
 :mod:`attnlab.nn`, optimizers and the recall task in :mod:`attnlab.train`, models (a tiny
 transformer, a pretrained BERT) in :mod:`attnlab.models`, the text pipeline in
-:mod:`attnlab.text`, plots and the HTML report in :mod:`attnlab.viz`.
+:mod:`attnlab.text`, plots and the HTML report in :mod:`attnlab.viz`, the logit lens,
+attribution, ablation, patching, head detectors and attention rollout (all through the hook
+points) in :mod:`attnlab.inspect`.
 
 Axis legend (every docstring): ``...`` batch dims, ``Hq``/``H`` query/key-value heads,
 ``L`` query length, ``S`` key length, ``E`` query/key head dim, ``Ev`` value head dim.
