@@ -320,6 +320,16 @@ class GPT2(Module):
         """The final LayerNorm (hook name ``ln_final``)."""
         return self.ln_f
 
+    @property
+    def W_U(self) -> np.ndarray:
+        """The unembedding ``(D, V)`` (a view of the tied token embedding): ``logits = h @ W_U``."""
+        return self.tok_emb.weight.data.T
+
+    @property
+    def b_U(self) -> None:
+        """GPT-2's output layer has no bias."""
+        return None
+
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer, tied to the token embedding: ``(..., D) -> (..., V)`` logits of
         a normalized residual (after :attr:`ln_final`)."""

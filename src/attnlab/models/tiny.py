@@ -130,6 +130,15 @@ class TinyTransformer(Module):
         """The final LayerNorm (hook name ``ln_final``)."""
         return self.ln_f
 
+    @property
+    def W_U(self) -> np.ndarray:
+        """The unembedding ``(d_model, vocab_size)``: ``logits = h @ W_U``."""
+        return self.head.weight.data.T
+
+    @property
+    def b_U(self) -> np.ndarray | None:
+        return None if self.head.bias is None else self.head.bias.data
+
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer: ``(..., d_model) -> (..., vocab_size)`` logits of a normalized
         residual (after :attr:`ln_final`)."""

@@ -19,7 +19,10 @@ Three calls on every :class:`~attnlab.nn.Module` (a model, a block, one attentio
   (hooks then run once per decoding step, on that step's tokens).
 
 Hooks are removed when the call or the ``with`` block ends, also when it raises. A hook
-receives the live activation: keep a copy if you keep it (``run_with_cache`` does).
+receives the live activation: keep a copy if you keep it (``run_with_cache`` does). For an
+unbatched call (one sequence without its batch axis) the residual-stream hooks have no
+batch axis either, while the attention's own hooks (``attn.hook_q`` ... ``attn.hook_z``)
+keep a batch axis of 1, as the layer computes with one.
 With no hook attached a hook point costs one attribute test.
 """
 
