@@ -538,3 +538,23 @@ def test_the_vocabulary_readings_refuse_an_encoder(minilm):
         logit_lens(minilm, cache)
     with pytest.raises(TypeError, match="the direct logit attribution is defined for decoders"):
         direct_logit_attribution(minilm, cache, 0)
+
+
+def test_logit_lens_top_is_the_top_of_the_full_lens():
+    from attnlab.core import softmax
+    from attnlab.inspect import logit_lens, logit_lens_top
+    from attnlab.models import GPT2, GPT2Config
+
+    model = GPT2(GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=3, n_head=2),
+                 rng=np.random.default_rng(5))
+    _, cache = model.run_with_cache(np.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]))
+    full = logit_lens(model, cache).astype(np.float64)
+    ids, probs = logit_lens_top(model, cache, k=3)
+    assert ids.shape == probs.shape == (4, 2, 5, 3)
+    p = softmax(full, axis=-1)
+    want = np.argsort(-full, axis=-1, kind="stable")[..., :3]
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_allclose(probs, np.take_along_axis(p, want, axis=-1), rtol=1e-9, atol=1e-12)
+    assert (np.diff(probs, axis=-1) <= 0).all()
+    with pytest.raises(ValueError, match="k must be a positive int"):
+        logit_lens_top(model, cache, k=0)

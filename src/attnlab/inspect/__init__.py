@@ -26,7 +26,7 @@ function                             reads                          returns
 
 from attnlab.inspect.heads import HEAD_KINDS, attention_rollout, detect_heads, detection_pattern
 from attnlab.inspect.interventions import ABLATIONS, PATCH_HOOKS, ablate_heads, activation_patching
-from attnlab.inspect.lens import LogitAttribution, direct_logit_attribution, logit_lens
+from attnlab.inspect.lens import LogitAttribution, direct_logit_attribution, logit_lens, logit_lens_top
 
 __all__ = [
     "ABLATIONS",
@@ -38,6 +38,7 @@ __all__ = [
     "attention_rollout",
     "detect_heads",
     "detection_pattern",
+    "logit_lens_top",
     "direct_logit_attribution",
     "logit_lens",
 ]

@@ -30,7 +30,7 @@ from attnlab.inspect._model import (
 )
 from attnlab.nn.module import Module
 
-__all__ = ["LogitAttribution", "direct_logit_attribution", "logit_lens"]
+__all__ = ["LogitAttribution", "direct_logit_attribution", "logit_lens", "logit_lens_top"]
 
 
 def logit_lens(model: Module, cache: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -73,6 +73,45 @@ def logit_lens(model: Module, cache: Mapping[str, np.ndarray]) -> np.ndarray:
     flat = stack.reshape(-1, *stack.shape[-2:])  # (N + 1, B, T, E) -> ((N + 1) B, T, E)
     logits = np.asarray(unembed(norm(flat)))
     return logits.reshape(*stack.shape[:-1], logits.shape[-1])
+
+
+def logit_lens_top(model: Module, cache: Mapping[str, np.ndarray], k: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` likeliest tokens of the logit lens and their probabilities, one layer's
+    logits at a time: what the explain views show, in the memory of one ``(B, T, V)``
+    array rather than :func:`logit_lens`'s ``N + 1`` of them.
+
+    Returns:
+        ``(ids, probs)``, each ``(N + 1, B, T, k)`` (no ``B`` for an unbatched run):
+        entry 0 reads the embeddings, entry ``i + 1`` the residual after block ``i``;
+        ``probs`` are the softmax of that entry's logits (float64), likeliest first.
+
+    >>> from attnlab.models import GPT2, GPT2Config
+    >>> model = GPT2(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2),
+    ...              rng=np.random.default_rng(0))
+    >>> logits, cache = model.run_with_cache(np.array([[1, 2, 3, 4]]))
+    >>> ids, probs = logit_lens_top(model, cache, k=2)
+    >>> ids.shape, bool((ids[-1, ..., 0] == logits.argmax(-1)).all())
+    ((3, 1, 4, 2), True)
+    """
+    if isinstance(k, bool) or not isinstance(k, int | np.integer) or k < 1:
+        raise ValueError(f"k must be a positive int, got {k!r}")
+    layers = blocks(model)
+    norm, unembed = decoder_head(model, "logit lens")
+    check_cache(cache)
+    names = [RESID_PRE.format(i=0)] + [RESID_POST.format(i=i) for i in range(len(layers))]
+    ids, probs = [], []
+    for name in names:
+        logits = np.asarray(unembed(norm(cached(cache, name, "logit_lens_top")))).astype(np.float64)
+        k_eff = min(int(k), logits.shape[-1])
+        top = np.argpartition(-logits, k_eff - 1, axis=-1)[..., :k_eff]
+        top_logits = np.take_along_axis(logits, top, axis=-1)
+        order = np.argsort(-top_logits, axis=-1, kind="stable")
+        top = np.take_along_axis(top, order, axis=-1)
+        m = logits.max(axis=-1, keepdims=True)
+        log_total = np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)) + m
+        ids.append(top)
+        probs.append(np.exp(np.take_along_axis(logits, top, axis=-1) - log_total))
+    return np.stack(ids), np.stack(probs)
 
 
 @dataclass(frozen=True)
