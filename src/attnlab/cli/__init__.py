@@ -33,8 +33,18 @@ def build_parser() -> Parser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings reach the user as one line each, never with a library's source line."""
+    text = str(message).strip().splitlines()
+    print(f"attnlab: warning: {text[0] if text else category.__name__}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     command = None
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         parser = build_parser()
         try:
@@ -58,9 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"attnlab {command}: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"attnlab {command}: error: not enough memory for this model and input; use smaller "
+              "sizes or a shorter input", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{'attnlab ' + command if command else 'attnlab'}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
 
 
 def _stdout_to_devnull() -> None:
