@@ -257,7 +257,7 @@ def print_summary(expl, *, out=None) -> None:
 def print_steps(expl, head: int, *, out=None) -> None:
     """The step-by-step walk through the explained layer's attention call (the trace)."""
     out = out or sys.stdout
-    print(expl.trace.format(head, color=use_color(out), more_hint="--format json has every value"),
+    print(expl.trace.format(head, color=use_color(out), more_hint="--format json --steps has every value"),
           file=out)
 
 

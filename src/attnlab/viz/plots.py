@@ -10,8 +10,10 @@ Shapes: ``H`` heads, ``L`` query tokens, ``S`` key tokens, ``T`` tokens, ``D`` w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -41,16 +43,23 @@ def save_figure(fig, path: str | os.PathLike, *, dpi: int = 150) -> Path:
     matplotlib's own "Glyph ... missing" warnings are not shown: the plot functions have
     already said, once, which characters no installed font can draw (:func:`font_families`).
     """
-    import warnings
-
     path = Path(path)
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from")
+    with _no_glyph_warnings():
         fig.savefig(path, format=fmt, dpi=dpi)  # constrained layout already fits the labels
     return path
+
+
+@contextlib.contextmanager
+def _no_glyph_warnings():
+    """matplotlib's "Glyph ... missing" warnings are left out (:func:`_use_fonts` says it once)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from")
+        yield
 
 
 # Fonts that have a glyph for every character but draw it as a placeholder, and math fonts.
@@ -89,7 +98,8 @@ def font_families(texts: Sequence[str]) -> tuple[list[str], list[str]]:
 
     default = font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"]))
     first = font_manager.get_font(default).family_name
-    chars = {c for t in texts for c in str(t) if c.isprintable() and not c.isspace() and ord(c) > 0x7E}
+    chars = {c for t in texts for c in str(t)  # not controls, format marks, surrogates, spaces
+             if ord(c) > 0x7E and not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf", "Cs")}
     missing = {c for c in chars if ord(c) not in _charmap(default)}
     if not missing:
         return [first], []
@@ -144,7 +154,8 @@ def _use_fonts(fig, texts: Sequence[str]) -> None:
     from matplotlib.text import Text
 
     families, missing = font_families(texts)
-    if missing:
+    if missing and frozenset(missing) not in _SAID:  # once per set of characters, not per picture
+        _SAID.add(frozenset(missing))
         shown = " ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         warnings.warn(f"the pictures cannot draw {len(missing)} character(s) of the labels ({shown}): no "
                       "installed font has them, so they show as boxes (a font such as Debian's "
@@ -152,6 +163,9 @@ def _use_fonts(fig, texts: Sequence[str]) -> None:
     if len(families) > 1:
         for t in fig.findobj(Text):
             t.set_fontfamily(families)
+
+
+_SAID: set[frozenset[str]] = set()
 
 
 def tick_step(n: int, length_pt: float, fontsize: float) -> int:
@@ -453,21 +467,27 @@ def plot_embeddings(
     pad = 0.1 * span
     ax.set_xlim(lo[0] - pad, hi[0] + pad)
     ax.set_ylim(lo[1] - pad, hi[1] + pad)
-    counts = [_draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)]
+    writers = [_draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)]
     ax.set_xlabel("PCA component 1 (fitted on the static vectors)")
     ax.set_ylabel("PCA component 2")
     ax.grid(True, alpha=0.3)
     if zoom:
-        counts.append(_zoom_panel(ax, zax, s2, c2, labels, c_span))
-    drawn, left_out = (sum(c[i] for c in counts) for i in (0, 1))
-    # Labels never overprint: those with no room are left out, and the legend says so.
-    note = (f"{drawn} of {drawn + left_out} point labels drawn; {left_out} left out where there was no room"
-            if left_out else None)
+        writers.append(_zoom_panel(ax, zax, s2, c2, labels, c_span))
+    # The labels are placed in points, so the layout is settled first (with room for the
+    # legend's note) and then kept: labels never overprint each other.
     legend = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False,
-                       title=note, title_fontsize=9)
-    if note:
-        legend.get_title().set_gid("labels-left-out")
+                       title=" ", title_fontsize=9)
     _use_fonts(fig, [*labels, title])
+    with _no_glyph_warnings():
+        fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    counts = [write() for write in writers]
+    drawn, left_out = (sum(c[i] for c in counts) for i in (0, 1))
+    if left_out:  # those with no room are left out, and the legend says so
+        legend.get_title().set_text(f"{drawn} of {drawn + left_out} point labels drawn; {left_out} left out "
+                                    "where there was no room")
+        legend.get_title().set_gid("labels-left-out")
+    _use_fonts(fig, [*labels, title])  # the labels just written
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -570,10 +590,28 @@ def _overlap(boxes: np.ndarray, x0: float, y0: float, x1: float, y1: float) -> f
     return float((np.clip(dx, 0, None) * np.clip(dy, 0, None)).sum())
 
 
+def text_width(text: str, fontsize: float) -> float:
+    """The width in points of ``text`` at ``fontsize`` in matplotlib's default font, measured
+    without a renderer; characters that font lacks count as wide ones (1 em: CJK).
+
+    >>> round(text_width("iii", 10)) < round(text_width("WWW", 10))
+    True
+    """
+    from matplotlib import font_manager, rcParams
+
+    font = font_manager.get_font(font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"])))
+    have = _charmap(font.fname)
+    own = "".join(c for c in text if ord(c) in have)
+    other = len(text) - len(own)
+    font.set_size(fontsize, 72)
+    font.set_text(own)
+    return font.get_width_height()[0] / 64 + other * fontsize
+
+
 def _axes_points(ax):
     """A function mapping data coordinates of ``ax`` to points on the figure, and the axes'
-    box in points. Uses the axes' current position, which constrained layout only enlarges,
-    so distances are if anything underestimated."""
+    box in points, from the axes' current position (:func:`plot_embeddings` settles the
+    layout before it places labels)."""
     fig = ax.get_figure()
     w_in, h_in = fig.get_size_inches()
     box = ax.get_position()
@@ -597,8 +635,7 @@ def _label_points(ax, items: list[tuple[np.ndarray, str, str]], markers: np.ndar
         return 0, 0
     to_points, bounds = _axes_points(ax)
     anchors = to_points(np.array([p for p, _, _ in items]))
-    # Text extents without a renderer: DejaVu Sans averages below 0.62 em per character.
-    sizes = np.array([(0.62 * fontsize * max(len(t), 1) + 2, 1.3 * fontsize) for _, t, _ in items])
+    sizes = np.array([(text_width(t, fontsize) + 3, 1.3 * fontsize) for _, t, _ in items])
     m = to_points(markers)
     r = marker_pt / 2
     obstacles = np.concatenate([m - r, m + r], axis=1)
@@ -646,7 +683,7 @@ def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: flo
     if contextual_labels:
         items += [(p, text, CONTEXT_COLOR) for p, text in _group_labels(c2, labels, tol)]
     markers = c2 if only_contextual else np.concatenate([s2, c2])
-    return _label_points(ax, items, markers, fontsize=fontsize)
+    return lambda: _label_points(ax, items, markers, fontsize=fontsize)  # once the layout is final
 
 
 def _zoom_panel(ax, zax, s2, c2, labels, c_span):
@@ -660,14 +697,14 @@ def _zoom_panel(ax, zax, s2, c2, labels, c_span):
                            ls="--", lw=1.0, zorder=5, gid="zoom-box"))
     zax.set_xlim(mid[0] - half, mid[0] + half)
     zax.set_ylim(mid[1] - half, mid[1] + half)
-    counts = _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
+    write_labels = _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
     zax.set_title("contextual points, magnified (dashed box on the left)", fontsize=11)
     zax.set_xlabel("PCA component 1 (same projection)")
     zax.grid(True, alpha=0.3)
     for side in zax.spines.values():
         side.set_linestyle("--")
         side.set_edgecolor("0.35")
-    return counts
+    return write_labels
 
 
 def plot_training_curves(
