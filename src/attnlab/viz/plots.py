@@ -157,9 +157,10 @@ def _use_fonts(fig, texts: Sequence[str]) -> None:
     if missing and frozenset(missing) not in _SAID:  # once per set of characters, not per picture
         _SAID.add(frozenset(missing))
         shown = " ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
+        cjk = any(unicodedata.name(c, "").startswith(("CJK", "HIRAGANA", "KATAKANA", "HANGUL")) for c in missing)
+        hint = " (Debian's fonts-noto-cjk has Chinese, Japanese and Korean)" if cjk else ""
         warnings.warn(f"the pictures cannot draw {len(missing)} character(s) of the labels ({shown}): no "
-                      "installed font has them, so they show as boxes (a font such as Debian's "
-                      "fonts-noto-cjk covers Chinese, Japanese and Korean)", UserWarning, stacklevel=3)
+                      f"installed font has them, so they show as boxes{hint}", UserWarning, stacklevel=3)
     if len(families) > 1:
         for t in fig.findobj(Text):
             t.set_fontfamily(families)
