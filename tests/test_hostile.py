@@ -344,3 +344,29 @@ def test_embedding_labels_never_overprint_and_say_what_was_left_out():
         _assert_no_overlap([t for t in a.texts if t.get_gid() == "token-label"], fig)
     title = ax.get_legend().get_title().get_text()
     assert title == f"{len(labels)} of {2 * T} point labels drawn; {2 * T - len(labels)} left out where there was no room"
+
+
+def test_every_command_reads_bytes_that_are_not_utf8(tmp_path):
+    pytest.importorskip("tokenizers")
+    from helpers import byte_bpe_tokenizer
+
+    folder = write_gpt2(tmp_path / "g", {"vocab_size": 300})
+    byte_bpe_tokenizer(folder / "tokenizer.json")
+    proc = run("generate", "--checkpoint", str(folder), b"caf\xe9 au", "--max-new-tokens", "2")
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
+    assert "prompt     caf\ufffd au" in proc.stdout.decode("utf-8")
+
+
+def _minilm_available() -> bool:
+    try:
+        from attnlab.models.bert import minilm_available
+    except ImportError:
+        return False
+    return minilm_available()
+
+
+@pytest.mark.skipif(not _minilm_available(), reason="the pretrained MiniLM package is not installed")
+def test_similarity_reads_bytes_that_are_not_utf8():
+    proc = run("similarity", b"the bank caf\xe9", b"the bank", "--word", "bank")
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr
+    assert "caf\ufffd" in proc.stdout.decode("utf-8")

@@ -258,6 +258,13 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
     also after training in torch, and any of these wrapped in ``DistributedDataParallel``
     or ``DataParallel``. ``rng`` drives the new layer's dropout.
+
+    Raises:
+        ValueError: a GPT-2 with settings attnlab's GPT-2 does not compute (an output layer
+            not tied to the token embedding, unscaled or layer-scaled attention,
+            cross-attention), refused as :meth:`~attnlab.models.GPT2.from_pretrained`
+            refuses such a folder.
+        TypeError: a module of another kind.
     """
     torch = _torch()
     if isinstance(module, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):

@@ -33,6 +33,20 @@ def build_parser() -> Parser:
     return parser
 
 
+# The arguments that are text (not paths): bytes that were not UTF-8, which Python keeps as
+# lone surrogates, become U+FFFD before any model, tokenizer, picture or file sees them.
+_TEXT_ARGUMENTS = ("text", "prompt", "sentence_a", "sentence_b", "word")
+
+
+def _clean_text_arguments(args) -> None:
+    for name in _TEXT_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+            from attnlab.viz.html_report import clean_text
+
+            setattr(args, name, clean_text(value))
+
+
 def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """Warnings reach the user as one line each, never with a library's source line."""
     text = str(message).strip().splitlines()
@@ -53,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             raise
         command = args.command
+        _clean_text_arguments(args)
         if command is None:
             parser.print_help()
             code = 0
