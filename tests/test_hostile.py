@@ -206,7 +206,7 @@ def test_bytes_that_are_not_utf8_become_replacement_characters(tmp_path):
 
 
 def test_text_from_stdin_and_from_a_file(tmp_path):
-    proc = run("explain", "-", "--model", "random", "--format", "json", input="The cat sat\n".encode())
+    proc = run("explain", "-", "--model", "random", "--format", "json", input=b"The cat sat\n")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens"] == ["the", "cat", "sat"]
     path = tmp_path / "t.txt"
@@ -343,7 +343,8 @@ def test_embedding_labels_never_overprint_and_say_what_was_left_out():
     for a in fig.axes:
         _assert_no_overlap([t for t in a.texts if t.get_gid() == "token-label"], fig)
     title = ax.get_legend().get_title().get_text()
-    assert title == f"{len(labels)} of {2 * T} point labels drawn; {2 * T - len(labels)} left out where there was no room"
+    left_out = 2 * T - len(labels)
+    assert title == f"{len(labels)} of {2 * T} point labels drawn; {left_out} left out where there was no room"
 
 
 def test_every_command_reads_bytes_that_are_not_utf8(tmp_path):
