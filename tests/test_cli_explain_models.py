@@ -39,7 +39,7 @@ def test_default_model_is_minilm_when_available(fake_bert, capsys):
     assert main(["explain", "The bank of the river"]) == 0
     out = capsys.readouterr().out
     assert "fake MiniLM" in out and "(--model minilm)" in out
-    assert "layer 3 of 3, head 0 of 5" in out  # default: the last layer
+    assert "layer 3 (of 1-3), head 0 (of 0-4)" in out  # default: the last layer
 
 
 def test_default_model_is_random_without_pretrained(monkeypatch, capsys):
@@ -53,10 +53,10 @@ def test_default_model_is_random_without_pretrained(monkeypatch, capsys):
 def test_layer_and_head_pick_the_map(fake_bert, capsys, tmp_path):
     assert main(["explain", "a b c", "--layer", "1", "--head", "4", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "layer 1 of 3, head 4 of 5" in out
+    assert "layer 1 (of 1-3), head 4 (of 0-4)" in out
     assert {p.name for p in tmp_path.iterdir()} == {"heatmap.png", "heads.png", "embeddings.png"}
     assert main(["explain", "a b c", "--layer", "-3", "--head", "-1"]) == 0
-    assert "layer 1 of 3, head 4 of 5" in capsys.readouterr().out  # negatives count back
+    assert "layer 1 (of 1-3), head 4 (of 0-4)" in capsys.readouterr().out  # negatives count back
     assert main(["explain", "a b c", "--layer", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("attnlab explain: error: --layer must be in 1..3 (or -3..-1) for a model with 3 layers, "

@@ -65,7 +65,7 @@ def test_demo_prints_tables_and_writes_pictures(tmp_path):
     text = proc.stdout
     assert "random (teaching model): embed_dim 128, 4 heads, seed 0" in text
     assert "token vectors (static, layer 0)" in text and "(6, 128)" in text and "(1, 4, 6, 6)" in text
-    assert "attention weights, layer 1 of 1, head 0 of 4" in text
+    assert "attention weights, layer 1 (of 1-1), head 0 (of 0-3)" in text
     header = next(line for line in text.splitlines() if line.split() == TOKENS)
     assert header  # the weights table is labelled by the tokens
     rows = [line.split() for line in text.splitlines() if line.split()[:1] == ["cat"]]
@@ -113,7 +113,10 @@ def test_explain_json_to_stdout_and_file(tmp_path):
     assert doc["tokens"] == ["hello", ",", "world", "!"]
     assert doc["attentions"]["shape"] == [1, 2, 4, 4]
     assert doc["static"]["shape"] == [4, 8]
-    assert [s["name"] for s in doc["trace"]["steps"]][:2] == ["X", "W_q"]
+    assert doc["trace"] is None  # the steps only with --steps
+    proc = run("explain", "Hello, world!", "--model", "random", "--dim", "8", "--heads", "2",
+               "--format", "json", "--steps", check_rc=0)
+    assert [s["name"] for s in json.loads(proc.stdout)["trace"]["steps"]][:2] == ["X", "W_q"]
     out = tmp_path / "o"
     proc = run("explain", "a b", "--model", "random", "--dim", "8", "--heads", "2",
                "--format", "json", "--out", str(out), check_rc=0)

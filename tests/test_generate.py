@@ -265,7 +265,7 @@ def test_cli_explain_and_report_a_gpt2_folder(gpt2_folder, tmp_path, capsys):
     assert main(["explain", "--checkpoint", str(gpt2_folder), "The cat sat", "--layer", "2", "--head", "1",
                  "--steps", "--html", str(html)]) == 0
     out = capsys.readouterr().out
-    assert "(--model gpt2)" in out and "attention weights, layer 2 of 3, head 1 of 4" in out
+    assert "(--model gpt2)" in out and "attention weights, layer 2 (of 1-3), head 1 (of 0-3)" in out
     assert "step by step (layer 2, head 1 of 4)" in out
     assert html.stat().st_size > 1000
     assert main(["explain", "--model", "gpt2", "The cat"]) == 2

@@ -307,6 +307,19 @@ def benchmark_sentences(n: int) -> list[str]:
             for _ in range(n)]
 
 
+def _quietly(build, *args, **kwargs):
+    """``build(*args, **kwargs)`` with transformers' progress bars ("Loading weights") off."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return build(*args, **kwargs)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
+
+
 def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     import importlib.util
 
@@ -325,7 +338,7 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     torch.set_num_threads(threads)
     attnlab.set_num_threads(threads)
     ours = load_minilm()
-    theirs = SentenceTransformer(str(minilm_path()), device="cpu")
+    theirs = _quietly(SentenceTransformer, str(minilm_path()), device="cpu")
     texts = benchmark_sentences(n)
     diff = np.abs(ours.encode(texts) - theirs.encode(texts, show_progress_bar=False)).max()
     row.note = f"max |embedding difference| {diff:.1e}"

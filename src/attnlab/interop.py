@@ -27,7 +27,7 @@ import numpy as np
 
 from attnlab.io.names import NameMap, bert_name_map, gpt2_name_map, gpt2_transposed
 from attnlab.models.bert import BertConfig, BertEncoder
-from attnlab.models.gpt2 import GPT2, GPT2Config
+from attnlab.models.gpt2 import GPT2, GPT2Config, unsupported_setting
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.models.tiny_torch import torch_tiny_transformer
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
@@ -162,8 +162,12 @@ def _gpt2_to_torch(model: GPT2):
 
 def _gpt2_from_torch(module, rng) -> GPT2:
     """A :class:`~attnlab.models.GPT2` with a ``GPT2LMHeadModel``'s (or ``GPT2Model``'s)
-    architecture and weights."""
+    architecture and weights; settings it does not compute are refused, as
+    :meth:`GPT2.from_pretrained` refuses them."""
     hf = module.config
+    problem = unsupported_setting(hf)
+    if problem is not None:
+        raise ValueError(f"{type(module).__name__}: {problem}")
     config = GPT2Config(
         vocab_size=hf.vocab_size, n_positions=hf.n_positions, n_embd=hf.n_embd, n_layer=hf.n_layer,
         n_head=hf.n_head, n_inner=hf.n_inner, activation_function=hf.activation_function,
@@ -254,6 +258,13 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
     also after training in torch, and any of these wrapped in ``DistributedDataParallel``
     or ``DataParallel``. ``rng`` drives the new layer's dropout.
+
+    Raises:
+        ValueError: a GPT-2 with settings attnlab's GPT-2 does not compute (an output layer
+            not tied to the token embedding, unscaled or layer-scaled attention,
+            cross-attention), refused as :meth:`~attnlab.models.GPT2.from_pretrained`
+            refuses such a folder.
+        TypeError: a module of another kind.
     """
     torch = _torch()
     if isinstance(module, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):

@@ -33,8 +33,32 @@ def build_parser() -> Parser:
     return parser
 
 
+# The arguments that are text (not paths): bytes that were not UTF-8, which Python keeps as
+# lone surrogates, become U+FFFD before any model, tokenizer, picture or file sees them.
+_TEXT_ARGUMENTS = ("text", "prompt", "sentence_a", "sentence_b", "word")
+
+
+def _clean_text_arguments(args) -> None:
+    for name in _TEXT_ARGUMENTS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and any("\ud800" <= c <= "\udfff" for c in value):
+            from attnlab.viz.html_report import clean_text
+
+            setattr(args, name, clean_text(value))
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings reach the user as one line each, never with a library's source line."""
+    text = str(message).strip().splitlines()
+    print(f"attnlab: warning: {text[0] if text else category.__name__}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
     command = None
+    shown = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         parser = build_parser()
         try:
@@ -43,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             raise
         command = args.command
+        _clean_text_arguments(args)
         if command is None:
             parser.print_help()
             code = 0
@@ -58,9 +83,15 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as exc:
         print(f"attnlab {command}: error: {exc}", file=sys.stderr)
         return 2
+    except MemoryError:
+        print(f"attnlab {command}: error: not enough memory for this model and input; use smaller "
+              "sizes or a shorter input", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{'attnlab ' + command if command else 'attnlab'}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = shown
 
 
 def _stdout_to_devnull() -> None:

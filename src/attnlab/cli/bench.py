@@ -1,8 +1,8 @@
-"""``attnlab bench``: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
+"""attnlab bench: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
 
 fp32, B=1, H=8, E=64, L = S, causal and not, forward and forward+backward, side by side
 in one run with the same thread count. Each cell is timed twice, the implementations
-taking turns: the median of ``--repeats`` calls each made after a settle pause (idle thread
+taking turns: the median of --repeats calls each made after a settle pause (idle thread
 pools), and the median of calls made back to back (warm thread pools). Printed: the CPU
 (model, avx2/avx512f, caches) and attnlab's tile sizes, the times, GFLOP/s, attnlab's time
 over torch's in both timings (below 1: attnlab is faster; the "faster" column names the
@@ -11,9 +11,9 @@ float32 matmul that takes the same turns). Then two layer-level rows:
 MultiheadAttention(need_weights=False) forward against torch.nn.MultiheadAttention, and
 MiniLM's encode against sentence-transformers (skipped with a note when the model package
 is missing), and the peak memory (RSS, in a fresh process) of a single-head forward pass
-over ``--memory-tokens`` tokens.
+over --memory-tokens tokens.
 
-The default is a quick run (L up to 2048); ``--full`` runs L up to 8192 and a 65536-token
+The default is a quick run (L up to 2048); --full runs L up to 8192 and a 65536-token
 memory run (many minutes on 2 cores).
 """
 
@@ -90,7 +90,9 @@ def _table(head: list[str], lines: list[list[str]]) -> str:
 
 
 def _pct(part, whole) -> str:
-    return _fmt(None if part is None or not whole else 100 * part / whole, ".0f") + "%"
+    if part is None or not whole:
+        return _fmt(None, ".0f")  # no share without both rates (e.g. torch is not installed)
+    return _fmt(100 * part / whole, ".0f") + "%"
 
 
 def format_rows(rows) -> str:

@@ -72,9 +72,14 @@ def register(sub) -> None:
         epilog="examples:\n"
         "  attnlab explain \"The cat sat on the mat\" --steps\n"
         "  attnlab explain \"The bank of the river\" --layer 2 --head 5 --out pictures\n"
-        "  attnlab explain \"A dog barked\" --format json > explanation.json",
+        "  attnlab explain \"A dog barked\" --format json > explanation.json\n"
+        "  attnlab explain --file story.txt --out pictures\n"
+        "  echo \"The cat sat\" | attnlab explain -",
     )
-    p.add_argument("text", metavar="TEXT", help="the text to explain (quote it)")
+    p.add_argument("text", metavar="TEXT", nargs="?", default=None,
+                   help="the text to explain (quote it); - reads it from standard input")
+    p.add_argument("--file", metavar="PATH", default=None,
+                   help="read the text from the file PATH (UTF-8) instead of TEXT")
     add_model_options(p)
     p.add_argument("--dim", type=int, default=None,
                    help=f"embedding width of the teaching model (default {DEFAULT_DIM})")
@@ -88,7 +93,8 @@ def register(sub) -> None:
                    help="teaching model: a fixed vocabulary (attnlab.text.Vocabulary JSON); "
                    "unknown words become <unk>")
     p.add_argument("--steps", action="store_true",
-                   help="print every step of the attention call with its shape and values")
+                   help="print every step of the attention call with its shape and values "
+                   "(with --format json: include them in the document)")
     p.add_argument("--format", choices=["text", "json"], default="text",
                    help="text tables (default) or one JSON document on stdout")
     p.add_argument("--layer", type=int, default=None,
@@ -200,6 +206,16 @@ def _short_text(text: str, limit: int = 120) -> str:
     return f"{text[: limit - 20]!r}… ({len(text):,} characters, {words:,} words)"
 
 
+def where(layer: int, n_layers: int, head: int, n_heads: int) -> str:
+    """Which map, in words no reader can misread: layers count from 1 (0 is the
+    embeddings), heads from 0, as torch numbers them.
+
+    >>> where(2, 2, 0, 4)
+    'layer 2 (of 1-2), head 0 (of 0-3)'
+    """
+    return f"layer {layer} (of 1-{n_layers}), head {head} (of 0-{n_heads - 1})"
+
+
 def print_summary(expl, *, out=None) -> None:
     out = out or sys.stdout
     color = use_color(out)
@@ -225,7 +241,7 @@ def print_summary(expl, *, out=None) -> None:
     for name, shape in rows:
         print(f"  {name.ljust(w)}  {shape}", file=out)
     print("", file=out)
-    print(bold(f"attention weights, layer {layer} of {n_layers}, head {head} of {H}"), file=out)
+    print(bold(f"attention weights, {where(layer, n_layers, head, H)}"), file=out)
     print("  row: a token; columns: how much it attends to each token (each row sums to 1)",
           file=out)
     weights = expl.weights()
@@ -241,7 +257,7 @@ def print_summary(expl, *, out=None) -> None:
 def print_steps(expl, head: int, *, out=None) -> None:
     """The step-by-step walk through the explained layer's attention call (the trace)."""
     out = out or sys.stdout
-    print(expl.trace.format(head, color=use_color(out), more_hint="--format json has every value"),
+    print(expl.trace.format(head, color=use_color(out), more_hint="--format json --steps has every value"),
           file=out)
 
 
@@ -286,6 +302,9 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
     out_path = prepare_out_dir(out_dir) if out_dir is not None else None
     if html is not None:
         prepare_out_dir(Path(html).parent)
+    from attnlab.viz.html_report import clean_text
+
+    text = clean_text(text)  # bytes that were not UTF-8 (lone surrogates) -> U+FFFD
     expl = compute(
         text, model, seed=args.seed, dim=getattr(args, "dim", None),
         heads=getattr(args, "heads", None), checkpoint=getattr(args, "checkpoint", None),
@@ -297,7 +316,8 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         raise CLIError(f"--steps: model {expl.model_name} recorded no step-by-step trace")
     figures = _figures(expl) if out_path is not None else {}
 
-    document = json.dumps(expl.to_dict(), ensure_ascii=False, allow_nan=False) if fmt == "json" else None
+    document = (json.dumps(expl.to_dict(steps=steps), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+                if fmt == "json" else None)
     # Files first, then the printing: a reader that stops early (`| head`) loses no file.
     written = []
     if out_path is not None:
@@ -340,5 +360,37 @@ def _figures(expl) -> dict:
         raise CLIError("pictures need matplotlib: pip install 'attnlab[viz]'") from None
 
 
+#: The most text read from a file or standard input.
+MAX_TEXT_BYTES = 1 << 20
+
+
+def read_text(args) -> str:
+    """TEXT, or the text of ``--file PATH`` or of standard input (``-``)."""
+    path = getattr(args, "file", None)
+    if path is not None and args.text is not None:
+        raise CLIError("give the text either as TEXT or with --file, not both")
+    if path is None and args.text is None:
+        raise CLIError("no text: give TEXT, --file PATH, or - to read standard input")
+    if path is None and args.text != "-":
+        return args.text
+    if path is None:
+        data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+        where = "standard input"
+    else:
+        from attnlab.io.files import CheckpointError, regular_file
+
+        try:
+            with open(regular_file(path, "text file"), "rb") as f:
+                data = f.read(MAX_TEXT_BYTES + 1)
+        except FileNotFoundError:
+            raise CLIError(f"--file: {path} is missing") from None
+        except (CheckpointError, OSError) as exc:
+            raise CLIError(f"--file: {getattr(exc, 'strerror', None) or exc}") from None
+        where = path
+    if len(data) > MAX_TEXT_BYTES:
+        raise CLIError(f"{where} holds more than {MAX_TEXT_BYTES:,} bytes of text; give a shorter text")
+    return data.decode("utf-8", "replace")  # bytes that are not UTF-8 become U+FFFD
+
+
 def run(args) -> int:
-    return explain_command(args.text, args, out_dir=args.out)
+    return explain_command(read_text(args), args, out_dir=args.out)

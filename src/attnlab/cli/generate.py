@@ -126,6 +126,9 @@ def run(args) -> int:
         raise CLIError(f"cannot read {path}: {exc}") from None
     except (ValueError, TypeError) as exc:
         raise CLIError(_flags(str(exc))) from None
+    except MemoryError:
+        raise CLIError("not enough memory for this model and prompt; use a smaller model or "
+                       "--max-new-tokens") from None
     except OSError as exc:
         raise CLIError(f"cannot read {exc.filename or path}: {exc.strerror or exc}") from None
     how = "greedy (the likeliest token each step)" if args.temperature == 0 else (

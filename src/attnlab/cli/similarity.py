@@ -59,6 +59,8 @@ def run(args) -> int:
     word = args.word.strip()
     if not word:
         raise CLIError("--word is empty: give the word to compare, e.g. --word bank")
+    if len(word.split()) > 1:
+        raise CLIError(f"--word must be one word (no spaces), got {word!r}")
     for name, text in (("SENTENCE_A", args.sentence_a), ("SENTENCE_B", args.sentence_b)):
         if not text.strip():
             raise CLIError(f"{name} is empty: give a sentence that contains {word!r}")
@@ -79,7 +81,7 @@ def run(args) -> int:
         print(f"attnlab: warning: {msg}", file=sys.stderr)
 
     n = cmp.n_layers
-    label = "layer 0, the static word-embedding rows" if cmp.layer == 0 else f"output of layer {cmp.layer} of {n}"
+    label = "layer 0, the static word-embedding rows" if cmp.layer == 0 else f"output of layer {cmp.layer} (of 1-{n})"
     print(f"model    {model.name} (attnlab NumPy BERT, {n} layers)")
     for name, text, ps in (("A", args.sentence_a, cmp.pieces[0]), ("B", args.sentence_b, cmp.pieces[1])):
         print(f"{name}        {text}")

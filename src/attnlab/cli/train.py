@@ -1,7 +1,7 @@
-"""``attnlab train``: train a TinyTransformer on multi-query associative recall.
+"""attnlab train: train a TinyTransformer on multi-query associative recall.
 
-Writes to ``--out``: ``checkpoint.npz`` (weights + config, no pickle), ``metrics.json``
-(steps, seconds, final_loss, heldout_accuracy, …) and ``curves.png`` (loss and accuracy;
+Writes to --out: checkpoint.npz (weights + config, no pickle), metrics.json
+(steps, seconds, final_loss, heldout_accuracy, …) and curves.png (loss and accuracy;
 needs matplotlib), replacing an earlier run's. A NaN/inf loss stops training and keeps the
 last good weights; Ctrl-C saves a checkpoint (and the curves so far) before exiting; a
 checkpoint that cannot be written (a full disk) ends the run with one line and leaves the

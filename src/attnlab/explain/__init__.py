@@ -29,6 +29,8 @@ __all__ = [
     "WordComparison",
     "checkpoint_model",
     "compare_word",
+    "decode_array",
+    "encode_weights",
     "explain",
     "gpt2_model",
     "minilm_model",
@@ -36,12 +38,86 @@ __all__ = [
 ]
 
 FORMAT = "attnlab-explanation"
-FORMAT_VERSION = 2  # 2: layers numbered 1..n (0 = embeddings), "layers" and "model_name" added
+# 2: layers numbered 1..n (0 = embeddings), "layers" and "model_name" added
+# 3: attentions as 1e-4 codes (base64 of zlib'd uint16), vectors and steps rounded to 4
+#    significant digits, steps only when asked, "unknown_tokens" added
+FORMAT_VERSION = 3
+#: Attention weights are stored in units of this (what the views show: 4 decimals).
+WEIGHT_STEP = 1e-4
+#: Vectors and trace steps keep this many significant digits in the JSON document.
+DIGITS = 4
+
+
+def round_significant(a, digits: int = DIGITS) -> np.ndarray:
+    """``a`` rounded to ``digits`` significant digits (0, NaN and infinities unchanged).
+
+    >>> round_significant(np.array([123456.0, -0.00123456, 0.0])).tolist()
+    [123500.0, -0.001235, 0.0]
+    """
+    a = np.asarray(a, dtype=np.float64)
+    finite = np.isfinite(a) & (a != 0)
+    exp = np.zeros_like(a)
+    exp[finite] = np.floor(np.log10(np.abs(a[finite])))
+    k = (digits - 1 - exp).astype(np.int64)  # decimals to keep, per value
+    out = a.copy()
+    up = finite & (k >= 0)
+    down = finite & (k < 0)
+    # divide by an exact power of ten (never multiply by an inexact 10**-k): the result is
+    # the double nearest the rounded decimal, so JSON writes it in its short form
+    out[up] = np.rint(a[up] * 10.0 ** k[up]) / 10.0 ** k[up]
+    out[down] = np.rint(a[down] / 10.0 ** -k[down]) * 10.0 ** -k[down]
+    return out
 
 
 def _array(a) -> dict:
-    a = np.asarray(a, dtype=np.float64)
-    return {"shape": list(a.shape), "values": a.tolist()}
+    a = round_significant(a)
+    values = np.where(np.isfinite(a), a, np.nan).tolist()  # -inf (masked scores) -> null
+    return {"shape": list(a.shape), "values": _nan_to_none(values)}
+
+
+def _nan_to_none(x):
+    if isinstance(x, list):
+        return [_nan_to_none(i) for i in x]
+    return None if isinstance(x, float) and x != x else x
+
+
+def encode_weights(attentions) -> dict:
+    """Attention weights in ``[0, 1]`` as the JSON document stores them: codes
+    ``round(w / WEIGHT_STEP)`` (uint16, little-endian), zlib-compressed, base64.
+
+    >>> d = encode_weights(np.array([[0.25, 0.75]]))
+    >>> d["shape"], d["dtype"], d["scale"], decode_array(d).tolist()
+    ([1, 2], 'uint16', 0.0001, [[0.25, 0.75]])
+    """
+    import base64
+    import zlib
+
+    a = np.clip(np.asarray(attentions, dtype=np.float64), 0.0, 1.0)
+    codes = np.rint(a / WEIGHT_STEP).astype("<u2")
+    return {"shape": list(a.shape), "dtype": "uint16", "scale": WEIGHT_STEP, "encoding": "zlib+base64",
+            "data": base64.b64encode(zlib.compress(codes.tobytes(), 6)).decode("ascii")}
+
+
+def decode_array(entry: dict) -> np.ndarray:
+    """An array of the JSON document back as NumPy: ``{"shape", "values"}`` (nested lists,
+    ``null`` for -inf) or ``{"shape", "dtype", "scale", "encoding", "data"}`` (the
+    attention weights, see :func:`encode_weights`).
+
+    >>> decode_array({"shape": [2], "values": [0.5, None]}).tolist()
+    [0.5, -inf]
+    """
+    import base64
+    import zlib
+
+    shape = tuple(entry["shape"])
+    if "data" in entry:
+        if entry.get("encoding") != "zlib+base64" or entry.get("dtype") != "uint16":
+            raise ValueError(f"unknown array encoding {entry.get('encoding')!r} / dtype {entry.get('dtype')!r}")
+        codes = np.frombuffer(zlib.decompress(base64.b64decode(entry["data"])), dtype="<u2")
+        return (codes.astype(np.float64) * float(entry["scale"])).reshape(shape)
+    values = _nan_to_none(entry["values"])
+    return np.array([-np.inf if v is None else v for v in np.ravel(np.array(values, dtype=object))],
+                    dtype=np.float64).reshape(shape)
 
 
 @dataclass
@@ -63,6 +139,8 @@ class Explanation:
         model_name: the key of :data:`MODELS` that made it (``""`` if built by hand).
         layer: the layer to show first, ``1..n_layers`` (None: the last).
         head: the head to show first (``0..heads-1``).
+        unknown: how many of the tokens are the model's unknown token (``[UNK]``,
+            ``<unk>``): their vectors say nothing about the text they replaced.
     """
 
     text: str
@@ -77,6 +155,7 @@ class Explanation:
     model_name: str = ""
     layer: int | None = None
     head: int = 0
+    unknown: int = 0
 
     def __post_init__(self) -> None:
         if self.layer is None:
@@ -98,33 +177,69 @@ class Explanation:
         h = _head_index(self.head if head is None else head, self.n_heads)
         return np.asarray(self.attentions)[k - 1, h]
 
-    def to_dict(self) -> dict:
-        """The JSON document (``"format": "attnlab-explanation"``, version 2) with every value.
+    def to_dict(self, *, steps: bool = False) -> dict:
+        """The JSON document (``"format": "attnlab-explanation"``, version 3), sized to its
+        content and rounded to what the views show.
+
+        ``attentions`` is stored once, as codes of ``WEIGHT_STEP`` (``1e-4``) units
+        (:func:`encode_weights`; :func:`decode_array` reads it back); ``static`` and
+        ``contextual`` as ``{"shape", "values"}`` rounded to 4 significant digits. The
+        step-by-step ``trace`` is written only with ``steps=True`` (otherwise ``null``):
+        each step rounded the same way, ``-inf`` as ``null``, and a head's ``weights``,
+        which are the attention map already stored, as ``{"same_as": ["attentions",
+        layer - 1, head]}`` instead of a second copy. Text that no file can hold (lone
+        surrogates) is written as U+FFFD.
 
         >>> att = np.full((1, 1, 2, 2), 0.5)
         >>> e = Explanation("a b", ["a", "b"], "toy", att, np.eye(2), np.eye(2))
         >>> d = e.to_dict()
-        >>> d["layer"], d["layers"], d["attentions"]["shape"]
-        (1, 1, [1, 1, 2, 2])
+        >>> d["layer"], d["layers"], d["attentions"]["shape"], d["trace"]
+        (1, 1, [1, 1, 2, 2], None)
+        >>> decode_array(d["attentions"])[0, 0].tolist()
+        [[0.5, 0.5], [0.5, 0.5]]
         """
+        from attnlab.viz.html_report import clean_text
+
         return {
             "format": FORMAT,
             "version": FORMAT_VERSION,
             "model_name": self.model_name,
-            "model": self.model,
-            "text": self.text,
-            "tokens": list(self.tokens),
+            "model": clean_text(self.model),
+            "text": clean_text(self.text),
+            "tokens": [clean_text(t) for t in self.tokens],
+            "unknown_tokens": int(self.unknown),
             "created": self.created,
-            "notes": list(self.notes),
+            "notes": [clean_text(n) for n in self.notes],
             "layers": self.n_layers,
             "heads": self.n_heads,
             "layer": int(self.layer),
             "head": int(self.head),
-            "attentions": _array(self.attentions),
+            "attentions": encode_weights(self.attentions),
             "static": _array(self.static),
             "contextual": _array(self.contextual),
-            "trace": None if self.trace is None else self.trace.to_dict(),
+            "trace": self._trace_dict() if steps and self.trace is not None else None,
         }
+
+    def _trace_dict(self) -> dict:
+        from attnlab.viz.html_report import clean_text
+
+        tr = self.trace
+        layer = tr.layer if tr.layer is not None else self.layer
+        att = np.asarray(self.attentions)
+        out = []
+        for st in tr.steps:
+            step = {"name": st.name, "shape": list(st.shape), "head": st.head, "description": st.description}
+            v = np.asarray(st.values)
+            if (st.name == "weights" and st.head is not None and layer is not None
+                    and 1 <= layer <= att.shape[0] and v.shape == att.shape[2:]
+                    and np.allclose(v, att[layer - 1, st.head], atol=1e-6)):
+                step["same_as"] = ["attentions", int(layer) - 1, int(st.head)]
+            else:
+                step["values"] = _array(v)["values"]
+            out.append(step)
+        return {"tokens": [clean_text(t) for t in tr.tokens],
+                "key_tokens": [clean_text(t) for t in tr.key_tokens], "num_heads": tr.num_heads,
+                "scale": tr.scale, "layer": tr.layer, "head": tr.head, "steps": out}
 
     def _repr_html_(self) -> str:  # Jupyter shows the interactive report inline
         from attnlab.viz import render_html
@@ -168,4 +283,8 @@ def explain(
     """
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if isinstance(text, str):
+        from attnlab.viz.html_report import clean_text
+
+        text = clean_text(text)  # lone surrogates (undecodable bytes) -> U+FFFD everywhere
     return MODELS[model](text, layer=layer, head=head, trace=trace, **options)

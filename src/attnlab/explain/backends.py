@@ -27,8 +27,8 @@ if TYPE_CHECKING:
     from attnlab.explain import Explanation
 
 #: With ``trace=None`` the trace is recorded for texts of at most this many tokens (a trace
-#: keeps several ``(T, T)`` arrays per head).
-TRACE_MAX_TOKENS = 256
+#: keeps several ``(T, T)`` arrays per head, and the report embeds them all).
+TRACE_MAX_TOKENS = 64
 
 
 def _place(layer, head, n_layers: int, n_heads: int) -> tuple[int, int]:
@@ -37,6 +37,16 @@ def _place(layer, head, n_layers: int, n_heads: int) -> tuple[int, int]:
 
     k = n_layers if layer is None else layer_number(layer, n_layers, embeddings=False)
     return k, _head_index(0 if head is None else head, n_heads)
+
+
+def unknown_note(n: int, T: int, unk: str) -> str:
+    """The note that says how many tokens became the unknown token.
+
+    >>> unknown_note(3, 10, "[UNK]")
+    '3 of 10 tokens became [UNK], the unknown token: their vectors say nothing about the text they replaced'
+    """
+    return (f"{n} of {T} token{'s' * (T != 1)} became {unk}, the unknown token: their vectors say "
+            "nothing about the text they replaced")
 
 
 def _want_trace(trace: bool | None, T: int) -> bool:
@@ -133,8 +143,9 @@ def random_model(
     notes = ["random weights: the maps show how attention computes, not what a trained model "
              "has learned"]
     unknown = sorted({t for t in tokens if t not in vocab})
+    n_unknown = sum(t not in vocab for t in tokens)
     if unknown:
-        notes.append(f"not in the vocabulary, read as <unk>: {', '.join(unknown)}")
+        notes.append(unknown_note(n_unknown, len(tokens), "<unk>") + f": {', '.join(unknown)}")
     repeated = [w for w, c in Counter(tokens).items() if c > 1]
     if repeated and not positions:
         notes.append("no position codes: equal words (" + ", ".join(repr(w) for w in repeated)
@@ -146,6 +157,7 @@ def random_model(
     return Explanation(
         text=text, tokens=tokens, model=desc, attentions=weights, static=x[0],
         contextual=out[0], trace=tr, notes=notes, model_name="random", layer=k, head=h,
+        unknown=n_unknown,
     )
 
 
@@ -180,9 +192,15 @@ def minilm_model(
         f"contextual = output of layer {c.num_hidden_layers}",
         "tokens are BERT word pieces (lower-cased; '##' marks a piece continuing a word)",
     ]
+    unk = getattr(model.tokenizer.model, "unk_token", None) or "[UNK]"
+    n_unknown = sum(t == unk for t in analysis.tokens)
+    if n_unknown:
+        notes.append(unknown_note(n_unknown, T, unk) + " (characters outside its vocabulary, such as "
+                     "most Chinese characters and emoji)")
     notes += [str(w.message) for w in caught]
     notes += _trace_note(trace, T)
     return Explanation(
+        unknown=n_unknown,
         text=text,
         tokens=analysis.tokens,
         # "name: details" (plot titles use the part before ":")
@@ -380,6 +398,10 @@ def gpt2_model(
     ]
     if any("Ġ" in t for t in tokens):
         notes.append("tokens are byte-level BPE pieces; 'Ġ' marks a leading space")
+    unk = getattr(getattr(model.tokenizer, "model", None), "unk_token", None) if model.tokenizer else None
+    n_unknown = sum(t == unk for t in tokens) if unk else 0
+    if n_unknown:
+        notes.append(unknown_note(n_unknown, T, unk))
     notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
     tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
     notes += _trace_note(trace, T)
@@ -396,6 +418,7 @@ def gpt2_model(
         model_name="gpt2",
         layer=k,
         head=h,
+        unknown=n_unknown,
     )
 
 

@@ -43,13 +43,16 @@ def compare_word(model, sentence_a: str, sentence_b: str, word: str, *, layer: i
         layer: the contextual vectors' layer: ``0..n`` or negative (default: the last).
 
     Raises:
-        ValueError: an empty word or sentence, a word missing from a sentence, a bad layer.
+        ValueError: an empty word or sentence, a word with a space, a word missing from a
+            sentence, a bad layer.
     """
     from attnlab.models.bert import cosine
 
     if not isinstance(word, str) or not word.strip():
         raise ValueError("word is empty: give the word to compare, e.g. 'bank'")
     word = word.strip()
+    if len(word.split()) > 1:
+        raise ValueError(f"word must be one word (no spaces), got {word!r}")
     n = model.config.num_hidden_layers
     k = layer_number(layer, n)
     pieces, ctx, static = [], [], []

@@ -211,10 +211,17 @@ def next_token(
     ``temperature == 0``: the likeliest token (the first on ties, as ``argmax``). Else a
     sample from ``softmax(logits / temperature)`` drawn with ``rng``, restricted to the
     ``top_k`` likeliest tokens (ties with the ``top_k``-th kept) when ``top_k`` is given.
+    A temperature so small that ``logits / temperature`` overflows samples among the
+    largest logits only (greedy, up to ties), never from NaN.
+
+    Raises:
+        ValueError: NaN or ``+inf`` logits, or a row of only ``-inf``, when sampling.
 
     >>> next_token(np.array([[0.1, 2.0, -1.0]]))
     array([1])
     >>> next_token(np.array([[0.1, 2.0, -1.0]]), temperature=1.0, top_k=1, rng=np.random.default_rng(0))
+    array([1])
+    >>> next_token(np.array([[0.1, 2.0, -1.0]]), temperature=1e-310, rng=np.random.default_rng(0))
     array([1])
     """
     temperature, top_k = _check_sampling(temperature, top_k)
@@ -222,7 +229,15 @@ def next_token(
     if temperature == 0.0:
         return logits.argmax(axis=-1).astype(np.int64)
     rng = generator(rng)
-    z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
+    if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z).any(axis=-1).all():
+        raise ValueError("logits must be finite (or -inf for a token never to be drawn), with at "
+                         "least one finite entry per row: cannot sample from NaN or +inf")
+    # Shifted so the largest is 0 before dividing: however small the temperature, nothing
+    # overflows to +inf (a tiny one sends every other token to -inf: greedy in the limit).
+    z -= z.max(axis=-1, keepdims=True)
+    with np.errstate(over="ignore"):
+        z /= temperature
     if top_k is not None and top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[..., -top_k, None]
         z[z < kth] = -np.inf

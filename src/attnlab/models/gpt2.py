@@ -34,6 +34,7 @@ import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
+from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
 from attnlab.models.generate import check_token_ids, decoder_forward, embed_tokens, generate
 from attnlab.nn import functional as F
@@ -45,7 +46,7 @@ from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
 from attnlab.trace import Trace, trace_model
 
-__all__ = ["GPT2", "GPT2Config", "GPT2Output"]
+__all__ = ["GPT2", "GPT2Config", "GPT2Output", "parameter_shapes", "unsupported_setting"]
 
 # transformers' activation names -> attnlab's (``gelu_new`` is GPT-2's tanh approximation).
 ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
@@ -128,12 +129,9 @@ class GPT2Config:
         if data.get("model_type") != "gpt2":
             raise CheckpointError(f"{path}: model_type is {data.get('model_type')!r}, but should be 'gpt2' "
                                   "(this is not a GPT-2 checkpoint)")
-        unsupported = [("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                       ("add_cross_attention", False), ("tie_word_embeddings", True)]
-        for key, needed in unsupported:
-            if data.get(key, needed) != needed:
-                raise CheckpointError(f"{path}: {key}={data[key]!r} is not supported (attnlab's GPT-2 "
-                                      f"needs {key}={needed})")
+        problem = unsupported_setting(data)
+        if problem is not None:
+            raise CheckpointError(f"{path}: {problem}")
         values = {f.name: data[f.name] for f in fields(cls) if f.name in data}
         for key in ("bos_token_id", "eos_token_id"):  # a list of ids: the first
             if isinstance(values.get(key), list):
@@ -145,6 +143,28 @@ class GPT2Config:
             return cls(**values)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"{path}: {exc}") from None
+
+
+#: ``transformers`` GPT-2 settings attnlab's GPT-2 does not compute, with the value it needs.
+UNSUPPORTED = (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+               ("add_cross_attention", False), ("tie_word_embeddings", True))
+
+
+def unsupported_setting(settings) -> str | None:
+    """Why a ``transformers`` GPT-2 config (a ``config.json`` dict, or any object with its
+    attributes) cannot be computed by attnlab's GPT-2, or None when it can.
+
+    >>> unsupported_setting({"scale_attn_weights": False})
+    "scale_attn_weights=False is not supported (attnlab's GPT-2 needs scale_attn_weights=True)"
+    >>> unsupported_setting({"n_layer": 2}) is None
+    True
+    """
+    get = settings.get if isinstance(settings, dict) else lambda key, default: getattr(settings, key, default)
+    for key, needed in UNSUPPORTED:
+        value = get(key, needed)
+        if value != needed:
+            return f"{key}={value!r} is not supported (attnlab's GPT-2 needs {key}={needed})"
+    return None
 
 
 @dataclass
@@ -163,6 +183,37 @@ class GPT2Output:
     logits: np.ndarray
     hidden_states: np.ndarray
     attentions: np.ndarray
+
+
+def parameter_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    """The shape of every parameter of a :class:`GPT2` with ``config`` (``state_dict``
+    names), computed from the config alone: nothing is allocated.
+
+    >>> shapes = parameter_shapes(GPT2Config(vocab_size=50, n_positions=16, n_embd=8, n_layer=1, n_head=2))
+    >>> shapes["pos_emb.weight"], shapes["blocks.0.mlp.0.weight"]
+    ((16, 8), (32, 8))
+    """
+    V, P, D, F_ = config.vocab_size, config.n_positions, config.n_embd, config.d_ff
+    shapes: dict[str, tuple[int, ...]] = {"tok_emb.weight": (V, D), "pos_emb.weight": (P, D)}
+    for i in range(config.n_layer):
+        b = f"blocks.{i}."
+        shapes.update({
+            b + "ln_1.weight": (D,), b + "ln_1.bias": (D,),
+            b + "attn.in_proj_weight": (3 * D, D), b + "attn.in_proj_bias": (3 * D,),
+            b + "attn.out_proj.weight": (D, D), b + "attn.out_proj.bias": (D,),
+            b + "ln_2.weight": (D,), b + "ln_2.bias": (D,),
+            b + "mlp.0.weight": (F_, D), b + "mlp.0.bias": (F_,),
+            b + "mlp.2.weight": (D, F_), b + "mlp.2.bias": (D,),
+        })
+    shapes["ln_f.weight"] = shapes["ln_f.bias"] = (D,)
+    return shapes
+
+
+def _kind(path: Path) -> str:
+    try:
+        return file_kind(path.stat().st_mode) or "not a regular file"
+    except OSError:
+        return "unreadable"
 
 
 def _layers_in(names, prefix: str) -> int:
@@ -286,23 +337,30 @@ class GPT2(Module):
         header = read_header(weights_file)
         prefix = "transformer." if "transformer.wte.weight" in header[0] else ""
         n = _layers_in(header[0], prefix)
-        if n > config.n_layer:
+        if n and n != config.n_layer:
             raise CheckpointError(f"{folder / 'config.json'}: n_layer is {config.n_layer}, but "
                                   f"{weights_file} holds {n} layers")
+        tokenizer_file = folder / "tokenizer.json"
         tokenizer = None
-        if (folder / "tokenizer.json").is_file():
+        if tokenizer_file.exists() and not tokenizer_file.is_file():
+            warnings.warn(f"{tokenizer_file} is not read: it is {_kind(tokenizer_file)}, not a file; "
+                          "the text methods need a tokenizer", stacklevel=2)
+        elif tokenizer_file.is_file():
             if importlib.util.find_spec("tokenizers") is None:
-                warnings.warn(f"{folder / 'tokenizer.json'} is not read: the tokenizers library is not "
+                warnings.warn(f"{tokenizer_file} is not read: the tokenizers library is not "
                               "installed (pip install tokenizers); the text methods need it", stacklevel=2)
             else:
-                tokenizer = load_tokenizer(folder / "tokenizer.json")
+                tokenizer = load_tokenizer(tokenizer_file)
+        c = config
+        # Every tensor is checked against the header (the shapes the config asks for) before
+        # anything is allocated: a config cannot make attnlab allocate more than the file holds.
+        state = load_transposed(
+            weights_file, gpt2_name_map(c.n_layer), parameter_shapes(c), gpt2_transposed(c.n_layer),
+            dtype=dtype, prefixes=(prefix,), what="GPT-2", header=header,
+        )
         with init.empty_weights():
             model = cls(config, tokenizer=tokenizer, dtype=dtype, name=name or folder.name)
-        c = config
-        model.load_state_dict(load_transposed(
-            weights_file, gpt2_name_map(c.n_layer), model._shapes(), gpt2_transposed(c.n_layer),
-            dtype=dtype, prefixes=(prefix,), what="GPT-2", header=header,
-        ), assign=True)  # fresh arrays (transposed ones, not C-contiguous, are copied)
+        model.load_state_dict(state, assign=True)  # fresh arrays (transposed ones are copied)
         return model
 
     # ------------------------------------------------------------------ forward

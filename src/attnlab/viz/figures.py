@@ -24,11 +24,12 @@ def explanation_figures(expl) -> dict:
     return {
         "heatmap.png": plots.plot_attention(
             expl.weights(), expl.tokens,
-            title=f"Attention weights, layer {layer} of {n_layers}, head {head} \u00b7 {short}"
+            title=f"Attention weights, layer {layer} (of 1-{n_layers}), head {head} (of 0-{expl.n_heads - 1})"
+                  f" \u00b7 {short}"
                   f"\n\u201c{text}\u201d"),
         "heads.png": plots.plot_heads(
             expl.attentions[layer - 1], expl.tokens,
-            title=f"All {expl.n_heads} heads of layer {layer} of {n_layers} \u00b7 {short}"
+            title=f"All {expl.n_heads} heads (0-{expl.n_heads - 1}) of layer {layer} (of 1-{n_layers}) \u00b7 {short}"
                   f"\n\u201c{text}\u201d"),
         "embeddings.png": plots.plot_embeddings(
             expl.static, expl.contextual, expl.tokens,

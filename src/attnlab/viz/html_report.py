@@ -336,6 +336,7 @@ def _payload(explanation: object) -> dict:
         "layer": min(max(int(layer), 1), int(layers)) - 1,
         "head": int(head) % int(heads),
         "T": T,
+        "unknown": int(getattr(explanation, "unknown", 0) or 0),
         "window": window,
         "embedding": pca_2d(static, contextual),
         "steps": steps,
@@ -349,11 +350,13 @@ def _header(data: dict) -> str:
         return html.escape(visible_text(text))
 
     created = data["created"] or "unknown date"
+    n = data["unknown"]
+    unknown = f" ({n} of them unknown to the model)" if n else ""
     return (
         '<header class="al-head">'
         '<h1 class="al-title">Attention report '
         f'<span class="al-model">{e(data["model"])}</span></h1>'
-        f'<p class="al-meta">{data["T"]} tokens, {data["layers"]} layer(s) × {data["heads"]} '
+        f'<p class="al-meta">{data["T"]} tokens{unknown}, {data["layers"]} layer(s) × {data["heads"]} '
         f'head(s), created <time>{e(created)}</time> by attnlab</p>'
         f'<p class="al-text"><span class="al-label">Text:</span> <q>{e(data["text"])}</q></p>'
         "</header>"

@@ -10,8 +10,10 @@ Shapes: ``H`` heads, ``L`` query tokens, ``S`` key tokens, ``T`` tokens, ``D`` w
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -36,13 +38,96 @@ def _pyplot():
 
 
 def save_figure(fig, path: str | os.PathLike, *, dpi: int = 150) -> Path:
-    """Save ``fig`` as PNG or SVG according to ``path``'s suffix; returns the path."""
+    """Save ``fig`` as PNG or SVG according to ``path``'s suffix; returns the path.
+
+    matplotlib's own "Glyph ... missing" warnings are not shown: the plot functions have
+    already said, once, which characters no installed font can draw (:func:`font_families`).
+    """
     path = Path(path)
     fmt = _FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise ValueError(f"path must end in .png or .svg, got {str(path)!r}")
-    fig.savefig(path, format=fmt, dpi=dpi)  # constrained layout already fits the labels
+    with _no_glyph_warnings():
+        fig.savefig(path, format=fmt, dpi=dpi)  # constrained layout already fits the labels
     return path
+
+
+@contextlib.contextmanager
+def _no_glyph_warnings():
+    """matplotlib's "Glyph ... missing" warnings are left out (:func:`_use_fonts` says it once)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from")
+        yield
+
+
+# Fonts that have a glyph for every character but draw it as a placeholder, and math fonts.
+_NOT_TEXT_FONTS = ("Last Resort", "STIX", "cm", "DejaVu Math")
+
+
+def _charmap(path: str) -> frozenset[int]:
+    return _CHARMAPS.get(path) or _CHARMAPS.setdefault(path, _read_charmap(path))
+
+
+def _read_charmap(path: str) -> frozenset[int]:
+    from matplotlib.ft2font import FT2Font
+
+    try:
+        return frozenset(FT2Font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return frozenset()
+
+
+_CHARMAPS: dict[str, frozenset[int]] = {}
+
+
+def font_families(texts: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The font families that draw ``texts``: matplotlib's default sans-serif font first, then
+    installed fonts (found by matplotlib's font manager) for the characters it lacks.
+
+    Returns:
+        ``(families, missing)``: the families for ``font.family`` (matplotlib falls back
+        from one to the next, character by character) and the characters no installed font
+        has (drawn as boxes).
+
+    >>> font_families(["cat", "sat"])[1]
+    []
+    """
+    from matplotlib import font_manager, rcParams
+
+    default = font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"]))
+    first = font_manager.get_font(default).family_name
+    chars = {c for t in texts for c in str(t)  # not controls, format marks, surrogates, spaces
+             if ord(c) > 0x7E and not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf", "Cs")}
+    missing = {c for c in chars if ord(c) not in _charmap(default)}
+    if not missing:
+        return [first], []
+    manager = font_manager.fontManager
+    known = {f.fname for f in manager.ttflist}
+    for path in font_manager.findSystemFonts():  # installed after matplotlib cached its list
+        if path not in known and path.lower().endswith((".ttf", ".otf", ".ttc")):
+            try:
+                manager.addfont(path)
+            except (OSError, RuntimeError, ValueError):
+                pass
+    families = [first]
+    candidates = {}
+    for entry in manager.ttflist:
+        if entry.name.startswith(_NOT_TEXT_FONTS) or entry.style != "normal" or entry.name in candidates:
+            continue
+        candidates[entry.name] = entry.fname
+    while missing:
+        scores = {name: len({c for c in missing if ord(c) in _charmap(path)}) for name, path in candidates.items()}
+        best = max(scores, key=lambda n: (scores[n], "Sans" in n, "Mono" not in n, n), default=None)
+        if best is None or scores[best] == 0:
+            break
+        families.append(best)
+        cover = _charmap(candidates.pop(best))
+        missing = {c for c in missing if ord(c) not in cover}
+    return families, sorted(missing)
+
+
 
 
 def _labels(tokens: Sequence[str] | None, n: int, name: str) -> list[str]:
@@ -61,13 +146,62 @@ def _check_weights(weights, ndim: int, layout: str) -> np.ndarray:
     return w
 
 
-def _draw_heatmap(ax, w, rows, cols, *, annotate: bool, vmax: float, fontsize: float):
-    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
-    ax.set_xticks(range(len(cols)), cols, rotation=45, ha="right", rotation_mode="anchor",
-                  fontsize=fontsize)
-    ax.set_yticks(range(len(rows)), rows, fontsize=fontsize)
-    ax.set_xlabel("attends to (key)", fontsize=fontsize)
-    ax.set_ylabel("token (query)", fontsize=fontsize)
+def _use_fonts(fig, texts: Sequence[str]) -> None:
+    """Draw every text of ``fig`` with fonts that have its characters (:func:`font_families`);
+    warn once, in one line, about characters no installed font has."""
+    import warnings
+
+    from matplotlib.text import Text
+
+    families, missing = font_families(texts)
+    if missing and frozenset(missing) not in _SAID:  # once per set of characters, not per picture
+        _SAID.add(frozenset(missing))
+        shown = " ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
+        cjk = any(unicodedata.name(c, "").startswith(("CJK", "HIRAGANA", "KATAKANA", "HANGUL")) for c in missing)
+        hint = " (Debian's fonts-noto-cjk has Chinese, Japanese and Korean)" if cjk else ""
+        warnings.warn(f"the pictures cannot draw {len(missing)} character(s) of the labels ({shown}): no "
+                      f"installed font has them, so they show as boxes{hint}", UserWarning, stacklevel=3)
+    if len(families) > 1:
+        for t in fig.findobj(Text):
+            t.set_fontfamily(families)
+
+
+_SAID: set[frozenset[str]] = set()
+
+
+def tick_step(n: int, length_pt: float, fontsize: float) -> int:
+    """Label every ``k``-th of ``n`` ticks so that labels ``fontsize`` points high, on an
+    axis ``length_pt`` points long, never overprint each other.
+
+    >>> tick_step(10, 500, 10), tick_step(256, 800, 7)
+    (1, 3)
+    """
+    fit = max(1, int(length_pt // (1.25 * fontsize)))
+    return max(1, math.ceil(n / fit))
+
+
+def _ordinal(k: int) -> str:
+    return {2: "2nd", 3: "3rd"}.get(k, f"{k}th")
+
+
+def _draw_heatmap(ax, w, rows, cols, *, annotate: bool, vmax: float, fontsize: float,
+                  step: int = 1, xlabels: bool = True, ylabels: bool = True):
+    """One head's map; only every ``step``-th token is labelled (said in the axis labels)."""
+    im = ax.imshow(w, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto", interpolation="nearest")
+    left_out = "" if step == 1 else f" (every {_ordinal(step)} labelled)"
+    if xlabels:
+        xs = range(0, len(cols), step)
+        ax.set_xticks(xs, [cols[j] for j in xs], rotation=45, ha="right", rotation_mode="anchor",
+                      fontsize=fontsize)
+        ax.set_xlabel("attends to (key)" + left_out, fontsize=fontsize)
+    else:
+        ax.set_xticks([])
+    if ylabels:
+        ys = range(0, len(rows), step)
+        ax.set_yticks(ys, [rows[i] for i in ys], fontsize=fontsize)
+        ax.set_ylabel("token (query)" + left_out, fontsize=fontsize)
+    else:
+        ax.set_yticks([])
     if annotate:
         for i in range(w.shape[0]):
             for j in range(w.shape[1]):
@@ -114,12 +248,14 @@ def plot_attention(
     side = min(14.0, max(4.5, 0.55 * max(L, S) + 2.5))
     fig = Figure(figsize=(side + 1.2, side), layout="constrained")
     ax = fig.add_subplot()
-    fontsize = 11 if max(L, S) <= 20 else max(5, 11 - (max(L, S) - 20) // 8)
+    fontsize = 11 if max(L, S) <= 20 else max(7, 11 - (max(L, S) - 20) // 8)
+    step = tick_step(max(L, S), 0.75 * side * 72, fontsize)
     vmax = max(float(w.max(initial=0)), 1e-9)
-    im = _draw_heatmap(ax, w, rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
+    im = _draw_heatmap(ax, w, rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize, step=step)
     cbar = fig.colorbar(im, ax=ax, shrink=0.8)
     cbar.set_label("attention weight")
     ax.set_title(title or "Attention weights", fontsize=13)
+    _use_fonts(fig, [*rows, *cols, title or ""])
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -163,14 +299,20 @@ def plot_heads(
     nrows = math.ceil(H / ncols)
     cell = min(4.2, max(2.6, 0.3 * max(L, S) + 1.2))
     n = max(L, S)
-    fontsize = 9 if n <= 12 else max(4, 9 - (n - 12) // 6)
+    fontsize = 9 if n <= 12 else max(6, 9 - (n - 12) // 6)
+    step = tick_step(n, 0.95 * cell * 72, fontsize)
+    if step > 1:  # the labelled tokens only
+        rows_shown = rows[::step]
+        cols_shown = cols[::step]
+    else:
+        rows_shown, cols_shown = rows, cols
     title = title or f"Attention weights of {H} heads"
     # The margins are computed, not found by constrained layout, which costs about a second
     # on a 12-head grid: labels (about 0.62 em a character; x labels at 45 degrees), then the
     # axis titles, the head titles, the figure title and the colorbar.
     char = 0.62 * fontsize / 72
-    row_w = max(len(r) for r in rows) * char
-    col_h = max(len(c) for c in cols) * char * 0.72
+    row_w = max(len(r) for r in rows_shown) * char
+    col_h = max(len(c) for c in cols_shown) * char * 0.72
     left = max(row_w + 0.12, col_h) + 0.45
     bottom, right = col_h + 0.5, 1.15
     top = 0.3 * (title.count("\n") + 1) + 0.45
@@ -189,20 +331,17 @@ def plot_heads(
         if h >= H:
             ax.set_visible(False)
             continue
-        im = _draw_heatmap(ax, w[h], rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize)
+        # token labels on the outer edges only (inner axes get no ticks at all: fast)
+        im = _draw_heatmap(ax, w[h], rows, cols, annotate=annotate, vmax=vmax, fontsize=fontsize,
+                           step=step, xlabels=h + ncols >= H, ylabels=h % ncols == 0)
         ax.set_title(titles[h], fontsize=11)
-        if h % ncols:  # token labels on the outer edges only (hidden labels cost no layout)
-            ax.set_ylabel("")
-            ax.tick_params(labelleft=False)
-        if h + ncols < H:
-            ax.set_xlabel("")
-            ax.tick_params(labelbottom=False)
     grid = nrows * cell + (nrows - 1) * hgap
     cax = fig.add_axes(((width - right + 0.25) / width, (bottom + 0.2 * grid) / height,
                         0.18 / width, 0.6 * grid / height))
     cbar = fig.colorbar(im, cax=cax)
     cbar.set_label("attention weight")
     fig.suptitle(title, fontsize=13, y=1 - 0.1 / height, va="top")
+    _use_fonts(fig, [*rows, *cols, title, *titles])
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -329,13 +468,27 @@ def plot_embeddings(
     pad = 0.1 * span
     ax.set_xlim(lo[0] - pad, hi[0] + pad)
     ax.set_ylim(lo[1] - pad, hi[1] + pad)
-    _draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)
+    writers = [_draw_points(ax, s2, c2, labels, span, contextual_labels=not zoom)]
     ax.set_xlabel("PCA component 1 (fitted on the static vectors)")
     ax.set_ylabel("PCA component 2")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False)
     if zoom:
-        _zoom_panel(ax, zax, s2, c2, labels, c_span)
+        writers.append(_zoom_panel(ax, zax, s2, c2, labels, c_span))
+    # The labels are placed in points, so the layout is settled first (with room for the
+    # legend's note) and then kept: labels never overprint each other.
+    legend = ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.09), ncol=2, frameon=False,
+                       title=" ", title_fontsize=9)
+    _use_fonts(fig, [*labels, title])
+    with _no_glyph_warnings():
+        fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    counts = [write() for write in writers]
+    drawn, left_out = (sum(c[i] for c in counts) for i in (0, 1))
+    if left_out:  # those with no room are left out, and the legend says so
+        legend.get_title().set_text(f"{drawn} of {drawn + left_out} point labels drawn; {left_out} left out "
+                                    "where there was no room")
+        legend.get_title().set_gid("labels-left-out")
+    _use_fonts(fig, [*labels, title])  # the labels just written
     if path is not None:
         save_figure(fig, path)
     return fig
@@ -372,12 +525,14 @@ def spread_labels(
     obstacles: np.ndarray | None = None,
     bounds: tuple[float, float, float, float] | None = None,
     gap: float = 3.0,
+    drop: bool = False,
 ) -> np.ndarray:
     """Place text boxes next to their points so that no two overlap (greedy, in order).
 
     Each box is tried at the corners of its point, then above, below, right and left, at
     growing distances; it takes the first place that overlaps no placed box, no obstacle
-    and stays inside ``bounds``, else the place with the least overlap. Coordinates are
+    and stays inside ``bounds``, else the place with the least overlap (with ``drop``:
+    no place, its row is NaN, and the label is left out). Coordinates are
     any length unit with y up (points on a figure) or y down (pixels): the same rules hold.
 
     Args:
@@ -420,6 +575,9 @@ def spread_labels(
                     break
             if best_cost == 0:
                 break
+        if drop and best_cost > 0:
+            out[k] = np.nan
+            continue
         out[k] = best
         placed.append((best[0], best[1], best[0] + w, best[1] + h))
     return out
@@ -433,10 +591,28 @@ def _overlap(boxes: np.ndarray, x0: float, y0: float, x1: float, y1: float) -> f
     return float((np.clip(dx, 0, None) * np.clip(dy, 0, None)).sum())
 
 
+def text_width(text: str, fontsize: float) -> float:
+    """The width in points of ``text`` at ``fontsize`` in matplotlib's default font, measured
+    without a renderer; characters that font lacks count as wide ones (1 em: CJK).
+
+    >>> round(text_width("iii", 10)) < round(text_width("WWW", 10))
+    True
+    """
+    from matplotlib import font_manager, rcParams
+
+    font = font_manager.get_font(font_manager.findfont(font_manager.FontProperties(family=rcParams["font.family"])))
+    have = _charmap(font.fname)
+    own = "".join(c for c in text if ord(c) in have)
+    other = len(text) - len(own)
+    font.set_size(fontsize, 72)
+    font.set_text(own)
+    return font.get_width_height()[0] / 64 + other * fontsize
+
+
 def _axes_points(ax):
     """A function mapping data coordinates of ``ax`` to points on the figure, and the axes'
-    box in points. Uses the axes' current position, which constrained layout only enlarges,
-    so distances are if anything underestimated."""
+    box in points, from the axes' current position (:func:`plot_embeddings` settles the
+    layout before it places labels)."""
     fig = ax.get_figure()
     w_in, h_in = fig.get_size_inches()
     box = ax.get_position()
@@ -452,20 +628,22 @@ def _axes_points(ax):
 
 
 def _label_points(ax, items: list[tuple[np.ndarray, str, str]], markers: np.ndarray, *,
-                  fontsize: float, marker_pt: float = 9.0) -> None:
+                  fontsize: float, marker_pt: float = 9.0) -> tuple[int, int]:
     """Write ``(point, text, colour)`` labels on ``ax``, spread so that none overlaps another
-    label or a marker; a label moved away from its point gets a thin leader line."""
+    label or a marker; a label moved away from its point gets a thin leader line. A label
+    with no free place is left out; returns ``(labels drawn, labels left out)``."""
     if not items:
-        return
+        return 0, 0
     to_points, bounds = _axes_points(ax)
     anchors = to_points(np.array([p for p, _, _ in items]))
-    # Text extents without a renderer: DejaVu Sans averages below 0.62 em per character.
-    sizes = np.array([(0.62 * fontsize * max(len(t), 1) + 2, 1.3 * fontsize) for _, t, _ in items])
+    sizes = np.array([(text_width(t, fontsize) + 3, 1.3 * fontsize) for _, t, _ in items])
     m = to_points(markers)
     r = marker_pt / 2
     obstacles = np.concatenate([m - r, m + r], axis=1)
-    boxes = spread_labels(anchors, sizes, obstacles=obstacles, bounds=bounds, gap=marker_pt / 3)
+    boxes = spread_labels(anchors, sizes, obstacles=obstacles, bounds=bounds, gap=marker_pt / 3, drop=True)
     for (p, text, color), a, (bx, by, ring) in zip(items, anchors, boxes, strict=True):
+        if np.isnan(bx):
+            continue
         far = ring > 2
         ax.annotate(
             text, tuple(p), xytext=(bx - a[0], by - a[1]), textcoords="offset points",
@@ -473,13 +651,23 @@ def _label_points(ax, items: list[tuple[np.ndarray, str, str]], markers: np.ndar
             arrowprops=dict(arrowstyle="-", color=color, lw=0.6, alpha=0.7, shrinkA=0, shrinkB=3)
             if far else None,
         )
+    dropped = int(np.isnan(boxes[:, 0]).sum())
+    return len(items) - dropped, dropped
+
+
+# Above this many tokens the arrows are drawn as one quiver, not one patch each.
+_MAX_ARROW_PATCHES = 64
 
 
 def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: float = 11,
                  only_contextual: bool = False, contextual_labels: bool = True):
     from matplotlib.patches import FancyArrowPatch
 
-    if arrows:
+    if arrows and len(labels) > _MAX_ARROW_PATCHES:  # one artist for all: a second, not many
+        ax.quiver(s2[:, 0], s2[:, 1], c2[:, 0] - s2[:, 0], c2[:, 1] - s2[:, 1], angles="xy",
+                  scale_units="xy", scale=1, color="0.45", alpha=0.6, width=0.0015, headwidth=4,
+                  headlength=5, zorder=2, gid="token-arrows")
+    elif arrows:
         for i in range(len(labels)):
             ax.add_patch(FancyArrowPatch(
                 tuple(s2[i]), tuple(c2[i]), arrowstyle="-|>", mutation_scale=14, color="0.45",
@@ -496,7 +684,7 @@ def _draw_points(ax, s2, c2, labels, span, *, arrows: bool = True, fontsize: flo
     if contextual_labels:
         items += [(p, text, CONTEXT_COLOR) for p, text in _group_labels(c2, labels, tol)]
     markers = c2 if only_contextual else np.concatenate([s2, c2])
-    _label_points(ax, items, markers, fontsize=fontsize)
+    return lambda: _label_points(ax, items, markers, fontsize=fontsize)  # once the layout is final
 
 
 def _zoom_panel(ax, zax, s2, c2, labels, c_span):
@@ -510,13 +698,14 @@ def _zoom_panel(ax, zax, s2, c2, labels, c_span):
                            ls="--", lw=1.0, zorder=5, gid="zoom-box"))
     zax.set_xlim(mid[0] - half, mid[0] + half)
     zax.set_ylim(mid[1] - half, mid[1] + half)
-    _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
+    write_labels = _draw_points(zax, s2, c2, labels, c_span, arrows=False, fontsize=10, only_contextual=True)
     zax.set_title("contextual points, magnified (dashed box on the left)", fontsize=11)
     zax.set_xlabel("PCA component 1 (same projection)")
     zax.grid(True, alpha=0.3)
     for side in zax.spines.values():
         side.set_linestyle("--")
         side.set_edgecolor("0.35")
+    return write_labels
 
 
 def plot_training_curves(
