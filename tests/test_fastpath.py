@@ -388,10 +388,12 @@ def test_dispatch_threshold_follows_the_l2_cache(monkeypatch):
     assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
 
 
-def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs():
+def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(monkeypatch):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((12, 200, 16)).astype(np.float32)  # 200^2 per head, 1.8 MiB in all
     spec = check_attention_args(q, q, q)
+    # a 512 KiB L2 (the scores overflow twice the L2); on a 1 MiB-L2 CPU they would not
+    monkeypatch.setattr(dispatch, "cpu_info", lambda: CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True))
     with bw.tuned(fused=True):
         assert dispatch.use_blockwise(spec)  # compiled pass: blockwise from 192^2 per head
     with bw.tuned(fused=False):

@@ -117,3 +117,24 @@ def test_gated_feed_forward_matches_llama_mlp_with_gradients(dtype, activation, 
 def test_gated_feed_forward_refuses_an_unknown_activation():
     with pytest.raises(ValueError, match="activation must be one of 'silu'.*got 'swish'"):
         GatedFeedForward(4, 8, activation="swish")
+
+
+def test_hook_points_of_the_gated_network_and_rms_norm():
+    rng = np.random.default_rng(2)
+    ff = GatedFeedForward(6, 10, rng=rng).eval()
+    x = rng.standard_normal((2, 3, 6)).astype(np.float32)
+    out, cache = ff.run_with_cache(x)
+    gate = x @ ff.gate_proj.weight.data.T
+    up = x @ ff.up_proj.weight.data.T
+    np.testing.assert_allclose(cache["hook_pre"], gate, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cache["hook_pre_linear"], up, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cache["hook_post"], F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    zeroed = ff.run_with_hooks(x, fwd_hooks=[("hook_post", lambda a, name: np.zeros_like(a))])
+    np.testing.assert_array_equal(zeroed, 0.0)
+    assert not np.allclose(out, 0.0)
+    norm = RMSNorm(6).eval()
+    norm.weight.data[...] = 2.0
+    y, c = norm.run_with_cache(x)
+    np.testing.assert_allclose(c["hook_normalized"] * 2.0, y, rtol=1e-6)
+    doubled = norm.run_with_hooks(x, fwd_hooks=[("hook_normalized", lambda a, name: a * 2)])
+    np.testing.assert_allclose(doubled, 2 * y, rtol=1e-6)

@@ -132,7 +132,7 @@ def test_to_dict_is_json_with_stable_keys():
 
 def test_trace_rejects_bad_input():
     mha = _mha(bias=False)
-    with pytest.raises(TypeError, match="MultiheadAttention or attnlab.SelfAttention"):
+    with pytest.raises(TypeError, match="Attention \\(MultiheadAttention included\\) or attnlab.SelfAttention"):
         attnlab.trace(object(), _x())
     with pytest.raises(ValueError, match="one sequence"):
         attnlab.trace(mha, RNG.standard_normal((2, 3, 16)).astype(np.float32))

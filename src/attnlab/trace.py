@@ -1,10 +1,11 @@
 """Every intermediate of one attention call, as data: the step-by-step walk-through.
 
-:func:`trace` runs an attention layer on one sequence and records each array, computed by
-the very functions the layer calls (its own argument checks and projections,
-:func:`attnlab.attention_scores`, :func:`attnlab.attention_weights`, its
-``attention_fn``, ``F.linear``): the recorded weights *are* the layer's ``need_weights``
-maps, not a second computation. ``str(trace)`` (what printing shows) gives the steps as tables,
+:func:`trace` runs an attention layer on one sequence and records each array through the
+layer's hook points (:meth:`~attnlab.nn.Module.run_with_cache`): the recorded queries,
+keys, values, masked scores, weights, head outputs and output *are* what the layer
+computed, not a second computation. The raw and the scaled scores, which the layer never
+materialises on its own, are computed from the recorded queries and keys. ``str(trace)``
+(what printing shows) gives the steps as tables,
 ``to_dict`` gives JSON, the HTML report draws them. Models give the trace of any of their
 layers (``model.trace(...)``).
 
@@ -51,7 +52,7 @@ import numpy as np
 from attnlab._validation import shape_error
 from attnlab.core import attention_scores, attention_weights
 from attnlab.nn import functional as F
-from attnlab.nn.attention import MultiheadAttention, SelfAttention
+from attnlab.nn.attention import Attention, MultiheadAttention, SelfAttention
 
 __all__ = ["Trace", "TraceStep", "format_table", "trace"]
 
@@ -317,7 +318,7 @@ def _one_sequence(arr: np.ndarray, name: str, layer, d: int) -> np.ndarray:
 
 
 def trace(
-    layer: MultiheadAttention | SelfAttention,
+    layer: Attention | SelfAttention,
     query: np.ndarray,
     key_value: np.ndarray | None = None,
     *,
@@ -362,8 +363,8 @@ def trace(
     >>> bool((t.get("weights", 1) == w[0, 1]).all()), bool((t.get("output") == out[0]).all())
     (True, True)
     """
-    if isinstance(layer, MultiheadAttention):
-        if layer.bias_k is not None or layer.add_zero_attn:
+    if isinstance(layer, Attention):
+        if getattr(layer, "bias_k", None) is not None or layer.add_zero_attn:
             raise ValueError("trace supports MultiheadAttention without add_bias_kv/add_zero_attn "
                              "(their extra key is no token)")
         if key_value is not None and layer.kdim != layer.vdim:
@@ -376,8 +377,8 @@ def trace(
         d_q = layer.d_in
     else:
         raise TypeError(
-            f"layer must be attnlab.MultiheadAttention or attnlab.SelfAttention, got "
-            f"{type(layer).__name__}"
+            f"layer must be attnlab.nn.Attention (MultiheadAttention included) or attnlab.SelfAttention, "
+            f"got {type(layer).__name__}"
         )
     if head is not None and (isinstance(head, bool) or not isinstance(head, int | np.integer)
                              or not 0 <= head < H):
@@ -385,7 +386,15 @@ def trace(
     if not isinstance(is_causal, bool | np.bool_):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     cross = key_value is not None
-    kv_in = key_value if cross else query
+    masked = attn_mask is not None or bool(is_causal)
+    steps: list[TraceStep] = []
+    scale = 1.0 / math.sqrt(D)
+
+    def add(name, values, h=None):
+        if head is not None and h is not None and h != head:
+            return
+        desc = _DESCRIPTIONS[name].format(D=D, scale=scale)
+        steps.append(TraceStep(name, np.array(values, copy=True), h, desc))
 
     if isinstance(layer, SelfAttention):
         x, c = layer.check_inputs(query, key_value)
@@ -397,41 +406,51 @@ def trace(
         # the projections as the layer's Linear layers compute them: F.linear
         q, k, v = F.linear(x, ws[0], bs[0]), F.linear(c, ws[1], bs[1]), F.linear(c, ws[2], bs[2])
         mask, causal = attn_mask, bool(is_causal)
-        qh, kh, vh = q, k, v
         X, X_kv = (a[0] if a.ndim == 3 else a for a in (x, c))
+        qh, kh = q.reshape(1, -1, D), k.reshape(1, -1, D)  # (1 head, T, D)
+        masked_scores = attention_scores(q, k, mask, causal) if masked else None
+        weights = attention_weights(q, k, mask, 0.0, causal)
+        output = layer.attention_fn(q, k, v, attn_mask=mask, is_causal=causal).reshape(-1, D)
+        vh, z, layer_scale = v.reshape(1, -1, D), None, None
     else:
-        a = layer.attention_inputs(query, kv_in, kv_in, None, attn_mask, is_causal)
-        if a.q.shape[0] != 1:
+        # One run of the layer itself, recorded through its hook points: the steps are what
+        # the layer computed, not a second computation.
+        if np.ndim(query) == 3:
             _one_sequence(np.asarray(query), "query", layer, d_q)
-        qh, kh, vh, mask, causal = a.qh, a.kh, a.vh, a.mask, a.causal
+        was_training = layer.training
+        layer.eval()
+        try:
+            if isinstance(layer, MultiheadAttention):
+                kv_in = key_value if cross else query
+                (out, _), cache = layer.run_with_cache(query, kv_in, kv_in, attn_mask=attn_mask, is_causal=is_causal,
+                                                       average_attn_weights=False)
+            else:
+                out, cache = layer.run_with_cache(query, key_value=key_value, attn_mask=attn_mask,
+                                                  is_causal=is_causal)
+        finally:
+            layer.train(was_training)
+        q4 = cache["hook_rot_q"] if "hook_rot_q" in cache else cache["hook_q"]  # (1, L, H, D)
+        k4 = cache["hook_rot_k"] if "hook_rot_k" in cache else cache["hook_k"]  # (1, S, Hkv, D)
+        G = H // layer.num_kv_heads  # query heads per key/value head
+        qh = q4[0].transpose(1, 0, 2)  # (H, L, D)
+        kh = np.repeat(k4[0].transpose(1, 0, 2), G, axis=0)  # (H, S, D): head h reads h // G
+        vh = np.repeat(cache["hook_v"][0].transpose(1, 0, 2), G, axis=0)
         (wq, wk, wv), bs = layer.in_projections()
-        ws = [wq, wk, wv]  # (E, E_in)
-        X, X_kv = a.q[0], a.k[0]
+        ws = [wq, wk, wv]  # (H D, E_in), (Hkv D, E_in)
+        X = np.asarray(query).reshape(-1, d_q)
+        X_kv = np.asarray(key_value).reshape(-1, layer.kdim) if cross else X
+        masked_scores = cache["hook_attn_scores"][0] if masked else None
+        weights = cache["hook_pattern"][0]
+        z = cache["hook_z"][0]  # (L, H, D)
+        output = np.asarray(out).reshape(-1, layer.embed_dim)
+        layer_scale = layer.scale
+        if layer_scale is not None:
+            scale = layer_scale
     L, S = X.shape[0], X_kv.shape[0]
     tokens = _labels(tokens, L, "tokens", "query")
     if key_tokens is None and not cross:
         key_tokens = tokens
     key_tokens = _labels(key_tokens, S, "key_tokens", "key_value" if cross else "query")
-
-    # The core's own intermediates, from the arrays the layer attends with.
-    masked = mask is not None or causal
-    scores = attention_scores(qh, kh, scale=1.0)
-    scaled = attention_scores(qh, kh)
-    masked_scores = attention_scores(qh, kh, mask, causal) if masked else None
-    weights = attention_weights(qh, kh, mask, 0.0, causal)
-    if isinstance(layer, SelfAttention):  # the same call as the layer's
-        head_out = layer.attention_fn(qh, kh, vh, attn_mask=mask, is_causal=causal)
-    else:
-        head_out = layer.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=0.0, is_causal=causal, rng=None)
-    scale = 1.0 / math.sqrt(D)
-
-    steps: list[TraceStep] = []
-
-    def add(name, values, h=None):
-        if head is not None and h is not None and h != head:
-            return
-        desc = _DESCRIPTIONS[name].format(D=D, scale=scale)
-        steps.append(TraceStep(name, np.array(values, copy=True), h, desc))
 
     def per_head(name, arr):  # arr (H, T, D), (1, H, T, D) or, one head, (T, D), (1, T, D)
         arr = arr.reshape(-1, H, *arr.shape[-2:])[0]
@@ -441,28 +460,34 @@ def trace(
     add("X", X)
     if cross:
         add("X_kv", X_kv)
+    G = H // getattr(layer, "num_kv_heads", H)
     for name, w in zip(("W_q", "W_k", "W_v"), ws, strict=True):
         for h in range(H):
-            add(name, w[h * D : (h + 1) * D].T, h)  # (D, E_in) rows of head h -> (E_in, D)
+            g = h if name == "W_q" else h // G  # the key/value head that head h reads
+            add(name, w[g * D : (g + 1) * D].T, h)  # (D, E_in) rows of head g -> (E_in, D)
     if bs[0] is not None:
         for name, b in zip(("b_q", "b_k", "b_v"), bs, strict=True):
             for h in range(H):
-                add(name, b[h * D : (h + 1) * D], h)
-    for name, arr in (("Q", qh), ("K", kh), ("V", vh), ("scores", scores), ("scaled_scores", scaled),
+                g = h if name == "b_q" else h // G
+                add(name, b[g * D : (g + 1) * D], h)
+    # The raw and scaled scores are the display's own steps (the layer goes straight to the
+    # masked, scaled scores): Q K^T from the queries and keys the layer attended with.
+    raw = attention_scores(qh, kh, scale=1.0)
+    scaled = attention_scores(qh, kh, scale=layer_scale)
+    for name, arr in (("Q", qh), ("K", kh), ("V", vh), ("scores", raw), ("scaled_scores", scaled),
                       ("masked_scores", masked_scores), ("weights", weights)):
         if arr is not None:
             per_head(name, arr)
 
     if isinstance(layer, SelfAttention):
-        add("output", head_out.reshape(L, D))
+        add("output", output)
     else:
-        per_head("head_output", head_out)
-        concat = layer.merge_heads(head_out)  # (1, L, E)
+        per_head("head_output", z.transpose(1, 0, 2))
         w_o = layer.out_proj.weight.data
         b_o = None if layer.out_proj.bias is None else layer.out_proj.bias.data
-        add("concat", concat[0])
+        add("concat", z.reshape(L, H * D))
         add("W_o", w_o.T)
         if b_o is not None:
             add("b_o", b_o)
-        add("output", F.linear(concat, w_o, b_o)[0])  # as the layer's out_proj computes it
+        add("output", output)  # the layer's own output
     return Trace(steps=steps, tokens=tokens, num_heads=H, scale=scale, key_tokens=key_tokens, head=head)

@@ -46,10 +46,17 @@ def dropout_keep(spec: AttentionSpec, shape: tuple, rng):
     The mask is drawn on the host by the NumPy Generator (the same mask for the same seed in
     every library) and moved once to the arrays' device.
     """
-    if spec.dropout_p == 0.0:
+    return dropout_mask(spec.query, spec.dropout_p, shape, rng)
+
+
+def dropout_mask(like, p: float, shape: tuple, rng):
+    """Scaled keep-mask ``keep / (1 - p)`` of ``shape`` in ``like``'s library, device and
+    dtype, or None when p == 0 (what :func:`dropout_keep` draws, for a layer that holds its
+    own weights)."""
+    if p == 0.0:
         return None
-    keep = generator(rng).random(tuple(shape)) >= spec.dropout_p
-    return scaled(as_dtype(from_host(keep, spec.query), spec.query.dtype), 1.0 / (1.0 - spec.dropout_p))
+    keep = generator(rng).random(tuple(shape)) >= p
+    return scaled(as_dtype(from_host(keep, like), like.dtype), 1.0 / (1.0 - p))
 
 
 def weights(spec: AttentionSpec, *, rng=None):

@@ -50,8 +50,10 @@ from attnlab.io import (
     safetensors_weights,
 )
 from attnlab.io.sentence_transformers import POOLING_MODES
+from attnlab.models.generate import embed_tokens
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
 from attnlab.trace import Trace, trace
@@ -300,14 +302,17 @@ class BertEmbeddings(Module):
         self.tok_emb = Embedding(c.vocab_size, c.hidden_size, rng=rng, dtype=dtype)
         self.pos_emb = Embedding(c.max_position_embeddings, c.hidden_size, rng=rng, dtype=dtype)
         self.type_emb = Embedding(c.type_vocab_size, c.hidden_size, rng=rng, dtype=dtype)
+        self.hook_embed = HookPoint()
+        self.hook_pos_embed = HookPoint()
+        self.hook_token_type_embed = HookPoint()
         self.ln = LayerNorm(c.hidden_size, c.layer_norm_eps, dtype=dtype)
 
     def forward(self, ids: np.ndarray, token_type_ids: np.ndarray | None = None) -> np.ndarray:
         ids = np.asarray(ids)
         types = np.zeros_like(ids) if token_type_ids is None else token_type_ids
-        x = self.tok_emb(ids)  # a fresh array: the others are added in place
-        x += self.pos_emb(np.arange(ids.shape[-1]))
-        x += self.type_emb(types)
+        x = embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids,
+                         np.arange(ids.shape[-1]))
+        x += self.hook_token_type_embed(self.type_emb(types))
         return self.ln(x)
 
     def backward(self, grad_output: np.ndarray) -> None:
@@ -401,6 +406,8 @@ class BertEncoder(Module):
             f"heads={c.num_attention_heads}, hidden={c.hidden_size}, "
             f"max_seq_length={self.max_seq_length}, dtype={self.dtype})"
         )
+
+    _hook_alias = {"embeddings": "embed"}
 
     @property
     def layers(self) -> list[TransformerBlock]:

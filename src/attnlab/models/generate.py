@@ -29,7 +29,7 @@ from attnlab._validation import generator, positive_int, shape_error
 from attnlab.core import softmax
 from attnlab.nn.attention import KVCache
 
-__all__ = ["check_attention_mask", "check_token_ids", "decoder_forward", "generate", "next_token",
+__all__ = ["check_attention_mask", "check_token_ids", "decoder_forward", "embed_tokens", "generate", "next_token",
            "position_ids"]
 
 
@@ -128,6 +128,18 @@ def decoding_threads(tokens: int):
     return blas_limit(get_num_threads()) if tokens <= DECODE_ROWS else nullcontext()
 
 
+def embed_tokens(tok_emb, pos_emb, hook_embed, hook_pos_embed, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Token plus learned position embeddings ``(..., T, D)``, through the hook points
+    ``hook_embed`` and ``hook_pos_embed`` (the latter sees the batch's shape, as
+    TransformerLens's)."""
+    x = hook_embed(tok_emb(ids))  # a fresh array (a hook's replacement is copied)
+    p = pos_emb(positions)
+    if hook_pos_embed._fns:
+        p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)))
+    x += p
+    return x
+
+
 def cache_length(cache, n_layers: int) -> int:
     """The number of cached tokens of a per-layer cache (a list of ``n_layers``
     :class:`~attnlab.nn.KVCache`), 0 for None."""
@@ -159,7 +171,7 @@ def decoder_forward(
     maps: list | None = None,
 ) -> np.ndarray:
     """The forward pass of a causal decoder: ``embed(ids, positions)`` -> every block (causal,
-    with the key padding mask and its layer's cache) -> ``head`` (final norm and output
+    with the key padding mask, its layer's cache and the positions) -> ``head`` (final norm and output
     layer) -> logits ``(..., T, V)`` (``(..., logits_to_keep, V)``: only the last ones).
 
     ``positions_name`` names the model's limit on positions in errors
@@ -179,15 +191,16 @@ def decoder_forward(
     if logits_to_keep is not None:
         logits_to_keep = min(positive_int(logits_to_keep, "logits_to_keep"), T)
     with decoding_threads(ids.size):
-        x = embed(ids, position_ids(mask, past, T))
+        positions = position_ids(mask, past, T)
+        x = embed(ids, positions)
         if hidden is not None:
             hidden.append(x)
         for i, block in enumerate(blocks):
             layer_cache = None if cache is None else cache[i]
             if maps is None:
-                x = block(x, key_padding_mask=mask, cache=layer_cache)
+                x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
             else:
-                x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache)
+                x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
                 maps.append(w)
             if hidden is not None:
                 hidden.append(x)

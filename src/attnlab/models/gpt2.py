@@ -35,11 +35,12 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, generate
+from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, embed_tokens, generate
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
 from attnlab.trace import Trace, trace
@@ -221,6 +222,8 @@ class GPT2(Module):
             self.pos_emb = Embedding(c.n_positions, c.n_embd, dtype=dtype, rng=rng)
             for emb in (self.tok_emb, self.pos_emb):  # GPT-2's N(0, 0.02), not torch's N(0, 1)
                 emb.weight.data[...] = init.normal(rng, emb.weight.shape, dtype, std=0.02)
+            self.hook_embed = HookPoint()
+            self.hook_pos_embed = HookPoint()
             self.blocks = Module()
             for i in range(c.n_layer):
                 block = TransformerBlock(
@@ -235,6 +238,8 @@ class GPT2(Module):
                                                  gpt2_transposed(c.n_layer), dtype=dtype,
                                                  prefixes=("", "transformer."), what="GPT-2"))
         self.eval()
+
+    _hook_alias = {"ln_f": "ln_final"}
 
     def __repr__(self) -> str:
         c = self.config
@@ -308,13 +313,21 @@ class GPT2(Module):
         return [KVCache() for _ in self.layers]
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        x = self.tok_emb(ids)  # a fresh array
-        x += self.pos_emb(positions)
-        return x
+        return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
+
+    @property
+    def ln_final(self) -> LayerNorm:
+        """The final LayerNorm (hook name ``ln_final``)."""
+        return self.ln_f
+
+    def unembed(self, h: np.ndarray) -> np.ndarray:
+        """The output layer, tied to the token embedding: ``(..., D) -> (..., V)`` logits of
+        a normalized residual (after :attr:`ln_final`)."""
+        return F.linear(h, self.tok_emb.weight.data)
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         """The final LayerNorm, then the output layer tied to the token embedding."""
-        return F.linear(self.ln_f(h), self.tok_emb.weight.data)
+        return self.unembed(self.ln_f(h))
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
         c = self.config

@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
-from attnlab.models.generate import decoder_forward, generate
+from attnlab.models.generate import decoder_forward, embed_tokens, generate
 from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
@@ -103,6 +104,8 @@ class TinyTransformer(Module):
         object.__setattr__(self, "config", c)
         self.tok_emb = Embedding(c.vocab_size, c.d_model, rng=rng, dtype=dtype)
         self.pos_emb = Embedding(c.context_length, c.d_model, rng=rng, dtype=dtype)
+        self.hook_embed = HookPoint()
+        self.hook_pos_embed = HookPoint()
         # torch's N(0, 1) embeddings: on recall they train far faster than GPT-2's N(0, 0.02)
         # (distinct positions from the start help the previous-token head form).
         self.blocks = Module()
@@ -116,9 +119,21 @@ class TinyTransformer(Module):
         self.ln_f = LayerNorm(c.d_model, dtype=dtype)
         self.head = Linear(c.d_model, c.vocab_size, bias=False, rng=rng, dtype=dtype)
 
+    _hook_alias = {"ln_f": "ln_final"}
+
     @property
     def layers(self) -> list[TransformerBlock]:
         return list(self.blocks._modules.values())
+
+    @property
+    def ln_final(self) -> LayerNorm:
+        """The final LayerNorm (hook name ``ln_final``)."""
+        return self.ln_f
+
+    def unembed(self, h: np.ndarray) -> np.ndarray:
+        """The output layer: ``(..., d_model) -> (..., vocab_size)`` logits of a normalized
+        residual (after :attr:`ln_final`)."""
+        return self.head(h)
 
     def new_cache(self) -> list[KVCache]:
         """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
@@ -143,7 +158,7 @@ class TinyTransformer(Module):
     def _embed_at(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # positions (T,) are shared by the batch, (B, T) are per sequence (a padded batch)
         self._save(positions_per_sequence=positions.ndim == ids.ndim == 2)
-        return self.tok_emb(ids) + self.pos_emb(positions)
+        return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
 
     def forward(
         self,
@@ -174,7 +189,7 @@ class TinyTransformer(Module):
         c = self.config
         return decoder_forward(
             ids, attention_mask, cache, embed=self._embed_at, blocks=self.layers,
-            head=lambda h: self.head(self.ln_f(h)), vocab_size=c.vocab_size, n_positions=c.context_length,
+            head=lambda h: self.unembed(self.ln_f(h)), vocab_size=c.vocab_size, n_positions=c.context_length,
             positions_name="context_length", ids_name="ids", logits_to_keep=logits_to_keep,
         )
 

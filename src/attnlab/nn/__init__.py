@@ -1,8 +1,9 @@
 """Layers: parameters, initialisers, ``Linear``, the attention layers, what a transformer
 needs (embeddings, LayerNorm, activations, loss) and the blocks models are built from."""
 
-from attnlab.nn.attention import KVCache, MultiheadAttention, SelfAttention
+from attnlab.nn.attention import Attention, KVCache, MultiheadAttention, SelfAttention
 from attnlab.nn.blocks import FeedForward, TransformerBlock
+from attnlab.nn.hooks import ActivationCache, HookPoint
 from attnlab.nn.layers import (
     GELU,
     Dropout,
@@ -16,11 +17,14 @@ from attnlab.nn.loss import CrossEntropyLoss
 from attnlab.nn.module import Module, Parameter
 
 __all__ = [
+    "ActivationCache",
+    "Attention",
     "CrossEntropyLoss",
     "Dropout",
     "Embedding",
     "FeedForward",
     "GELU",
+    "HookPoint",
     "KVCache",
     "LayerNorm",
     "Linear",

@@ -1,5 +1,8 @@
-"""Attention layers: the trainable one-head ``SelfAttention`` and ``MultiheadAttention``
-(mirroring ``torch.nn.MultiheadAttention``), and the ``KVCache`` for incremental decoding.
+"""Attention layers: :class:`Attention`, the one multi-head layer every model uses
+(grouped-query heads, fused or separate projections, a position slot for rotary
+embeddings, QK-norm, sliding windows, a key/value cache and hook points);
+``MultiheadAttention``, the same layer with ``torch.nn.MultiheadAttention``'s call; the
+trainable one-head ``SelfAttention``; and the ``KVCache`` for incremental decoding.
 
 Layers own parameters and call the functional core; the attention function is a parameter
 (``attention_fn``), so a faster kernel drops in without a second copy of the math. Both
@@ -25,15 +28,19 @@ from attnlab._validation import (
     shape_error,
 )
 from attnlab.core import (
+    attention_scores,
     attention_weights,
     causal_mask,
     mask_to_bias,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
+    softmax,
 )
 from attnlab.core._namespace import as_dtype, device, is_bool, is_floating, namespace
+from attnlab.core.naive import dropout_mask
 from attnlab.nn import functional as F
 from attnlab.nn import init
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
 
@@ -230,14 +237,37 @@ class KVCache:
         return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
 
 
+def _window_causal_mask(L: int, S: int, window: int | None, like) -> np.ndarray:
+    """Causal ``(L, S)`` mask aligned bottom-right (the ``L`` queries are the last ``L`` of
+    ``S`` positions), keeping only the ``window`` most recent keys when given."""
+    mask = causal_mask(L, S, align="bottom-right", like=like)
+    if window is not None:
+        mask &= np.arange(S)[None, :] > np.arange(L)[:, None] + (S - L) - window
+    return mask
+
+
+def _weights_times_values(weights, value):
+    """``weights (N, Hq, L, S) @ value (N, H, S, Ev)`` with ``Hq = G * H`` (grouped-query
+    heads: query head ``h`` reads key/value head ``h // G``, as torch's ``enable_gqa``)."""
+    Hq, H = weights.shape[-3], value.shape[-3]
+    xp = namespace(weights)
+    if Hq == H:
+        return xp.matmul(weights, value)
+    *lead, _, L, S = weights.shape
+    G = Hq // H
+    w = _reshape(weights, (*lead, H, G, L, S))
+    out = xp.matmul(w, _reshape(value, (*value.shape[:-2], 1, *value.shape[-2:])))
+    return _reshape(out, (*lead, Hq, L, value.shape[-1]))
+
+
 @dataclass
 class AttentionInputs:
-    """What a :class:`MultiheadAttention` call attends with (internal to the layer and to
-    :func:`attnlab.trace`, which records the same arrays).
+    """What an attention call attends with (internal to the layers).
 
     ``q``, ``k``, ``v`` are the checked inputs, batch first ``(N, L, E)``/``(N, S, kdim)``;
-    ``qh``, ``kh``, ``vh`` the projected heads ``(N, H, L, D)``/``(N, H, S, D)`` (cached
-    keys and values included); ``mask`` and ``causal`` what the core receives.
+    ``qh``, ``kh``, ``vh`` the projected heads ``(N, H, L, D)``/``(N, Hkv, S, D)`` (cached
+    keys and values included, rotary positions applied); ``mask`` and ``causal`` what the
+    core receives.
     """
 
     q: np.ndarray
@@ -252,9 +282,439 @@ class AttentionInputs:
     cached: bool
 
 
-class MultiheadAttention(Module):
+class Attention(Module):
+    """Multi-head attention, the one layer every attnlab model attends with.
+
+    ``output = concat_h(attention(rot(norm(x W_q^h)), rot(norm(c W_k^{g(h)})), c W_v^{g(h)})) W_o^T + b_o``
+
+    with ``c = x`` (self-attention) or ``key_value``; ``g(h) = h // (H / H_kv)`` the key/value
+    head that query head ``h`` shares (grouped-query attention; ``H_kv = 1`` is multi-query).
+
+    Args:
+        embed_dim: model width ``E``.
+        num_heads: query heads ``H``.
+        num_kv_heads: key/value heads ``H_kv`` (must divide ``H``; None: ``H``).
+        head_dim: width ``D`` of each head (None: ``E // H``, which must then divide).
+        bias: biases on the q/k/v projections.
+        out_bias: a bias on the output projection (None: as ``bias``).
+        separate_projections: keep ``q_proj_weight``/``k_proj_weight``/``v_proj_weight``
+            instead of one fused ``in_proj_weight`` ``((H + 2 H_kv) D, E)``, which
+            self-attention applies in one matrix product. Always separate when ``kdim`` or
+            ``vdim`` differ from ``E``.
+        kdim, vdim: widths of the keys' and values' input (None: ``E``).
+        qk_norm: a factory ``f(D) -> Module`` for a norm applied to each head's queries and
+            keys over ``D`` (QK-norm), kept as ``q_norm`` and ``k_norm``.
+        rotary: the position slot, a module with ``forward(q, k, positions) -> (q, k)`` on
+            ``(N, H, L, D)``/``(N, H_kv, S, D)`` and ``backward(grad_q, grad_k)`` (rotary
+            position embedding). Applied after the QK-norm, before the key/value cache.
+        scale: the score scale (None: ``1 / sqrt(D)``).
+        dropout: dropout on the attention weights (training mode only).
+        causal: attend only to earlier positions unless a call says otherwise.
+        sliding_window: with ``causal``, each query sees only the ``sliding_window`` most
+            recent keys (itself included), also through the cache.
+        rng: Generator for the initial weights (xavier-uniform, zero biases) and dropout.
+        dtype: ``np.float32`` or ``np.float64``.
+        attention_fn: computes the output when no weights are wanted; defaults to
+            :func:`attnlab.scaled_dot_product_attention` and takes its signature. When the
+            weights are wanted (:meth:`forward_with_weights`, a hook on the scores or the
+            pattern) they are computed once and the output is ``weights @ V``.
+
+    Call with ``x (N, L, E)`` (or ``(L, E)``); see :meth:`forward`. Hook points (names
+    relative to the layer): ``hook_q`` ``(N, L, H, D)``, ``hook_k``, ``hook_v``
+    ``(N, S, H_kv, D)``, ``hook_rot_q``, ``hook_rot_k`` (with ``rotary``),
+    ``hook_attn_scores`` (scaled and masked with ``-inf``, before the softmax) and
+    ``hook_pattern`` ``(N, H, L, S)``, ``hook_z`` ``(N, L, H, D)`` (the heads' outputs
+    before the output projection).
+
+    >>> attn = Attention(8, 4, num_kv_heads=2, causal=True, rng=np.random.default_rng(0))
+    >>> x = np.ones((1, 5, 8), dtype=np.float32)
+    >>> out, cache = attn.run_with_cache(x)
+    >>> out.shape, cache["hook_k"].shape, cache["hook_pattern"].shape
+    ((1, 5, 8), (1, 5, 2, 2), (1, 4, 5, 5))
+    """
+
+    _extra_keys = 0  # keys a subclass appends (torch's add_bias_kv, add_zero_attn)
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool | None = None,
+        separate_projections: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        qk_norm: Callable[[int], Module] | None = None,
+        rotary: Module | None = None,
+        scale: float | None = None,
+        dropout: float = 0.0,
+        causal: bool = False,
+        sliding_window: int | None = None,
+        rng: np.random.Generator | None = None,
+        dtype=np.float32,
+        attention_fn: Callable[..., np.ndarray] | None = None,
+    ):
+        super().__init__()
+        E = self.embed_dim = positive_int(embed_dim, "embed_dim")
+        H = self.num_heads = positive_int(num_heads, "num_heads")
+        Hkv = self.num_kv_heads = H if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
+        if H % Hkv:
+            raise ValueError(f"num_heads={H} must be divisible by num_kv_heads={Hkv}")
+        if head_dim is None:
+            if E % H:
+                raise ValueError(f"embed_dim={E} must be divisible by num_heads={H}")
+            head_dim = E // H
+        D = self.head_dim = positive_int(head_dim, "head_dim")
+        self.kdim = E if kdim is None else positive_int(kdim, "kdim")
+        self.vdim = E if vdim is None else positive_int(vdim, "vdim")
+        self.dropout = probability(dropout, "dropout")
+        self.causal = bool(causal)
+        self.sliding_window = None if sliding_window is None else positive_int(sliding_window, "sliding_window")
+        if scale is not None and not (isinstance(scale, int | float) and not isinstance(scale, bool)
+                                      and np.isfinite(scale)):
+            raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+        self.scale = None if scale is None else float(scale)
+        self._qkv_same_embed_dim = self.kdim == E and self.vdim == E and not separate_projections
+        self.attention_fn = attention_fn or scaled_dot_product_attention
+        dtype = float_dtype(dtype)
+        rng = generator(rng)
+        object.__setattr__(self, "_rng", rng)
+        Dq, Dkv = H * D, Hkv * D
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight = Parameter(init.xavier_uniform(rng, (Dq + 2 * Dkv, E), dtype))
+        else:
+            self.q_proj_weight = Parameter(init.xavier_uniform(rng, (Dq, E), dtype))
+            self.k_proj_weight = Parameter(init.xavier_uniform(rng, (Dkv, self.kdim), dtype))
+            self.v_proj_weight = Parameter(init.xavier_uniform(rng, (Dkv, self.vdim), dtype))
+        self.in_proj_bias = Parameter(init.zeros(Dq + 2 * Dkv, dtype)) if bias else None
+        self._init_extra_keys(rng, dtype)
+        out_bias = bias if out_bias is None else bool(out_bias)
+        self.out_proj = Linear(Dq, E, out_bias, rng=rng, dtype=dtype)
+        if out_bias:
+            self.out_proj.bias.data[...] = 0
+        self.q_norm = qk_norm(D) if qk_norm is not None else None
+        self.k_norm = qk_norm(D) if qk_norm is not None else None
+        if rotary is not None and not isinstance(rotary, Module):
+            raise TypeError(f"rotary must be an attnlab Module (the position slot), got {type(rotary).__name__}")
+        self.rotary = rotary
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        if rotary is not None:
+            self.hook_rot_q = HookPoint()
+            self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+
+    def _init_extra_keys(self, rng, dtype) -> None:
+        """Parameters a subclass creates between the in- and out-projections."""
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.out_proj.weight.dtype
+
+    @property
+    def W_O(self) -> np.ndarray:
+        """The output projection per head, ``(H, D, E)``: ``output = sum_h z_h @ W_O[h] + b_O``."""
+        w = self.out_proj.weight.data  # (E, H * D)
+        return w.T.reshape(self.num_heads, self.head_dim, self.embed_dim)
+
+    @property
+    def b_O(self) -> np.ndarray | None:
+        """The output projection's bias ``(E,)``, or None."""
+        return None if self.out_proj.bias is None else self.out_proj.bias.data
+
+    def extra_repr(self) -> str:
+        kv = "" if self.num_kv_heads == self.num_heads else f", num_kv_heads={self.num_kv_heads}"
+        extra = ", causal=True" if self.causal else ""
+        if self.sliding_window is not None:
+            extra += f", sliding_window={self.sliding_window}"
+        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim}{extra}"
+
+    # ---- the projections --------------------------------------------------------------
+    def in_projections(self):
+        """``((W_q, W_k, W_v), (b_q, b_k, b_v))``: ``(H D, E)``/``(H_kv D, kdim)``/
+        ``(H_kv D, vdim)`` weights (torch's layout, ``Q = x W_q^T + b_q``) and biases or Nones."""
+        Dq, Dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        cuts = (0, Dq, Dq + Dkv, Dq + 2 * Dkv)
+        if self._qkv_same_embed_dim:
+            w = self.in_proj_weight.data
+            ws = tuple(w[a:b, :] for a, b in zip(cuts, cuts[1:], strict=False))
+        else:
+            ws = (self.q_proj_weight.data, self.k_proj_weight.data, self.v_proj_weight.data)
+        if self.in_proj_bias is None:
+            return ws, (None, None, None)
+        b = self.in_proj_bias.data
+        return ws, tuple(b[a:c] for a, c in zip(cuts, cuts[1:], strict=False))
+
+    def _project(self, q, k, v, self_attention: bool):
+        """The in-projections ``(N, L, H D)``, ``(N, S, H_kv D)``, ``(N, S, H_kv D)``: one
+        matrix product for self-attention with the fused weight, else one per input."""
+        if self_attention and self._qkv_same_embed_dim:
+            Dq, Dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            b = None if self.in_proj_bias is None else self.in_proj_bias.data
+            qkv = F.linear(q, self.in_proj_weight.data, b)  # (N, L, Dq + 2 Dkv)
+            return qkv[..., :Dq], qkv[..., Dq : Dq + Dkv], qkv[..., Dq + Dkv :]
+        (wq, wk, wv), (bq, bk, bv) = self.in_projections()
+        return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
+
+    def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
+        """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, H D)``."""
+        N, H, L, D = out_h.shape
+        if isinstance(out_h, np.ndarray):
+            return out_h.transpose(0, 2, 1, 3).reshape(N, L, H * D)
+        return _reshape(_permute(out_h, (0, 2, 1, 3)), (N, L, H * D))
+
+    def _heads(self, qp, kp, vp, positions, cache: KVCache | None, past: int, zero_attn: bool = False):
+        """``(N, L, H D)`` projections -> hooked, normed, rotated heads ``(N, H, L, D)``,
+        ``(N, H_kv, S_all, D)`` (the cache appended)."""
+        N, L, S = qp.shape[0], qp.shape[1], kp.shape[1]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q4 = self.hook_q(_reshape(qp, (N, L, H, D)))  # (N, L, H, D): TransformerLens's layout
+        k4 = self.hook_k(_reshape(kp, (N, S, Hkv, D)))
+        v4 = self.hook_v(_reshape(vp, (N, S, Hkv, D)))
+        if self.q_norm is not None:
+            q4, k4 = self.q_norm(q4), self.k_norm(k4)
+        qh, kh, vh = _permute(q4, (0, 2, 1, 3)), _permute(k4, (0, 2, 1, 3)), _permute(v4, (0, 2, 1, 3))
+        if self.rotary is not None:
+            if positions is None:
+                positions = np.arange(past, past + L)
+            qh, kh = self.rotary(qh, kh, positions)
+            if self.hook_rot_q._fns or self.hook_rot_k._fns:
+                qh = _permute(self.hook_rot_q(_permute(qh, (0, 2, 1, 3))), (0, 2, 1, 3))
+                kh = _permute(self.hook_rot_k(_permute(kh, (0, 2, 1, 3))), (0, 2, 1, 3))
+        if zero_attn:
+            zeros = _full((N, Hkv, 1, D), 0.0, kh)
+            kh, vh = _concat([kh, zeros], axis=2), _concat([vh, zeros], axis=2)
+        if cache is not None:
+            kh, vh = cache.append(kh, vh)
+        return qh, kh, vh
+
+    def _attend(self, qh, kh, vh, mask, causal: bool, need_weights: bool):
+        """The attention of the heads: ``(z (N, H, L, D), weights (N, H, L, S) or None,
+        dropout rng state)``. The weights are computed once when wanted or hooked."""
+        p = self.dropout if self.training else 0.0
+        rng_state = self._rng.bit_generator.state if p > 0 else None
+        gqa = self.num_kv_heads != self.num_heads
+        if not (need_weights or self.hook_attn_scores._fns or self.hook_pattern._fns):
+            z = self.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal,
+                                  scale=self.scale, enable_gqa=gqa, rng=self._rng)
+            return z, None, rng_state
+        scores = self.hook_attn_scores(attention_scores(qh, kh, mask, causal, self.scale, gqa))
+        weights = self.hook_pattern(softmax(scores, axis=-1))
+        if p > 0:  # the keep-mask the core's backward redraws from the same state
+            weights = weights * dropout_mask(weights, p, tuple(weights.shape), self._rng)
+        return _weights_times_values(weights, vh), weights, rng_state
+
+    def _finish(self, z, a: AttentionInputs, weights, rng_state):
+        """Hook the heads' outputs, project them out and keep what backward needs."""
+        N, H, L, D = z.shape
+        z4 = self.hook_z(_permute(z, (0, 2, 1, 3)))  # (N, L, H, D)
+        out = self.out_proj(_reshape(z4, (N, L, H * D)))
+        self._save(inputs=a, rng_state=rng_state, p=self.dropout if self.training else 0.0)
+        return out
+
+    # ---- the call ---------------------------------------------------------------------
+    def _check_x(self, x, name: str, d: int, need: str):
+        like = self.out_proj.weight.data  # inputs must be of its library, device and dtype
+        x = check_input(x, name, like, d, need)
+        if x.ndim not in (2, 3):
+            raise shape_error(name, x.shape, need.format(d=d))
+        return x
+
+    def _inputs(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions) -> AttentionInputs:
+        E = self.embed_dim
+        x = self._check_x(x, "x", E, "(N, L, {d}) or (L, {d})")
+        batched = x.ndim == 3
+        q = x if batched else x[None]
+        if key_value is None:
+            k = v = q
+        else:
+            need = "(N, S, {d})" if batched else "(S, {d})"
+            kv = self._check_x(key_value, "key_value", self.kdim, need)
+            if kv.ndim != x.ndim or (batched and kv.shape[0] != x.shape[0]):
+                raise shape_error("key_value", kv.shape, need.format(d=self.kdim).replace("N", str(q.shape[0])),
+                                  "it must match x's batch layout")
+            k = v = kv if batched else kv[None]
+        N, L, _ = q.shape
+        past = 0
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache must be an attnlab KVCache, got {type(cache).__name__}")
+            past = cache.length
+        S_all = past + k.shape[1]
+        causal = self.causal if is_causal is None else bool(is_causal)
+        kpm = _check_mask(key_padding_mask, "key_padding_mask", [(N, S_all)] if batched else [(S_all,)], q)
+        am = _check_mask(attn_mask, "attn_mask", [(L, S_all), (N, self.num_heads, L, S_all)] if batched
+                         else [(L, S_all), (self.num_heads, L, S_all)], q)
+        if kpm is not None:
+            kpm = _reshape(kpm, (N, 1, 1, S_all))
+        if am is not None and am.ndim == 3:
+            am = _reshape(am, (1, *am.shape))
+        window = self.sliding_window if causal else None
+        causal_flag = causal and am is None and kpm is None and not past and window is None and S_all == L
+        if causal and not causal_flag:
+            c = _window_causal_mask(L, S_all, window, q)
+            am = c if am is None else (am & c if is_bool(am) else am + mask_to_bias(c, self.dtype))
+        if positions is not None:
+            positions = np.asarray(positions)
+            if positions.shape not in ((L,), (N, L)) or not np.issubdtype(positions.dtype, np.integer):
+                raise shape_error("positions", positions.shape, f"({L},) or ({N}, {L}) integers")
+        qp, kp, vp = self._project(q, k, v, key_value is None)
+        qh, kh, vh = self._heads(qp, kp, vp, positions, cache, past)
+        return AttentionInputs(q, k, v, qh, kh, vh, _merge_masks(am, kpm, self.dtype), causal_flag, batched,
+                               cache is not None)
+
+    def forward(
+        self,
+        x: np.ndarray,
+        *,
+        key_value: np.ndarray | None = None,
+        key_padding_mask: np.ndarray | None = None,
+        attn_mask: np.ndarray | None = None,
+        is_causal: bool | None = None,
+        cache: KVCache | None = None,
+        positions: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Attend: ``x (N, L, E)`` (or ``(L, E)``) -> ``(N, L, E)``.
+
+        Args:
+            x: the queries' input (and the keys' and values', for self-attention).
+            key_value: ``(N, S, kdim)``: cross-attention to these instead.
+            key_padding_mask: ``(N, S_all)``, True where a key takes part (the cached keys
+                included: ``S_all = P + S``).
+            attn_mask: ``(L, S_all)`` or ``(N, H, L, S_all)``: bool True = takes part, or
+                float added to the scores.
+            is_causal: a causal mask, aligned bottom-right when there are cached keys (None:
+                the layer's ``causal``); with ``sliding_window``, windowed.
+            cache: a :class:`KVCache`: the new keys and values are appended and the
+                queries attend to all of them.
+            positions: ``(L,)`` or ``(N, L)`` integer positions for the position slot
+                (None: ``P .. P + L - 1``).
+        """
+        return self._run(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, False)[0]
+
+    def forward_with_weights(self, x: np.ndarray, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+        """``(output, weights)``: :meth:`forward`'s output and the attention weights
+        ``(N, H, L, S_all)`` (``(H, L, S_all)`` unbatched), computed once; the output is
+        ``weights @ V``."""
+        return self._run(x, kwargs.pop("key_value", None), kwargs.pop("key_padding_mask", None),
+                         kwargs.pop("attn_mask", None), kwargs.pop("is_causal", None), kwargs.pop("cache", None),
+                         kwargs.pop("positions", None), True, **kwargs)
+
+    def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights):
+        a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions)
+        z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
+        out = self._finish(z, a, weights, rng_state)
+        if not a.batched:
+            out = out[0]
+            weights = None if weights is None else weights[0]
+        return out, weights
+
+    def backward(self, grad_output: np.ndarray):
+        """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);
+        parameter gradients accumulate in ``.grad``. Through the rotary slot and the
+        QK-norm too; not through a call with a KVCache."""
+        gq, gk, gv = self._backward_qkv(grad_output, batch_first=True)
+        a: AttentionInputs = self._last_inputs
+        if a.k is a.q:
+            g = gq + gk + gv
+            return g if a.batched else g[0]
+        g_kv = gk + gv
+        return (gq, g_kv) if a.batched else (gq[0], g_kv[0])
+
+    def _backward_qkv(self, grad_output, *, batch_first: bool):
+        """``(grad_q, grad_k, grad_v)`` batch first ``(N, L, E)``/``(N, S, kdim)``/``(N, S, vdim)``."""
+        c = self._saved()
+        a: AttentionInputs = c["inputs"]
+        object.__setattr__(self, "_last_inputs", a)
+        if a.cached:
+            raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a KVCache")
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        g = np.asarray(grad_output)
+        if not a.batched:
+            g = g[None]
+        elif not batch_first:
+            g = g.transpose(1, 0, 2)
+        N, L = a.q.shape[:2]
+        if g.shape != (N, L, self.embed_dim):
+            raise shape_error("grad_output", np.shape(grad_output), "the output's shape")
+        gh = self.out_proj.backward(g).reshape(N, L, H, D).transpose(0, 2, 1, 3)
+        gqh, gkh, gvh = scaled_dot_product_attention_backward(
+            gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"], is_causal=a.causal, scale=self.scale,
+            enable_gqa=Hkv != H, rng=_replay(self._rng, c["rng_state"]),
+        )
+        if self.add_zero_attn:
+            gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]
+        if self.rotary is not None:
+            gqh, gkh = self.rotary.backward(gqh, gkh)
+        gq4, gk4, gv4 = gqh.transpose(0, 2, 1, 3), gkh.transpose(0, 2, 1, 3), gvh.transpose(0, 2, 1, 3)
+        if self.q_norm is not None:
+            gq4, gk4 = self.q_norm.backward(gq4), self.k_norm.backward(gk4)
+        S = gk4.shape[1]
+        gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
+        gkp, gvp = self._extra_keys_backward(gkp, gvp)
+        (wq, wk, wv), _ = self.in_projections()
+        has_bias = self.in_proj_bias is not None
+        gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias)
+        gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
+        gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
+        if self._qkv_same_embed_dim:
+            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]))
+        else:
+            self.q_proj_weight.accumulate(gwq)
+            self.k_proj_weight.accumulate(gwk)
+            self.v_proj_weight.accumulate(gwv)
+        if has_bias:
+            self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]))
+        return gq, gk, gv
+
+    add_zero_attn = False
+
+    def _extra_keys_backward(self, gkp, gvp):
+        return gkp, gvp
+
+
+def _check_mask(mask, name, need_shapes, query):
+    """A bool (True = takes part) or float mask of one of ``need_shapes``, in ``query``'s
+    library (float masks in its dtype)."""
+    if mask is None:
+        return None
+    if namespace(query, mask, names=("query", name)) is np:  # one library for both
+        mask = np.asarray(mask)
+    if not (is_bool(mask) or is_floating(mask)):
+        raise TypeError(
+            f"{name} must be boolean (True = takes part) or floating-point (added to the "
+            f"scores), got dtype {mask.dtype}"
+        )
+    if tuple(mask.shape) not in need_shapes:
+        raise shape_error(name, tuple(mask.shape), " or ".join(fmt_shape(s) for s in need_shapes))
+    if not is_bool(mask):
+        mask = as_dtype(mask, query.dtype)
+    return mask
+
+
+def _merge_masks(attn_mask, key_padding_mask, dtype):
+    """One mask from an attention mask and a key padding mask (bool AND, or summed biases)."""
+    if attn_mask is None or key_padding_mask is None:
+        return key_padding_mask if attn_mask is None else attn_mask
+    if is_bool(attn_mask) and is_bool(key_padding_mask):
+        return attn_mask & key_padding_mask
+
+    def as_bias(m):
+        return mask_to_bias(m, dtype) if is_bool(m) else m
+
+    return as_bias(attn_mask) + as_bias(key_padding_mask)
+
+
+class MultiheadAttention(Attention):
     """Multi-head attention with ``torch.nn.MultiheadAttention``'s arguments, shapes and
-    parameter names, so ``state_dict``s move across unchanged.
+    parameter names, so ``state_dict``s move across unchanged. It is an :class:`Attention`
+    with torch's call: the same parameters, hook points and math.
 
     ``output = concat_h(attention(query W_q^h, key W_k^h, value W_v^h)) W_o^T + b_o``.
 
@@ -275,10 +735,10 @@ class MultiheadAttention(Module):
         rng: Generator for the initial weights (xavier-uniform projections, zero biases,
             as torch) and for dropout.
         dtype: ``np.float32`` or ``np.float64``.
-        attention_fn: the attention function that computes the output, always; defaults
-            to :func:`attnlab.scaled_dot_product_attention` and takes its signature. With
-            ``need_weights=True`` the maps come from :func:`attnlab.attention_weights`
-            (with the same dropout mask).
+        attention_fn: the attention function that computes the output when no weights are
+            wanted; defaults to :func:`attnlab.scaled_dot_product_attention` and takes its
+            signature. With ``need_weights=True`` the weights are computed once (with the
+            dropout mask) and the output is ``weights @ V``.
 
     Call with ``(query, key, value, key_padding_mask=None, need_weights=True,
     attn_mask=None, average_attn_weights=True, is_causal=False, *, cache=None)``:
@@ -325,62 +785,27 @@ class MultiheadAttention(Module):
         dtype=np.float32,
         attention_fn: Callable[..., np.ndarray] | None = None,
     ):
-        super().__init__()
-        E = self.embed_dim = positive_int(embed_dim, "embed_dim")
-        self.num_heads = positive_int(num_heads, "num_heads")
-        if E % self.num_heads:
-            raise ValueError(f"embed_dim={E} must be divisible by num_heads={self.num_heads}")
-        self.head_dim = E // self.num_heads
-        self.kdim = E if kdim is None else positive_int(kdim, "kdim")
-        self.vdim = E if vdim is None else positive_int(vdim, "vdim")
-        self.dropout = probability(dropout, "dropout")
+        object.__setattr__(self, "_add_bias_kv", bool(add_bias_kv))
+        super().__init__(
+            embed_dim, num_heads, bias=bias, separate_projections=separate_projections, kdim=kdim, vdim=vdim,
+            dropout=dropout, rng=rng, dtype=dtype, attention_fn=attention_fn,
+        )
         self.batch_first = bool(batch_first)
         self.add_zero_attn = bool(add_zero_attn)
-        self._qkv_same_embed_dim = self.kdim == E and self.vdim == E and not separate_projections
-        self.attention_fn = attention_fn or scaled_dot_product_attention
-        dtype = float_dtype(dtype)
-        rng = generator(rng)
-        object.__setattr__(self, "_rng", rng)
-        if self._qkv_same_embed_dim:
-            self.in_proj_weight = Parameter(init.xavier_uniform(rng, (3 * E, E), dtype))
-        else:
-            self.q_proj_weight = Parameter(init.xavier_uniform(rng, (E, E), dtype))
-            self.k_proj_weight = Parameter(init.xavier_uniform(rng, (E, self.kdim), dtype))
-            self.v_proj_weight = Parameter(init.xavier_uniform(rng, (E, self.vdim), dtype))
-        self.in_proj_bias = Parameter(init.zeros(3 * E, dtype)) if bias else None
-        if add_bias_kv:
+
+    def _init_extra_keys(self, rng, dtype) -> None:
+        E = self.embed_dim
+        if self._add_bias_kv:
             self.bias_k = Parameter(init.xavier_normal(rng, (1, 1, E), dtype))
             self.bias_v = Parameter(init.xavier_normal(rng, (1, 1, E), dtype))
         else:
             self.bias_k = self.bias_v = None
-        self.out_proj = Linear(E, E, bias, rng=rng, dtype=dtype)
-        if bias:
-            self.out_proj.bias.data[...] = 0
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.out_proj.weight.dtype
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
             f"batch_first={self.batch_first}"
         )
-
-    # ---- helpers -----------------------------------------------------------------------
-    def in_projections(self):
-        """``((W_q, W_k, W_v), (b_q, b_k, b_v))``: ``(E, E)``/``(E, kdim)``/``(E, vdim)``
-        weights (torch's layout, ``Q = query W_q^T + b_q``) and ``(E,)`` biases or Nones."""
-        E = self.embed_dim
-        if self._qkv_same_embed_dim:
-            w = self.in_proj_weight.data
-            ws = (w[:E, :], w[E : 2 * E, :], w[2 * E :, :])
-        else:
-            ws = (self.q_proj_weight.data, self.k_proj_weight.data, self.v_proj_weight.data)
-        if self.in_proj_bias is None:
-            return ws, (None, None, None)
-        b = self.in_proj_bias.data
-        return ws, (b[:E], b[E : 2 * E], b[2 * E :])
 
     def _to_batch_first(self, x, batched):
         if not batched:
@@ -392,48 +817,12 @@ class MultiheadAttention(Module):
             return x[0, ...]
         return x if self.batch_first else _permute(x, (1, 0, 2))
 
-    def _check_mask(self, mask, name, need_shapes, query):
-        if mask is None:
-            return None
-        if namespace(query, mask, names=("query", name)) is np:  # one library for both
-            mask = np.asarray(mask)
-        if not (is_bool(mask) or is_floating(mask)):
-            raise TypeError(
-                f"{name} must be boolean (True = takes part) or floating-point (added to the "
-                f"scores), got dtype {mask.dtype}"
-            )
-        if tuple(mask.shape) not in need_shapes:
-            raise shape_error(name, tuple(mask.shape), " or ".join(fmt_shape(s) for s in need_shapes))
-        if not is_bool(mask):
-            mask = as_dtype(mask, query.dtype)
-        return mask
-
     @staticmethod
     def _pad_keys(mask):
         """Append one key that takes part to a mask (for bias_kv / zero_attn)."""
         if mask is None:
             return None
         return _concat([mask, _full((*mask.shape[:-1], 1), is_bool(mask), mask)], axis=-1)
-
-    def _merge_masks(self, attn_mask, key_padding_mask):
-        if attn_mask is None or key_padding_mask is None:
-            return key_padding_mask if attn_mask is None else attn_mask
-        if is_bool(attn_mask) and is_bool(key_padding_mask):
-            return attn_mask & key_padding_mask
-        def as_bias(m):
-            return mask_to_bias(m, self.dtype) if is_bool(m) else m
-        return as_bias(attn_mask) + as_bias(key_padding_mask)
-
-    def _project(self, q, k, v, self_attention: bool):
-        """The in-projections ``(N, L, E)``, ``(N, S, E)``, ``(N, S, E)``: one matrix product
-        for self-attention with the fused weight, else one per input."""
-        if self_attention and self._qkv_same_embed_dim:
-            E = self.embed_dim
-            b = None if self.in_proj_bias is None else self.in_proj_bias.data
-            qkv = F.linear(q, self.in_proj_weight.data, b)  # (N, L, 3E)
-            return qkv[..., :E], qkv[..., E : 2 * E], qkv[..., 2 * E :]
-        (wq, wk, wv), (bq, bk, bv) = self.in_projections()
-        return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
 
     def attention_inputs(
         self,
@@ -446,10 +835,9 @@ class MultiheadAttention(Module):
         *,
         cache: KVCache | None = None,
     ) -> AttentionInputs:
-        """Check a call's arguments and project the heads: everything :meth:`forward`
-        hands the core (``attention_fn`` and :func:`attnlab.attention_weights`).
-        :func:`attnlab.trace` calls it too, so it records what the layer computes."""
-        E, H, D = self.embed_dim, self.num_heads, self.head_dim
+        """Check a call's arguments (torch's conventions) and project the heads:
+        everything the attention of the heads receives."""
+        E, H = self.embed_dim, self.num_heads
         self_attention = query is key and key is value
         lay = "(N, {L}, {d})" if self.batch_first else "({L}, N, {d})"
         like = self.out_proj.weight.data  # inputs must be of its library, device and dtype
@@ -484,8 +872,8 @@ class MultiheadAttention(Module):
             past = cache.length
         S_all = past + S
 
-        kpm = self._check_mask(key_padding_mask, "key_padding_mask", [(N, S_all)] if batched else [(S_all,)], q)
-        am = self._check_mask(
+        kpm = _check_mask(key_padding_mask, "key_padding_mask", [(N, S_all)] if batched else [(S_all,)], q)
+        am = _check_mask(
             attn_mask, "attn_mask", [(L, S_all), (N * H, L, S_all)] if batched else [(L, S_all), (H, L, S_all)], q
         )
         if kpm is not None:
@@ -502,25 +890,12 @@ class MultiheadAttention(Module):
             kp = _concat([kp, xp.broadcast_to(self.bias_k.data[0, ...], (N, 1, E))], axis=1)
             vp = _concat([vp, xp.broadcast_to(self.bias_v.data[0, ...], (N, 1, E))], axis=1)
             am, kpm = self._pad_keys(am), self._pad_keys(kpm)
-        qh, kh, vh = _split_heads(qp, N, H, D), _split_heads(kp, N, H, D), _split_heads(vp, N, H, D)
+        qh, kh, vh = self._heads(qp, kp, vp, None, cache, past, zero_attn=self.add_zero_attn)
         if self.add_zero_attn:
-            zeros = _full((N, H, 1, D), 0.0, kh)
-            kh = _concat([kh, zeros], axis=2)
-            vh = _concat([vh, zeros], axis=2)
             am, kpm = self._pad_keys(am), self._pad_keys(kpm)
-        if cache is not None:
-            kh, vh = cache.append(kh, vh)
-        mask = self._merge_masks(am, kpm)
+        mask = _merge_masks(am, kpm, self.dtype)
         return AttentionInputs(q, k, v, qh, kh, vh, mask, causal_flag, batched, cache is not None)
 
-    def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
-        """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, E)``."""
-        N, H, L, D = out_h.shape
-        if isinstance(out_h, np.ndarray):
-            return out_h.transpose(0, 2, 1, 3).reshape(N, L, H * D)
-        return _reshape(_permute(out_h, (0, 2, 1, 3)), (N, L, H * D))
-
-    # ---- forward / backward ------------------------------------------------------------
     def forward(
         self,
         query: np.ndarray,
@@ -535,66 +910,27 @@ class MultiheadAttention(Module):
         cache: KVCache | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
         a = self.attention_inputs(query, key, value, key_padding_mask, attn_mask, is_causal, cache=cache)
-        p = self.dropout if self.training else 0.0
-        rng_state = self._rng.bit_generator.state if p > 0 else None
-        weights = None
-        if need_weights:  # the maps, with the dropout mask the output is about to draw
-            weights = attention_weights(
-                a.qh, a.kh, a.mask, p, a.causal, rng=_replay(self._rng, rng_state) or self._rng
-            )
-        out_h = self.attention_fn(
-            a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=p, is_causal=a.causal, rng=self._rng
-        )
-        out = self.out_proj(self.merge_heads(out_h))
-        self._save(inputs=a, p=p, rng_state=rng_state)
-        if weights is not None:
-            if average_attn_weights:
-                weights = namespace(weights).mean(weights, axis=1)
-            if not a.batched:
-                weights = weights[0, ...]
+        z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
+        out = self._finish(z, a, weights, rng_state)
+        if not need_weights:
+            weights = None
+        elif average_attn_weights:
+            weights = namespace(weights).mean(weights, axis=1)
+        if weights is not None and not a.batched:
+            weights = weights[0, ...]
         return self._from_batch_first(out, a.batched), weights
+
+    def _extra_keys_backward(self, gkp, gvp):
+        if self.bias_k is not None:
+            self.bias_k.accumulate(gkp[:, -1].sum(axis=0)[None, None])
+            self.bias_v.accumulate(gvp[:, -1].sum(axis=0)[None, None])
+            gkp, gvp = gkp[:, :-1], gvp[:, :-1]
+        return gkp, gvp
 
     def backward(self, grad_output: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(grad_query, grad_key, grad_value)`` in the inputs' layouts; parameter gradients
         accumulate in ``.grad``. For self-attention (one tensor as query, key and value) its
         gradient is the sum of the three."""
-        c = self._saved()
-        a: AttentionInputs = c["inputs"]
-        if a.cached:
-            raise RuntimeError("MultiheadAttention has no backward pass through a call with a KVCache")
-        E, H, D = self.embed_dim, self.num_heads, self.head_dim
-        g = self._to_batch_first(np.asarray(grad_output), a.batched)
-        if g.shape != a.q.shape[:2] + (E,):
-            raise shape_error("grad_output", np.shape(grad_output), "the output's shape")
-        N, L, _ = g.shape
-        g_attn = self.out_proj.backward(g)
-        gh = g_attn.reshape(N, L, H, D).transpose(0, 2, 1, 3)
-        gqh, gkh, gvh = scaled_dot_product_attention_backward(
-            gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"],
-            is_causal=a.causal, rng=_replay(self._rng, c["rng_state"]),
-        )
-        if self.add_zero_attn:
-            gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]
-        # (N, H, S, D) -> (N, S, E)
-        gqp = self.merge_heads(gqh)
-        gkp = self.merge_heads(gkh)
-        gvp = self.merge_heads(gvh)
-        if self.bias_k is not None:
-            self.bias_k.accumulate(gkp[:, -1].sum(axis=0)[None, None])
-            self.bias_v.accumulate(gvp[:, -1].sum(axis=0)[None, None])
-            gkp, gvp = gkp[:, :-1], gvp[:, :-1]
-        (wq, wk, wv), _ = self.in_projections()
-        has_bias = self.in_proj_bias is not None
-        gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias)
-        gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
-        gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
-        if self._qkv_same_embed_dim:
-            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]))
-        else:
-            self.q_proj_weight.accumulate(gwq)
-            self.k_proj_weight.accumulate(gwk)
-            self.v_proj_weight.accumulate(gwv)
-        if has_bias:
-            self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]))
-        b = a.batched
+        gq, gk, gv = self._backward_qkv(grad_output, batch_first=self.batch_first)
+        b = self._last_inputs.batched
         return self._from_batch_first(gq, b), self._from_batch_first(gk, b), self._from_batch_first(gv, b)

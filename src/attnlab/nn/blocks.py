@@ -4,8 +4,8 @@
 A model is an arrangement of these blocks (embeddings, positions and heads are the
 model's own): :class:`~attnlab.models.TinyTransformer` stacks pre-norm causal blocks,
 :class:`~attnlab.models.BertEncoder` post-norm bidirectional ones. The attention inside is
-always :class:`~attnlab.MultiheadAttention`, so its ``attention_fn``, its maps
-(``need_weights``), :func:`attnlab.trace` and its backward pass come with every model.
+always :class:`~attnlab.nn.Attention`, so its ``attention_fn``, its maps, its hook points,
+:func:`attnlab.trace` and its backward pass come with every model.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import generator, probability, shape_error
-from attnlab.nn.attention import KVCache, MultiheadAttention
+from attnlab.nn.attention import Attention, KVCache
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
@@ -42,6 +43,9 @@ class FeedForward(Sequential):
     """The transformer MLP ``Linear(d_model, d_ff) -> activation -> Linear(d_ff, d_model)``
     (-> ``Dropout``): parameter names ``0.weight``, ``0.bias``, ``2.weight``, ``2.bias``.
 
+    Hook points: ``hook_pre`` (the first projection's output, before the activation) and
+    ``hook_post`` (after the activation), TransformerLens's ``mlp.hook_pre``/``mlp.hook_post``.
+
     Args:
         d_model: input and output width.
         d_ff: hidden width.
@@ -49,8 +53,8 @@ class FeedForward(Sequential):
         dropout: dropout after the second projection (training mode only).
 
     >>> ff = FeedForward(4, 8, rng=np.random.default_rng(0))
-    >>> sorted(ff.state_dict())
-    ['0.bias', '0.weight', '2.bias', '2.weight']
+    >>> sorted(ff.state_dict()), ff.hook_names()
+    (['0.bias', '0.weight', '2.bias', '2.weight'], ['hook_pre', 'hook_post'])
     """
 
     def __init__(
@@ -73,6 +77,15 @@ class FeedForward(Sequential):
         if probability(dropout, "dropout") > 0:
             layers.append(Dropout(dropout, rng=rng))
         super().__init__(*layers)
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+
+    def forward(self, x):
+        layers = self._layers()
+        h = self.hook_post(layers[1](self.hook_pre(layers[0](x))))
+        for layer in layers[2:]:
+            h = layer(h)
+        return h
 
 
 class TransformerBlock(Module):
@@ -80,10 +93,13 @@ class TransformerBlock(Module):
 
     Pre-norm (``norm_first=True``, GPT-style): ``x + attn(ln_1(x))`` then
     ``x + mlp(ln_2(x))``. Post-norm (``norm_first=False``, BERT-style):
-    ``ln_1(x + attn(x))`` then ``ln_2(x + mlp(x))``. The attention is a
-    :class:`~attnlab.MultiheadAttention` (``batch_first``; parameter names
-    ``attn.in_proj_weight``, ``attn.out_proj.weight`` …); the feed-forward network is a
-    :class:`FeedForward` (``mlp.0.weight``, ``mlp.2.weight`` …).
+    ``ln_1(x + attn(x))`` then ``ln_2(x + mlp(x))``. The attention is an
+    :class:`~attnlab.nn.Attention` (parameter names ``attn.in_proj_weight``,
+    ``attn.out_proj.weight`` …); the feed-forward network is a :class:`FeedForward`
+    (``mlp.0.weight``, ``mlp.2.weight`` …). A model family arranges its own parts by passing
+    them in (``attn=``, ``mlp=``, ``ln_1=``, ``ln_2=``: an RMSNorm, a gated MLP, an
+    attention with rotary positions); the block's residual wiring, hooks and backward pass
+    stay the same.
 
     Args:
         d_model: width; ``n_heads`` must divide it.
@@ -96,20 +112,28 @@ class TransformerBlock(Module):
         norm_first: pre-norm (True) or post-norm (False).
         layer_norm_eps: the LayerNorms' ``eps``.
         separate_projections: separate ``q/k/v_proj_weight`` instead of one fused
-            ``in_proj_weight`` (see :class:`~attnlab.MultiheadAttention`).
+            ``in_proj_weight`` (see :class:`~attnlab.nn.Attention`).
         attention_fn: the attention's ``attention_fn`` (a faster kernel).
+        attn, mlp, ln_1, ln_2: modules that replace the default-built parts.
         rng, dtype: initialisation and dtype of every parameter.
 
     Call with ``x`` ``(B, T, d_model)`` (or ``(T, d_model)``) and optionally
-    ``key_padding_mask`` ``(B, S)`` (True = the key takes part) and ``cache`` (a
+    ``key_padding_mask`` ``(B, S)`` (True = the key takes part), ``cache`` (a
     :class:`~attnlab.nn.KVCache`: ``x`` holds the new tokens, which attend to the cached
-    ones too); returns ``(B, T, d_model)``. :meth:`forward_with_weights` also returns the
-    attention maps.
+    ones too) and ``positions`` (for the attention's position slot); returns
+    ``(B, T, d_model)``. :meth:`forward_with_weights` also returns the attention maps.
+
+    Hook points (TransformerLens's names): ``hook_resid_pre``, ``ln1.hook_normalized``,
+    ``attn.hook_*``, ``hook_attn_out``, ``hook_resid_mid``, ``ln2.hook_normalized``,
+    ``mlp.hook_pre``, ``mlp.hook_post``, ``hook_mlp_out``, ``hook_resid_post``. Post-norm,
+    ``hook_resid_post`` is the sum before ``ln_2`` and the block's output is ``ln_2`` of it.
 
     >>> block = TransformerBlock(8, 2, 16, rng=np.random.default_rng(0))
     >>> block(np.zeros((1, 5, 8), dtype=np.float32)).shape
     (1, 5, 8)
     """
+
+    _hook_alias = {"ln_1": "ln1", "ln_2": "ln2"}
 
     def __init__(
         self,
@@ -125,6 +149,10 @@ class TransformerBlock(Module):
         layer_norm_eps: float = 1e-5,
         separate_projections: bool = False,
         attention_fn=None,
+        attn: Module | None = None,
+        mlp: Module | None = None,
+        ln_1: Module | None = None,
+        ln_2: Module | None = None,
         rng=None,
         dtype=np.float32,
     ):
@@ -132,17 +160,29 @@ class TransformerBlock(Module):
         rng = generator(rng)
         self.causal = bool(causal)
         self.norm_first = bool(norm_first)
-        self.ln_1 = LayerNorm(d_model, layer_norm_eps, dtype=dtype)
-        self.attn = MultiheadAttention(
-            d_model, n_heads, dropout=dropout, bias=bias, batch_first=True,
-            separate_projections=separate_projections, rng=rng, dtype=dtype,
-            attention_fn=attention_fn,
-        )
+        self.hook_resid_pre = HookPoint()
+        ln_1 = ln_1 if ln_1 is not None else LayerNorm(d_model, layer_norm_eps, dtype=dtype)
+        if self.norm_first:
+            self.ln_1 = ln_1
+        if attn is None:
+            attn = Attention(
+                d_model, n_heads, dropout=dropout, bias=bias, separate_projections=separate_projections,
+                causal=causal, rng=rng, dtype=dtype, attention_fn=attention_fn,
+            )
+        elif not isinstance(attn, Attention):
+            raise TypeError(f"attn must be an attnlab Attention, got {type(attn).__name__}")
+        self.attn = attn
         self.drop_1 = Dropout(dropout, rng=rng)
-        self.ln_2 = LayerNorm(d_model, layer_norm_eps, dtype=dtype)
-        self.mlp = FeedForward(
-            d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype
-        )
+        self.hook_attn_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        if not self.norm_first:
+            self.ln_1 = ln_1
+        self.ln_2 = ln_2 if ln_2 is not None else LayerNorm(d_model, layer_norm_eps, dtype=dtype)
+        if mlp is None:
+            mlp = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
+        self.mlp = mlp
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
 
     def extra_repr(self) -> str:
         norm = "pre-norm" if self.norm_first else "post-norm"
@@ -158,8 +198,9 @@ class TransformerBlock(Module):
         *,
         key_padding_mask: np.ndarray | None = None,
         cache: KVCache | None = None,
+        positions: np.ndarray | None = None,
     ) -> np.ndarray:
-        return self._run(x, key_padding_mask, cache, need_weights=False)[0]
+        return self._run(x, key_padding_mask, cache, positions, need_weights=False)[0]
 
     def forward_with_weights(
         self,
@@ -167,41 +208,39 @@ class TransformerBlock(Module):
         *,
         key_padding_mask: np.ndarray | None = None,
         cache: KVCache | None = None,
+        positions: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(output, weights)``: the block's output and its attention's per-head weights,
-        ``(B, H, T, S)`` (``(H, T, S)`` for unbatched ``x``), from the attention's
-        ``need_weights`` maps."""
-        return self._run(x, key_padding_mask, cache, need_weights=True)
+        ``(B, H, T, S)`` (``(H, T, S)`` for unbatched ``x``), computed once by the attention
+        (its output is ``weights @ V``)."""
+        return self._run(x, key_padding_mask, cache, positions, need_weights=True)
 
-    def _run(self, x, key_padding_mask, cache, *, need_weights: bool):
+    def _run(self, x, key_padding_mask, cache, positions, *, need_weights: bool):
         if np.ndim(x) not in (2, 3):
             d = self.attn.embed_dim
             raise shape_error("x", np.shape(x), f"(B, T, {d}) or (T, {d})")
+        x = self.hook_resid_pre(x)
         h = self.attention_input(x)
-        a, w = self.attn(
-            h, h, h, key_padding_mask=key_padding_mask, need_weights=need_weights,
-            average_attn_weights=False, is_causal=self.causal, cache=cache,
-        )
-        s = self.drop_1(a)  # a fresh array: the residual is added in place
+        a, w = self.attn._run(h, None, key_padding_mask, None, self.causal, cache, positions, need_weights)
+        s = self.hook_attn_out(self.drop_1(a))  # a fresh array: the residual is added in place
         s += x
+        s = self.hook_resid_mid(s)
         if self.norm_first:
-            m = self.mlp(self.ln_2(s))
+            m = self.hook_mlp_out(self.mlp(self.ln_2(s)))
             m += s
-            return m, w
+            return self.hook_resid_post(m), w
         s = self.ln_1(s)
-        m = self.mlp(s)
+        m = self.hook_mlp_out(self.mlp(s))
         m += s
-        return self.ln_2(m), w
+        return self.ln_2(self.hook_resid_post(m)), w
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         if self.norm_first:
             g = grad_output + self.ln_2.backward(self.mlp.backward(grad_output))
-            gq, gk, gv = self.attn.backward(self.drop_1.backward(g))
-            return g + self.ln_1.backward(gq + gk + gv)
+            return g + self.ln_1.backward(self.attn.backward(self.drop_1.backward(g)))
         gm = self.ln_2.backward(grad_output)
         gs = self.ln_1.backward(gm + self.mlp.backward(gm))
-        gq, gk, gv = self.attn.backward(self.drop_1.backward(gs))
-        return gs + gq + gk + gv
+        return gs + self.attn.backward(self.drop_1.backward(gs))
 
 
 class GatedFeedForward(Module):
@@ -222,8 +261,8 @@ class GatedFeedForward(Module):
     projection's ``mlp.hook_pre_linear``, and ``act(gate) * up`` ``mlp.hook_post``.
 
     >>> ff = GatedFeedForward(4, 8, rng=np.random.default_rng(0))
-    >>> sorted(ff.state_dict())
-    ['down_proj.weight', 'gate_proj.weight', 'up_proj.weight']
+    >>> sorted(ff.state_dict()), ff.hook_names()
+    (['down_proj.weight', 'gate_proj.weight', 'up_proj.weight'], ['hook_pre', 'hook_pre_linear', 'hook_post'])
     >>> ff(np.ones((2, 4), np.float32)).shape
     (2, 4)
     """
@@ -237,6 +276,9 @@ class GatedFeedForward(Module):
         self.down_proj = Linear(d_ff, d_model, bias, rng=rng, dtype=dtype)
         self.activation = activation
         self.act_fn = SiLU() if activation == "silu" else _gated_activation(activation)
+        self.hook_pre = HookPoint()  # the gate projection's output
+        self.hook_pre_linear = HookPoint()  # the up projection's output
+        self.hook_post = HookPoint()  # act(gate) * up
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
@@ -249,15 +291,15 @@ class GatedFeedForward(Module):
         self._save(act=act, up=up)
         return self.down_proj(h)
 
-    # Where hook points read (or replace) the hidden activations; identities here.
+    # The hook points on the hidden activations (one attribute test each when unhooked).
     def _pre(self, gate: np.ndarray) -> np.ndarray:
-        return gate
+        return self.hook_pre(gate)
 
     def _pre_linear(self, up: np.ndarray) -> np.ndarray:
-        return up
+        return self.hook_pre_linear(up)
 
     def _post(self, h: np.ndarray) -> np.ndarray:
-        return h
+        return self.hook_post(h)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         c = self._saved()

@@ -17,6 +17,7 @@ from attnlab._validation import float_dtype, generator, positive_int, probabilit
 from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
 from attnlab.nn import functional as F
 from attnlab.nn import init
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input  # noqa: F401  (Linear: the doctests)
 from attnlab.nn.module import Module, Parameter
 
@@ -135,6 +136,7 @@ class LayerNorm(Module):
         self.bias = Parameter(np.zeros(D, dtype)) if elementwise_affine and bias else None
         # An empty array of the layer's library, device and dtype: what inputs must match.
         object.__setattr__(self, "_like", np.empty(0, dtype))
+        self.hook_normalized = HookPoint()  # x_hat, before the weight and bias
 
     def _apply(self, convert) -> None:
         super()._apply(convert)
@@ -145,6 +147,10 @@ class LayerNorm(Module):
         w = None if self.weight is None else self.weight.data
         b = None if self.bias is None else self.bias.data
         y, x_hat, rstd = F.layer_norm(x, w, b, self.eps)
+        if self.hook_normalized._fns:  # a hook reads or replaces x_hat: y follows it
+            x_hat = self.hook_normalized(x_hat)
+            y = x_hat * w if w is not None else x_hat
+            y = y + b if b is not None else y
         self._save(x_hat=x_hat, rstd=rstd)
         return y
 
@@ -270,19 +276,23 @@ class Sequential(Module):
                 raise TypeError(f"Sequential takes Modules, got {type(layer).__name__} at {i}")
             setattr(self, str(i), layer)
 
+    def _layers(self) -> list[Module]:
+        """The children that compute (hook points are markers, not layers)."""
+        return [m for m in self._modules.values() if not isinstance(m, HookPoint)]
+
     def __len__(self) -> int:
-        return len(self._modules)
+        return len(self._layers())
 
     def __getitem__(self, i: int) -> Module:
-        return list(self._modules.values())[i]
+        return self._layers()[i]
 
     def forward(self, x):
-        for layer in self._modules.values():
+        for layer in self._layers():
             x = layer(x)
         return x
 
     def backward(self, grad_output):
-        for layer in reversed(self._modules.values()):
+        for layer in reversed(self._layers()):
             grad_output = layer.backward(grad_output)
         return grad_output
 
@@ -323,6 +333,7 @@ class RMSNorm(Module):
         start = np.zeros(D, dtype) if self.add_unit_offset else np.ones(D, dtype)
         self.weight = Parameter(start) if elementwise_affine else None
         object.__setattr__(self, "_like", np.empty(0, dtype))
+        self.hook_normalized = HookPoint()  # x_hat, before the weight
 
     def _apply(self, convert) -> None:
         super()._apply(convert)
@@ -337,8 +348,8 @@ class RMSNorm(Module):
         return F.rms_scale(x_hat, w, add_unit_offset=self.add_unit_offset)
 
     def _normalized(self, x_hat: np.ndarray) -> np.ndarray:
-        """The normalised input before the weight (where a hook point reads or replaces it)."""
-        return x_hat
+        """The normalised input before the weight, through the hook point ``hook_normalized``."""
+        return self.hook_normalized(x_hat) if self.hook_normalized._fns else x_hat
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         c = self._saved()

@@ -326,12 +326,60 @@ class Module:
             )
         return cache
 
+    # ---- hook points (see attnlab.nn.hooks) ---------------------------------------------
+    def hook_names(self) -> list[str]:
+        """The names of this module's hook points, in the order the forward pass reaches
+        them (TransformerLens's names; blocks count from 0). See :mod:`attnlab.nn.hooks`."""
+        from attnlab.nn.hooks import hook_points
+
+        return [name for name, _ in hook_points(self)]
+
+    def hooks(self, fwd_hooks):
+        """A context manager that attaches ``fwd_hooks`` (a list of ``(name or predicate,
+        fn)``, ``fn(activation, name) -> None | array``) for its ``with`` block, around any
+        call (``generate`` included: the hooks run once per step). Removed on exit, also
+        on an error."""
+        from attnlab.nn.hooks import hooks
+
+        return hooks(self, fwd_hooks)
+
+    def run_with_cache(self, *args, names_filter=None, **kwargs):
+        """``(output, cache)``: the forward pass on ``args``/``kwargs`` and an
+        :class:`~attnlab.nn.hooks.ActivationCache` of the activations whose names pass
+        ``names_filter`` (None: all; a name; a list of names; a predicate ``name -> bool``).
+
+        >>> from attnlab.nn import LayerNorm
+        >>> _, cache = LayerNorm(3).run_with_cache(np.array([[1.0, 2.0, 3.0]], dtype=np.float32))
+        >>> list(cache), cache["hook_normalized"].round(2)
+        (['hook_normalized'], array([[-1.22,  0.  ,  1.22]], dtype=float32))
+        """
+        from attnlab.nn.hooks import run_with_cache
+
+        return run_with_cache(self, *args, names_filter=names_filter, **kwargs)
+
+    def run_with_hooks(self, *args, fwd_hooks=(), **kwargs):
+        """The forward pass on ``args``/``kwargs`` with ``fwd_hooks`` attached for the
+        call: each ``fn(activation, name)`` returns None (read) or an array of the same
+        shape and dtype that replaces the activation.
+
+        >>> from attnlab.nn import LayerNorm
+        >>> zero = lambda x, name: np.zeros_like(x)
+        >>> x = np.array([[1.0, 3.0]], dtype=np.float32)
+        >>> LayerNorm(2).run_with_hooks(x, fwd_hooks=[("hook_normalized", zero)])
+        array([[0., 0.]], dtype=float32)
+        """
+        from attnlab.nn.hooks import run_with_hooks
+
+        return run_with_hooks(self, *args, fwd_hooks=fwd_hooks, **kwargs)
+
     def extra_repr(self) -> str:
         return ""
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__}({self.extra_repr()}"]
         for name, m in self._modules.items():
+            if type(m).__name__ == "HookPoint":  # markers, not layers
+                continue
             lines.append(f"  ({name}): " + repr(m).replace("\n", "\n  "))
         return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + "\n)"
 
