@@ -95,3 +95,11 @@ def hf_smollm2():
         model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                                   dtype=torch.float32)
     return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf):
+    """attnlab's SmolLM2, built from the file read once (smollm2_gguf)."""
+    from attnlab.models.llama import Llama
+
+    return Llama.from_gguf(smollm2_gguf, name="SmolLM2-135M-Instruct")

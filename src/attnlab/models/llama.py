@@ -443,14 +443,21 @@ class Llama(Module):
         from attnlab.io.gguf import read_gguf
 
         regular_file(path, "GGUF file")
-        gg = read_gguf(path)
-        config = LlamaConfig.from_dict(gg.config, where=path)
-        tokenizer = gg.tokenizer() if importlib.util.find_spec("tokenizers") is not None else None
-        default = gg.metadata.get("general.name") or path.stem
+        return cls.from_gguf(read_gguf(path), dtype=dtype, name=name)
+
+    @classmethod
+    def from_gguf(cls, gguf_file, *, dtype=np.float32, name: str | None = None) -> Llama:
+        """The model of a GGUF file already read with :func:`attnlab.io.gguf.read_gguf`
+        (its float32 tensors are adopted, not copied, where the dtype allows)."""
+        path = gguf_file.path
+        config = LlamaConfig.from_dict(gguf_file.config, where=path)
+        tokenizer = gguf_file.tokenizer() if importlib.util.find_spec("tokenizers") is not None else None
+        default = gguf_file.metadata.get("general.name") or path.stem
+        dtype = float_dtype(dtype)
         with init.empty_weights():
-            model = cls(config, tokenizer=tokenizer, chat_template=gg.chat_template, dtype=dtype,
+            model = cls(config, tokenizer=tokenizer, chat_template=gguf_file.chat_template, dtype=dtype,
                         name=name or str(default))
-        model.load_state_dict(model._mapped(gg.tensors, path, dtype), assign=True)
+        model.load_state_dict(model._mapped(gguf_file.tensors, path, dtype), assign=True)
         return model
 
     # ------------------------------------------------------------------ forward
