@@ -195,3 +195,59 @@ def test_prompt_longer_than_the_context_and_bad_ids():
         model(np.array([[1, 20]]))
     with pytest.raises(ValueError, match="no tokenizer"):
         model.generate_text("hi", 2)
+
+
+def test_a_sharded_folder_with_tokenizer_and_chat_template(tmp_path):
+    """model.safetensors.index.json shards, tokenizer.json and tokenizer_config.json's chat
+    template: the text methods run through the template."""
+    import json
+
+    from gguf_files import TEMPLATE, write_tiny_gguf
+
+    pytest.importorskip("gguf")
+    from attnlab.io.gguf import read_gguf
+
+    tok = read_gguf(write_tiny_gguf(tmp_path / "t.gguf") and tmp_path / "t.gguf", tensors=False).tokenizer()
+    folder = tmp_path / "m"
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = transformers.LlamaConfig(**{**BASE, "vocab_size": tok.get_vocab_size()}, num_attention_heads=4,
+                                       num_key_value_heads=2)
+        hf = transformers.LlamaForCausalLM(cfg).eval()
+        hf.save_pretrained(folder, max_shard_size="40KB")
+    assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    ours = Llama.from_pretrained(folder)
+    assert ours.chat_template == TEMPLATE
+    prompt_text = ours.chat_prompt("hello")
+    assert prompt_text == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+    ids, _ = ours.encode(prompt_text)
+    with torch.no_grad():
+        want = hf.generate(torch.from_numpy(ids[None]), max_new_tokens=5, do_sample=False, eos_token_id=2,
+                           pad_token_id=0).numpy()[0, len(ids):].tolist()
+    want = want[: want.index(2)] if 2 in want else want
+    assert want  # something was generated before any end of sequence
+    got = ours.generate_text("hello", 5)  # stops at the config's eos_token_id (2)
+    assert got == tok.decode(want, skip_special_tokens=True)
+    raw = ours.generate_text("hello", 2, chat=False)
+    assert raw.startswith("hello")
+
+
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize(("arch", "options"), [("llama", {"qtype": "Q8_0", "kv_heads": 1}),
+                                               ("qwen2", {"qtype": "F16", "bias": True, "tied": False})])
+def test_gguf_files_run_as_transformers_runs_them(tmp_path, arch, options):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from gguf_files import write_tiny_gguf
+
+    write_tiny_gguf(tmp_path / "m.gguf", arch=arch, **options)
+    ours = Llama.from_pretrained(tmp_path / "m.gguf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(3, ours.config.vocab_size, (2, 11))
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(ours(ids) - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    assert ours.config.model_type == arch and ours.chat_template is not None
