@@ -301,6 +301,6 @@ def test_chat_template_errors_are_one_clear_value_error():
     from attnlab.text import chat
 
     assert isinstance(chat._environment(), ImmutableSandboxedEnvironment)
-    text = apply_chat_template("{{ messages | tojson }}{{ x.y }}", [{"role": "user", "content": "é"}],
-                               x={"y": np.float32(1.5)})
-    assert text == '[{"role": "user", "content": "é"}]<float32>'
+    text = apply_chat_template("{{ messages | tojson }}{{ x.y }} {{ x.z }}", [{"role": "user", "content": "é"}],
+                               x={"y": np.float32(1.5), "z": np.zeros(2)})
+    assert text == '[{"role": "user", "content": "é"}]1.5 <ndarray>'

@@ -113,6 +113,8 @@ def _plain(value):
         return {_plain(k): _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # a NumPy scalar
+        return _plain(value.item())
     return f"<{type(value).__name__}>"
 
 
