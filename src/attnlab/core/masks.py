@@ -137,3 +137,42 @@ def _dtype_in(xp, dtype, like):
     if not xp.isdtype(dtype, "real floating"):
         raise TypeError(f"dtype must be a floating-point dtype, got {dtype}")
     return dtype
+
+
+def sliding_window_mask(
+    L: int, S: int | None = None, *, window: int, align: str = "top-left", like=None
+) -> np.ndarray:
+    """Boolean ``(L, S)`` causal mask limited to the last ``window`` keys, True where query
+    ``i`` may attend to key ``j``: ``i - window < j <= i`` (transformers' sliding-window
+    semantics, Mistral's and Gemma's local layers: a query sees itself and the
+    ``window - 1`` keys before it).
+
+    ``align="bottom-right"`` numbers the queries as the last ``L`` of ``S`` positions (query
+    ``i`` is at position ``i + S - L``): L new tokens after ``S - L`` cached ones, where the
+    window then reaches back into the cache and, past ``window``, drops its oldest keys.
+
+    Args:
+        L: number of queries.
+        S: number of keys (defaults to ``L``).
+        window: how many keys (the query's own included) each query may see.
+        align: ``"top-left"`` or ``"bottom-right"``.
+        like: an array whose library and device the mask is built in.
+
+    >>> sliding_window_mask(4, window=2).astype(int)
+    array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]])
+    >>> sliding_window_mask(1, 5, window=3, align="bottom-right").astype(int)
+    array([[0, 0, 1, 1, 1]])
+    """
+    window = positive_int(window, "window")
+    causal = causal_mask(L, S, align=align, like=like)
+    L, S = causal.shape
+    offset = 0 if align == "top-left" else S - L
+    xp = namespace(like)
+    if xp is np:
+        return causal & (np.arange(S)[None, :] > np.arange(L)[:, None] + offset - window)
+    rows = xp.reshape(xp.arange(L, device=device(like)), (L, 1))
+    cols = xp.reshape(xp.arange(S, device=device(like)), (1, S))
+    return causal & (cols > rows + (offset - window))

@@ -35,3 +35,8 @@ __all__ = [
     "load_minilm",
     "minilm_available",
 ]
+
+# The Llama family (Llama, SmolLM2, Llama 3, Mistral, Qwen2, Qwen3) and the bundled SmolLM2
+from attnlab.models.llama import Llama, LlamaConfig, load_smollm2, smollm2_available  # noqa: E402
+
+__all__ += ["Llama", "LlamaConfig", "load_smollm2", "smollm2_available"]

@@ -36,3 +36,9 @@ __all__ = [
     "Sequential",
     "TransformerBlock",
 ]
+
+# Llama-style decoder pieces
+from attnlab.nn.blocks import GatedFeedForward  # noqa: E402
+from attnlab.nn.layers import RMSNorm, RotaryEmbedding, SiLU  # noqa: E402
+
+__all__ += ["GatedFeedForward", "RMSNorm", "RotaryEmbedding", "SiLU"]

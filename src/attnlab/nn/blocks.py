@@ -250,3 +250,82 @@ class TransformerBlock(Module):
         gm = self.ln_2.backward(grad_output)
         gs = self.ln_1.backward(gm + self.mlp.backward(gm))
         return gs + self.attn.backward(self.drop_1.backward(gs))
+
+
+class GatedFeedForward(Module):
+    """The gated feed-forward network of Llama-style decoders (SwiGLU with ``"silu"``):
+    ``down_proj(act(gate_proj(x)) * up_proj(x))``, Hugging Face's ``LlamaMLP`` (parameter
+    names ``gate_proj.weight``, ``up_proj.weight``, ``down_proj.weight``).
+
+    Args:
+        d_model: input and output width.
+        d_ff: hidden width (``intermediate_size``).
+        activation: ``"silu"`` (Llama, Mistral, Qwen), ``"gelu_tanh"`` (Gemma), ``"gelu"``
+            or ``"relu"``.
+        bias: biases in the three projections (``mlp_bias``).
+        rng, dtype: initialisation and dtype of the parameters.
+
+    Call with ``x`` ``(..., d_model)``; returns ``(..., d_model)``. In the forward pass the
+    gate projection's output is what TransformerLens calls ``mlp.hook_pre``, the up
+    projection's ``mlp.hook_pre_linear``, and ``act(gate) * up`` ``mlp.hook_post``.
+
+    >>> ff = GatedFeedForward(4, 8, rng=np.random.default_rng(0))
+    >>> sorted(ff.state_dict()), ff.hook_names()
+    (['down_proj.weight', 'gate_proj.weight', 'up_proj.weight'], ['hook_pre', 'hook_pre_linear', 'hook_post'])
+    >>> ff(np.ones((2, 4), np.float32)).shape
+    (2, 4)
+    """
+
+    def __init__(self, d_model: int, d_ff: int, *, activation: str = "silu", bias: bool = False,
+                 rng=None, dtype=np.float32):
+        super().__init__()
+        rng = generator(rng)
+        self.gate_proj = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
+        self.up_proj = Linear(d_model, d_ff, bias, rng=rng, dtype=dtype)
+        self.down_proj = Linear(d_ff, d_model, bias, rng=rng, dtype=dtype)
+        self.activation = activation
+        self.act_fn = SiLU() if activation == "silu" else _gated_activation(activation)
+        self.hook_pre = HookPoint()  # the gate projection's output
+        self.hook_pre_linear = HookPoint()  # the up projection's output
+        self.hook_post = HookPoint()  # act(gate) * up
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        gate = self._pre(self.gate_proj(x))
+        up = self._pre_linear(self.up_proj(x))
+        act = self.act_fn(gate)
+        h = self._post(act * up)
+        self._save(act=act, up=up)
+        return self.down_proj(h)
+
+    # The hook points on the hidden activations (one attribute test each when unhooked).
+    def _pre(self, gate: np.ndarray) -> np.ndarray:
+        return self.hook_pre(gate)
+
+    def _pre_linear(self, up: np.ndarray) -> np.ndarray:
+        return self.hook_pre_linear(up)
+
+    def _post(self, h: np.ndarray) -> np.ndarray:
+        return self.hook_post(h)
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        c = self._saved()
+        gh = self.down_proj.backward(grad_output)
+        g_gate = self.act_fn.backward(gh * c["up"])
+        gx = self.gate_proj.backward(g_gate)
+        gx += self.up_proj.backward(gh * c["act"])
+        return gx
+
+
+def _gated_activation(name: str) -> Module:
+    """The activation module of a gated feed-forward network (not in place: its input is kept)."""
+    if name not in ("gelu", "gelu_tanh", "relu"):
+        raise ValueError(f"activation must be one of 'silu', 'gelu', 'gelu_tanh', 'relu', got {name!r}")
+    return activation_layer(name)
+
+
+from attnlab.nn.layers import SiLU  # noqa: E402  (the gated network's default activation)
+
+__all__ += ["GatedFeedForward"]

@@ -357,3 +357,85 @@ def cross_entropy(
     grad[rows, target[rows]] -= 1.0
     grad *= (keep / max(n, 1)).astype(logits.dtype)[:, None]
     return loss, grad.astype(logits.dtype, copy=False)
+
+
+# ---- SiLU and RMSNorm ------------------------------------------------------------------
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``.
+
+    >>> silu(np.array([-1.0, 0.0, 2.0], dtype=np.float32))
+    array([-0.2689414,  0.       ,  1.761594 ], dtype=float32)
+    """
+    if not is_numpy(x):
+        xp = namespace(x)
+        return x / (1.0 + xp.exp(-x))
+    x = np.asarray(x)
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+        d = np.exp(-x)
+    d += 1
+    return np.divide(x, d, out=d)
+
+
+def silu_backward(grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """dLoss/dx for :func:`silu`: ``grad_y * s * (1 + x * (1 - s))``, ``s = sigmoid(x)``."""
+    with np.errstate(over="ignore"):
+        s = 1.0 / (1.0 + np.exp(-x))
+    return (grad_y * (s * (1.0 + x * (1.0 - s)))).astype(x.dtype, copy=False)
+
+
+def rms_normalize(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
+    """``(x_hat, rstd)``: ``x_hat = x * rstd``, ``rstd = 1 / sqrt(mean(x^2) + eps)`` over the
+    last axis (``rstd`` ``(..., 1)``). float16 input is computed in float32 and ``x_hat``
+    cast back, as Hugging Face's ``LlamaRMSNorm`` does; float32 and float64 stay as they are.
+
+    >>> x_hat, rstd = rms_normalize(np.array([[3.0, 4.0]], dtype=np.float32), 0.0)
+    >>> x_hat
+    array([[0.84852815, 1.1313709 ]], dtype=float32)
+    """
+    xp = namespace(x)
+    dtype = x.dtype
+    if xp is np and dtype == np.float16:
+        x = x.astype(np.float32)
+    rstd = 1.0 / xp.sqrt(row_mean(x * x) + eps)  # a Python eps keeps x's dtype
+    x_hat = x * rstd
+    if xp is np and x_hat.dtype != dtype:
+        x_hat = x_hat.astype(dtype)
+    return x_hat, rstd
+
+
+def rms_norm(
+    x: np.ndarray, weight: np.ndarray | None, eps: float, *, add_unit_offset: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """RMS normalisation over the last axis: ``(y, x_hat, rstd)``, ``y = x_hat * weight``
+    (``x_hat * (1 + weight)`` with ``add_unit_offset``, Gemma's convention); see
+    :func:`rms_normalize`.
+
+    >>> y, _, _ = rms_norm(np.array([[3.0, 4.0]]), np.array([1.0, 2.0]), 0.0)
+    >>> y.round(4)
+    array([[0.8485, 2.2627]])
+    """
+    x_hat, rstd = rms_normalize(x, eps)
+    return rms_scale(x_hat, weight, add_unit_offset=add_unit_offset), x_hat, rstd
+
+
+def rms_scale(x_hat: np.ndarray, weight: np.ndarray | None, *, add_unit_offset: bool = False) -> np.ndarray:
+    """``x_hat * weight`` (or ``x_hat * (1 + weight)``); a copy of ``x_hat`` without weight."""
+    if weight is None:
+        return x_hat.copy() if isinstance(x_hat, np.ndarray) else x_hat
+    return x_hat * (1.0 + weight) if add_unit_offset else x_hat * weight
+
+
+def rms_norm_backward(
+    grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, weight: np.ndarray | None,
+    *, add_unit_offset: bool = False,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(grad_x, grad_weight)`` for :func:`rms_norm` (batch dims summed):
+    ``grad_x = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = grad_y * weight``."""
+    D = x_hat.shape[-1]
+    grad_w = col_sum(grad_y.reshape(-1, D) * x_hat.reshape(-1, D)) if weight is not None else None
+    if weight is None:
+        g = grad_y
+    else:
+        g = grad_y * ((1.0 + weight) if add_unit_offset else weight)
+    grad_x = (g - x_hat * row_mean(g * x_hat)) * rstd
+    return grad_x.astype(x_hat.dtype, copy=False), grad_w

@@ -295,3 +295,178 @@ class Sequential(Module):
         for layer in reversed(self._layers()):
             grad_output = layer.backward(grad_output)
         return grad_output
+
+
+# ---- the pieces of Llama-style decoders: RMSNorm, SiLU, rotary positions --------------
+from attnlab._validation import shape_error  # noqa: E402
+from attnlab.core.rotary import RopeConfig, apply_rotary, apply_rotary_backward, rope_cos_sin, rope_inv_freq  # noqa: E402
+
+__all__ += ["RMSNorm", "RotaryEmbedding", "SiLU"]
+
+
+class RMSNorm(Module):
+    """Root-mean-square normalisation over the last axis, as Hugging Face's ``LlamaRMSNorm``
+    computes it: ``x_hat = x / sqrt(mean(x^2) + eps)`` (float16 in float32), then
+    ``x_hat * weight`` (``x_hat * (1 + weight)`` with ``add_unit_offset=True``, Gemma's
+    norms, whose weight starts at 0). No mean is subtracted and there is no bias.
+
+    The forward pass normalises, then scales: ``x_hat`` (before the weight) is what
+    TransformerLens calls ``hook_normalized``.
+
+    >>> norm = RMSNorm(2, eps=0.0)
+    >>> norm(np.array([[3.0, 4.0]], dtype=np.float32))
+    array([[0.84852815, 1.1313709 ]], dtype=float32)
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-6, *, elementwise_affine: bool = True,
+                 add_unit_offset: bool = False, dtype=np.float32):
+        super().__init__()
+        self.normalized_shape = positive_int(normalized_shape, "normalized_shape")
+        if isinstance(eps, bool) or not isinstance(eps, int | float | np.floating | np.integer):
+            raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+        if not (math.isfinite(eps) and eps >= 0):
+            raise ValueError(f"eps must be a non-negative finite float, got {eps}")
+        self.eps = float(eps)
+        self.add_unit_offset = bool(add_unit_offset)
+        dtype = float_dtype(dtype)
+        D = self.normalized_shape
+        start = np.zeros(D, dtype) if self.add_unit_offset else np.ones(D, dtype)
+        self.weight = Parameter(start) if elementwise_affine else None
+        object.__setattr__(self, "_like", np.empty(0, dtype))
+        self.hook_normalized = HookPoint()  # x_hat, before the weight
+
+    def _apply(self, convert) -> None:
+        super()._apply(convert)
+        object.__setattr__(self, "_like", convert(self._like))
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        x = check_input(x, "x", self._like, self.normalized_shape)
+        x_hat, rstd = F.rms_normalize(x, self.eps)
+        x_hat = self._normalized(x_hat)
+        self._save(x_hat=x_hat, rstd=rstd)
+        w = None if self.weight is None else self.weight.data
+        return F.rms_scale(x_hat, w, add_unit_offset=self.add_unit_offset)
+
+    def _normalized(self, x_hat: np.ndarray) -> np.ndarray:
+        """The normalised input before the weight, through the hook point ``hook_normalized``."""
+        return self.hook_normalized(x_hat) if self.hook_normalized._fns else x_hat
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        c = self._saved()
+        w = None if self.weight is None else self.weight.data
+        gx, gw = F.rms_norm_backward(grad_output, c["x_hat"], c["rstd"], w, add_unit_offset=self.add_unit_offset)
+        if self.weight is not None:
+            self.weight.accumulate(gw)
+        return gx
+
+    def extra_repr(self) -> str:
+        offset = ", add_unit_offset=True" if self.add_unit_offset else ""
+        return f"({self.normalized_shape},), eps={self.eps}{offset}"
+
+
+class SiLU(Module):
+    """``x * sigmoid(x)`` (torch's ``nn.SiLU``, also called swish).
+
+    >>> SiLU()(np.array([0.0, 1.0])).round(4)
+    array([0.    , 0.7311])
+    """
+
+    def forward(self, x: np.ndarray) -> np.ndarray:
+        if is_numpy(x):
+            x = np.asarray(x)
+        self._save(x=x)
+        return F.silu(x)
+
+    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        return F.silu_backward(grad_output, self._saved()["x"])
+
+
+class RotaryEmbedding(Module):
+    """Rotary position embedding for an attention layer's position slot (Hugging Face's
+    split-halves convention; see :mod:`attnlab.core.rotary` for the math and the scalings).
+
+    ``forward(q, k, positions)`` rotates queries ``(N, H, L, D)`` and keys ``(N, Hkv, L, D)``
+    (or unbatched ``(H, L, D)``) by integer ``positions`` ``(L,)`` or ``(N, L)``;
+    ``backward(grad_q, grad_k)`` returns the gradients of the unrotated q and k. It has no
+    parameters. cos/sin are kept in a table that grows with the largest position seen
+    (``dynamic`` scaling recomputes them per call instead: its frequencies depend on the
+    largest position of the call).
+
+    Args:
+        config: a :class:`~attnlab.core.rotary.RopeConfig`, or the head dim ``D`` (then
+            ``theta`` sets the base and there is no scaling).
+        theta: the base for an int ``config``.
+
+    >>> rope = RotaryEmbedding(4)
+    >>> q = np.ones((1, 2, 3, 4), np.float32)
+    >>> rq, rk = rope(q, q[:, :1], np.arange(3))
+    >>> rq.shape, rk.shape, bool(np.allclose(rq[0, 0, 0], 1.0))
+    ((1, 2, 3, 4), (1, 1, 3, 4), True)
+    """
+
+    def __init__(self, config, *, theta: float | None = None):
+        super().__init__()
+        if isinstance(config, RopeConfig):
+            if theta is not None:
+                raise TypeError("pass theta inside the RopeConfig, not beside it")
+        else:
+            config = RopeConfig(positive_int(config, "head_dim"), theta=10000.0 if theta is None else float(theta))
+        self.config = config
+        self.inv_freq, self.attention_factor = rope_inv_freq(config)
+        object.__setattr__(self, "_table", None)
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.config.rotary_dim
+
+    def cos_sin(self, positions: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+        """``(cos, sin)`` ``(..., L, R)`` for integer ``positions`` ``(L,)`` or ``(N, L)``."""
+        positions = np.asarray(positions)
+        if not np.issubdtype(positions.dtype, np.integer):
+            raise TypeError(f"positions must be an integer array, got dtype {positions.dtype}")
+        if positions.ndim not in (1, 2):
+            raise shape_error("positions", positions.shape, "(L,) or (N, L)")
+        if positions.size == 0:
+            shape = (*positions.shape, self.rotary_dim)
+            return np.zeros(shape, dtype), np.zeros(shape, dtype)
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0:
+            raise ValueError(f"positions must be >= 0, got a minimum of {lo}")
+        if self.config.rope_type == "dynamic":
+            inv, att = rope_inv_freq(self.config, seq_len=hi + 1)
+            return rope_cos_sin(inv, positions, attention_factor=att, dtype=dtype)
+        table = self._table
+        if table is None or table[0].shape[0] <= hi or table[0].dtype != dtype:
+            n = max(64, 1 << int(hi).bit_length())
+            table = rope_cos_sin(self.inv_freq, np.arange(n), attention_factor=self.attention_factor, dtype=dtype)
+            object.__setattr__(self, "_table", table)
+        return table[0][positions], table[1][positions]
+
+    def forward(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        for name, x in (("q", q), ("k", k)):
+            if np.ndim(x) not in (3, 4) or np.shape(x)[-1] != self.head_dim:
+                raise shape_error(name, np.shape(x), f"(N, heads, L, {self.head_dim}) or (heads, L, {self.head_dim})")
+        L = q.shape[-2]
+        positions = np.asarray(positions)
+        if positions.shape[-1:] != (L,) or positions.ndim not in (1, 2) or (
+                positions.ndim == 2 and (q.ndim != 4 or positions.shape[0] not in (1, q.shape[0]))):
+            need = f"({L},)" if q.ndim == 3 else f"({L},) or ({q.shape[0]}, {L})"
+            raise shape_error("positions", positions.shape, need)
+        cos, sin = self.cos_sin(positions, q.dtype)
+        if cos.ndim == 3:  # (N, L, R) -> (N, 1, L, R): one rotation for every head
+            cos, sin = cos[:, None], sin[:, None]
+        self._save(cos=cos, sin=sin)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def backward(self, grad_q: np.ndarray, grad_k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        c = self._saved()
+        return apply_rotary_backward(grad_q, c["cos"], c["sin"]), apply_rotary_backward(grad_k, c["cos"], c["sin"])
+
+    def extra_repr(self) -> str:
+        c = self.config
+        scaling = "" if c.rope_type == "default" else f", rope_type={c.rope_type!r}"
+        return f"head_dim={c.head_dim}, theta={c.theta}{scaling}"

@@ -1,0 +1,422 @@
+"""GGUF files (llama.cpp's format), read through the ``gguf`` package (the ``gguf`` extra).
+
+:func:`read_gguf` returns the file's metadata, a transformers-like config dict, the tensors
+under transformers' names dequantized to float32, a ``tokenizers`` tokenizer built from the
+file's vocabulary and merges, and the chat template. Supported architectures: ``llama``
+(SmolLM2, Llama 2 and 3, Mistral), ``mistral``, ``qwen2`` and ``qwen3``.
+
+Conventions undone at load, as transformers' GGUF loader does:
+
+- llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k`` of the ``llama``
+  architecture so that its kernels rotate interleaved pairs: within each head the rows of
+  the two halves ``(h1, h2)`` are stored interleaved ``(h1[0], h2[0], h1[1], ...)``.
+  :func:`unpermute_qk_rows` puts them back in halves (Hugging Face's rotary layout).
+- GGUF lists a tensor's dims fastest-first; the ``gguf`` package gives NumPy's order, which
+  is torch's ``(out_features, in_features)``.
+
+A GGUF file is untrusted input: every read the ``gguf`` reader makes is checked against the
+file's size, and counts in the header (tensors, metadata entries, array lengths, string
+lengths, tensor offsets) that claim more than the file holds are refused with a
+:class:`~attnlab.io.CheckpointError` naming the file before anything is allocated for them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from attnlab.io.files import CheckpointError, regular_file
+
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GGUFFile",
+    "gguf_config",
+    "gguf_name",
+    "gguf_tokenizer",
+    "read_gguf",
+    "unpermute_qk_rows",
+]
+
+# GGUF architecture -> transformers' class name
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# Architectures whose q/k rows llama.cpp's converter permutes.
+_PERMUTED = ("llama", "mistral")
+
+# metadata key (after "<arch>.") -> config key
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
+    "vocab_size": "vocab_size",
+}
+
+# per-block GGUF name -> transformers name (after "model.layers.{i}.")
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+# Pre-tokenizer regexes by ``tokenizer.ggml.pre`` (how the vocabulary's merges were learned);
+# any other value splits as GPT-2 does (the ByteLevel pre-tokenizer's own regex).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
+    "dbrx": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
+
+
+@dataclass
+class GGUFFile:
+    """What :func:`read_gguf` read.
+
+    Attributes:
+        path: the file.
+        architecture: ``general.architecture`` (``"llama"``, ``"qwen2"``, ...).
+        metadata: every metadata entry, key -> Python value (lists for arrays).
+        config: a transformers-like ``config.json`` dict (``model_type``, ``architectures``,
+            ``hidden_size``, ``num_key_value_heads``, ``rope_theta``, ``tie_word_embeddings``…).
+        tensors: transformers name -> float32 array (empty with ``tensors=False``).
+        skipped: GGUF tensors with no transformers counterpart (e.g. ``rope_freqs.weight``).
+        chat_template: the Jinja chat template, or ``None``.
+    """
+
+    path: Path
+    architecture: str
+    metadata: dict
+    config: dict
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    chat_template: str | None = None
+
+    def tokenizer(self):
+        """A ``tokenizers.Tokenizer`` built from the file's vocabulary (see :func:`gguf_tokenizer`)."""
+        return gguf_tokenizer(self.metadata, where=self.path)
+
+
+def gguf_name(name: str) -> str | None:
+    """The transformers name of a GGUF tensor name, or ``None`` if it has none.
+
+    >>> gguf_name("blk.3.attn_q.weight"), gguf_name("token_embd.weight"), gguf_name("rope_freqs.weight")
+    ('model.layers.3.self_attn.q_proj.weight', 'model.embed_tokens.weight', None)
+    """
+    m = _BLOCK_RE.fullmatch(name)
+    if m:
+        part = _BLOCK_NAMES.get(m.group(2))
+        return None if part is None else f"model.layers.{m.group(1)}.{part}.{m.group(3)}"
+    stem, _, kind = name.rpartition(".")
+    top = _TOP_NAMES.get(stem)
+    return None if top is None or kind not in ("weight", "bias") else f"{top}.{kind}"
+
+
+def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head, interleaved pairs back to two halves.
+
+    ``w`` is ``(n_heads * D, ...)`` (a weight or a bias); llama.cpp stored row ``2 f + s`` of a
+    head at the place of row ``s * D/2 + f`` (``s`` in {0, 1}, ``f < D/2``).
+
+    >>> unpermute_qk_rows(np.array([0, 10, 1, 11]), 1)
+    array([ 0,  1, 10, 11])
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"a q/k weight with {rows} rows cannot hold {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    # (heads, D/2, 2, ...) -> (heads, 2, D/2, ...)
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _reader_class():
+    """``gguf.GGUFReader`` with every read checked against the file's size, and counts
+    checked against the bytes left before a loop runs over them."""
+    from gguf import GGUFReader, GGUFValueType
+
+    sizes: dict = {}
+
+    class CheckedReader(GGUFReader):
+        # The reader slices its np.memmap some 800 000 times for a 49k-token vocabulary;
+        # a plain ndarray view of the same mapping slices several times faster (memmap's
+        # __array_finalize__ runs on every slice). The mapping stays open through its base.
+        @property
+        def data(self):
+            return self._plain
+
+        @data.setter
+        def data(self, value):
+            self._plain = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+        def _left(self, offset: int) -> int:
+            return len(self.data) - int(offset)
+
+        def _get(self, offset, dtype, count=1, override_order=None):
+            itemsize = sizes.get(dtype)
+            if itemsize is None:
+                itemsize = sizes[dtype] = np.dtype(dtype).itemsize
+            offset, count = int(offset), int(count)
+            if count < 0 or offset < 0 or offset + itemsize * count > self.data.shape[0]:
+                raise _Truncated(f"it claims {count} item(s) of {np.dtype(dtype).name} at byte {offset}, "
+                                 f"past the end of the file ({len(self.data)} bytes)")
+            return super()._get(offset, dtype, count, override_order)
+
+        def _build_fields(self, offs, count):
+            # a metadata entry is at least a key length, a type and one byte of value
+            if int(count) * 13 > self._left(offs):
+                raise _Truncated(f"its header claims {int(count)} metadata entries; the file holds "
+                                 f"at most {self._left(offs) // 13}")
+            return super()._build_fields(offs, count)
+
+        def _build_tensor_info(self, offs, count):
+            # a tensor's entry is at least a name length, a dim count, a type and an offset
+            if int(count) * 24 > self._left(offs):
+                raise _Truncated(f"its header claims {int(count)} tensors; the file holds at most "
+                                 f"{self._left(offs) // 24}")
+            return super()._build_tensor_info(offs, count)
+
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type == GGUFValueType.ARRAY:
+                item_type = int(self._get(orig_offs, np.uint32)[0])
+                n = int(self._get(orig_offs + 4, np.uint64)[0])
+                try:
+                    kind = GGUFValueType(item_type)
+                except ValueError:
+                    raise _Truncated(f"an array at byte {orig_offs} has unknown item type {item_type}") from None
+                nptype = self.gguf_scalar_to_np.get(kind)
+                least = np.dtype(nptype).itemsize if nptype is not None else 8 if kind == GGUFValueType.STRING else 12
+                if n * least > self._left(orig_offs + 12):
+                    raise _Truncated(f"an array at byte {orig_offs} claims {n} items; the file holds at most "
+                                     f"{self._left(orig_offs + 12) // least}")
+            return super()._get_field_parts(orig_offs, raw_type)
+
+    return CheckedReader
+
+
+class _Truncated(ValueError):
+    """A read past the end of the file (raised inside the reader, reported with the path)."""
+
+
+def _open(path: Path):
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ImportError("reading GGUF files needs the gguf package: pip install 'attnlab[gguf]'") from None
+    try:
+        return _reader_class()(path)
+    except _Truncated as exc:
+        raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from None
+    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a valid GGUF file: {exc}") from None
+
+
+def _metadata(reader, path: Path) -> dict:
+    out = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = f.contents()
+        except (ValueError, UnicodeDecodeError, IndexError) as exc:
+            raise CheckpointError(f"{path}: metadata entry {key!r} cannot be read: {exc}") from None
+    return out
+
+
+def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file") -> dict:
+    """A transformers-like config dict from a GGUF file's metadata and tensor names.
+
+    Raises:
+        CheckpointError: an architecture attnlab does not read (the supported ones listed),
+            or a required entry missing.
+    """
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)}")
+    names = set(tensor_names)
+    config: dict = {"model_type": arch, "architectures": [GGUF_ARCHITECTURES[arch]]}
+    for key, target in _CONFIG_KEYS.items():
+        if f"{arch}.{key}" in metadata:
+            config[target] = metadata[f"{arch}.{key}"]
+    for needed in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if needed not in config:
+            raise CheckpointError(f"{where}: the metadata has no {needed} ({arch}.* entry)")
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if f"{arch}.attention.key_length" in metadata:
+        config["head_dim"] = metadata[f"{arch}.attention.key_length"]
+    elif arch in _PERMUTED and f"{arch}.rope.dimension_count" in metadata:
+        config["head_dim"] = metadata[f"{arch}.rope.dimension_count"]
+    else:
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind}
+        if f"{arch}.rope.scaling.factor" in metadata:
+            scaling["factor"] = float(metadata[f"{arch}.rope.scaling.factor"])
+        if f"{arch}.rope.scaling.original_context_length" in metadata:
+            scaling["original_max_position_embeddings"] = int(metadata[f"{arch}.rope.scaling.original_context_length"])
+        config["rope_scaling"] = scaling
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if "vocab_size" not in config and tokens is not None:
+        config["vocab_size"] = len(tokens)
+    config["tie_word_embeddings"] = "output.weight" not in names
+    config["attention_bias"] = "blk.0.attn_q.bias" in names
+    for key, target in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                        ("padding_token_id", "pad_token_id")):
+        if f"tokenizer.ggml.{key}" in metadata:
+            config[target] = int(metadata[f"tokenizer.ggml.{key}"])
+    return config
+
+
+def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
+    """Read a GGUF file: metadata, config, tensors (dequantized to float32 under transformers'
+    names, q/k rows back in halves) and chat template.
+
+    Args:
+        path: the ``.gguf`` file.
+        tensors: read and dequantize the tensors (``False``: metadata and config only).
+
+    Raises:
+        FileNotFoundError: no file there.
+        CheckpointError: naming the file: not GGUF, truncated, a header that claims more
+            than the file holds, an unsupported architecture or quantization type (named),
+            or tensors of the wrong shape. Nothing is returned half-read.
+        ImportError: the ``gguf`` package is missing.
+    """
+    path = regular_file(path, "GGUF file")
+    reader = _open(path)
+    metadata = _metadata(reader, path)
+    names = [t.name for t in reader.tensors]
+    config = gguf_config(metadata, names, where=path)
+    arch = metadata["general.architecture"]
+    out = GGUFFile(path=path, architecture=arch, metadata=metadata, config=config,
+                   chat_template=metadata.get("tokenizer.chat_template"))
+    if not tensors:
+        return out
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits, dequantize
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    plan = []
+    for t in reader.tensors:  # everything is checked before anything is dequantized
+        hf = gguf_name(t.name)
+        if hf is None:
+            out.skipped.append(t.name)
+            continue
+        if t.tensor_type not in readable:
+            raise CheckpointError(
+                f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, a type attnlab cannot "
+                f"dequantize; supported: {', '.join(sorted(q.name for q in readable))}")
+        plan.append((t, hf))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t, hf in plan:
+        try:
+            w = dequantize(t.data, t.tensor_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise CheckpointError(f"{path}: tensor {t.name} cannot be dequantized: {exc}") from None
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if w.shape != shape:
+            raise CheckpointError(f"{path}: tensor {t.name} dequantized to {w.shape}, but its header says {shape}")
+        if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
+            w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
+        if len(shape) == 2 and shape[0] == 1 and t.name.endswith("norm.weight"):
+            w = w.reshape(-1)
+        if not (w.dtype == np.float32 and w.flags.c_contiguous and w.flags.writeable and w.flags.owndata):
+            w = np.array(w, dtype=np.float32, order="C", copy=True)  # a view of the file: own a copy
+        out.tensors[hf] = w
+    return out
+
+
+def gguf_tokenizer(metadata: dict, *, where: object = "the GGUF file"):
+    """A ``tokenizers.Tokenizer`` from a GGUF file's vocabulary, as transformers builds it.
+
+    Byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen): the file's
+    tokens and merges, GPT-2's byte-level pre-tokenizer and decoder (or the split regex its
+    ``tokenizer.ggml.pre`` names, for Llama 3 and Qwen 2), control tokens as special tokens
+    and user-defined ones as added tokens. No BOS is added.
+
+    Raises:
+        CheckpointError: another tokenizer model (sentencepiece ``llama``, ``t5``, ...), or
+            no vocabulary.
+    """
+    model = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise CheckpointError(f"{where} has no tokenizer (no tokenizer.ggml.tokens entry)")
+    if model != "gpt2":
+        raise CheckpointError(f"{where}: tokenizer model {model!r} is not supported; supported: 'gpt2' "
+                              "(byte-level BPE)")
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    vocab = {}
+    for i, tok in enumerate(tokens):  # tokens outside the byte alphabet: spell them in it
+        spelled = tok if set(tok) <= letters else "".join(alphabet[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(spelled, i)
+    merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    split = _SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    if split is None:
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    types = metadata.get("tokenizer.ggml.token_type") or ()
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+               if k == _CONTROL and set(t) <= letters]
+    if special:
+        tokenizer.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+            if k == _USER_DEFINED and t in vocab]
+    if user:
+        tokenizer.add_tokens(user)
+    return tokenizer
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
