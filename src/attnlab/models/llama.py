@@ -34,13 +34,13 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.files import CheckpointError, load_tokenizer, read_json, regular_file
-from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, generate
+from attnlab.models.generate import check_token_ids, decoder_forward, generate
 from attnlab.models.gpt2 import GPT2Output
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
-from attnlab.nn.hooks import HookPoint
+from attnlab.nn.hooks import HookPoint, record_layers
 from attnlab.nn.layers import Embedding, RMSNorm, RotaryEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
@@ -474,6 +474,17 @@ class Llama(Module):
         """The final RMSNorm (hook name ``ln_final``)."""
         return self.ln_f
 
+    @property
+    def W_U(self) -> np.ndarray:
+        """The unembedding ``(D, V)``: the token embedding's transpose when tied, else
+        ``lm_head``'s (``logits = h @ W_U``)."""
+        w = self.tok_emb.weight.data if self.config.tie_word_embeddings else self.lm_head.weight.data
+        return w.T
+
+    @property
+    def b_U(self) -> None:
+        return None
+
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer ``(..., D) -> (..., V)`` of a normalized residual (after
         :attr:`ln_final`): the token embedding when tied, else ``lm_head``."""
@@ -483,12 +494,12 @@ class Llama(Module):
     def _logits(self, h: np.ndarray) -> np.ndarray:
         return self.unembed(self.ln_f(h))
 
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         c = self.config
         return decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
             vocab_size=c.vocab_size, n_positions=c.context_length,
-            positions_name="context_length", logits_to_keep=logits_to_keep, hidden=hidden, maps=maps,
+            positions_name="context_length", logits_to_keep=logits_to_keep,
         )
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
@@ -501,9 +512,8 @@ class Llama(Module):
     def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> GPT2Output:
         """The logits with every layer's hidden states ``(n + 1, B, T, D)`` (before the final
         norm) and attention maps ``(n, B, H, T, T)``."""
-        hidden, maps = [], []
-        logits = self._run(input_ids, attention_mask, None, hidden=hidden, maps=maps)
-        return GPT2Output(logits, np.stack(hidden), np.stack(maps))
+        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
+        return GPT2Output(logits, hidden, maps)
 
     # ------------------------------------------------------------------ generation
 
@@ -594,7 +604,7 @@ class Llama(Module):
     def trace(self, ids_or_text, *, layer: int = -1, head: int | None = None, tokens=None):
         """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s causal attention on
         one sequence (see :meth:`attnlab.models.GPT2.trace`)."""
-        from attnlab.trace import trace
+        from attnlab.trace import trace_model
 
         if isinstance(ids_or_text, str):
             ids, labels = self.encode(ids_or_text)
@@ -607,15 +617,8 @@ class Llama(Module):
         k = layer_number(layer, self.config.num_hidden_layers, embeddings=False)
         if len(ids) > self.config.context_length:
             raise shape_error("ids", ids.shape, f"(T,) with T <= the context length {self.config.context_length}")
-        with decoding_threads(len(ids)):
-            x = self._embed(ids, np.arange(len(ids)))
-            for block in self.layers[: k - 1]:
-                x = block(x)
-            block = self.layers[k - 1]
-            t = trace(block.attn, block.attention_input(x), tokens=labels if tokens is None else tokens,
-                      is_causal=block.causal, head=head)
-        t.layer = k
-        return t
+        return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
+                           head=head)
 
 
 def _read_safetensors(folder: Path, dtype) -> dict[str, np.ndarray]:

@@ -80,6 +80,15 @@ FAMILIES: dict[str, Family] = {
                decoder=False, files="config.json, model.safetensors, vocab.txt or tokenizer.json"),
         Family("gpt2", "attnlab.models.gpt2", "GPT2", "GPT2Config", ("gpt2",), ("GPT2LMHeadModel", "GPT2Model"),
                name_map="attnlab.io.names:gpt2_name_map"),
+        Family("llama", "attnlab.models.llama", "Llama", "LlamaConfig", ("llama",), ("LlamaForCausalLM",),
+               ("llama",), name_map="attnlab.models.llama:llama_name_map",
+               files="config.json, model.safetensors (or a sharded index), tokenizer.json; or a .gguf file"),
+        Family("mistral", "attnlab.models.llama", "Llama", "LlamaConfig", ("mistral",), ("MistralForCausalLM",),
+               ("mistral",), name_map="attnlab.models.llama:llama_name_map"),
+        Family("qwen2", "attnlab.models.llama", "Llama", "LlamaConfig", ("qwen2",), ("Qwen2ForCausalLM",),
+               ("qwen2",), name_map="attnlab.models.llama:llama_name_map"),
+        Family("qwen3", "attnlab.models.llama", "Llama", "LlamaConfig", ("qwen3",), ("Qwen3ForCausalLM",),
+               ("qwen3",), name_map="attnlab.models.llama:llama_name_map"),
         Family("tiny", "attnlab.models.tiny", "TinyTransformer", "TinyTransformerConfig",
                files="an attnlab checkpoint (.npz, written by attnlab train)"),
     )
@@ -120,9 +129,9 @@ def detect(path: str | os.PathLike) -> Family:
         if p.suffix == ".npz":
             return FAMILIES["tiny"]
         if p.suffix == ".gguf":
-            from attnlab.io.gguf import gguf_architecture
+            from attnlab.io.gguf import read_gguf
 
-            arch = gguf_architecture(p)
+            arch = read_gguf(p, tensors=False).architecture
             for f in FAMILIES.values():
                 if arch in f.gguf_architectures:
                     return f
