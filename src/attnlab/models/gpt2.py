@@ -379,6 +379,11 @@ class GPT2(Module):
         return self.ln_f
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes (``n_positions``)."""
+        return self.config.n_positions
+
+    @property
     def W_U(self) -> np.ndarray:
         """The unembedding ``(D, V)`` (a view of the tied token embedding): ``logits = h @ W_U``."""
         return self.tok_emb.weight.data.T

@@ -475,6 +475,11 @@ class Llama(Module):
         return self.ln_f
 
     @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes (its context length)."""
+        return self.config.context_length
+
+    @property
     def W_U(self) -> np.ndarray:
         """The unembedding ``(D, V)``: the token embedding's transpose when tied, else
         ``lm_head``'s (``logits = h @ W_U``)."""
