@@ -29,15 +29,19 @@ CASES = {
 WORKER = r"""
 import json, sys, time
 import numpy as np
-case, repeat = sys.argv[1], int(sys.argv[2])
+case, repeat, threads, clock = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 import attnlab
+from threadpoolctl import threadpool_limits
 from attnlab.models import GPT2, GPT2Config, BertConfig, BertEncoder
+attnlab.set_num_threads(threads)
+threadpool_limits(threads)
+now = time.process_time if clock == "cpu" else time.perf_counter
 
 def best(fn):
     fn()
     times = []
     for _ in range(repeat):
-        t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+        t = now(); fn(); times.append(now() - t)
     return min(times)
 
 rng = np.random.default_rng(0)
@@ -77,10 +81,10 @@ print(json.dumps({"t": t}))
 """
 
 
-def run(src: Path, case: str, repeat: int) -> float:
+def run(src: Path, case: str, repeat: int, threads: int, clock: str) -> float:
     env = dict(os.environ, PYTHONPATH=str(src))
-    out = subprocess.run([sys.executable, "-c", WORKER, case, str(repeat)], env=env, capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run([sys.executable, "-c", WORKER, case, str(repeat), str(threads), clock], env=env,
+                         capture_output=True, text=True, check=False)
     if out.returncode:
         raise SystemExit(f"{case} failed under {src}:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["t"]
@@ -93,13 +97,17 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES.values()))
+    parser.add_argument("--threads", type=int, default=1, help="BLAS and attnlab threads (default 1)")
+    parser.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                        help="cpu: the process's CPU time (steadier on a busy machine, one thread); wall")
     args = parser.parse_args()
     here = Path(__file__).resolve().parents[1] / "src"
     from attnlab._cpu import cpu_info
 
     info = cpu_info()
     print(f"CPU: {info.model}; avx2={'avx2' in info.flags}, avx512f={'avx512f' in info.flags}; "
-          f"L2 {info.l2 // 1024} KiB; {os.cpu_count()} cores")
+          f"L2 {info.l2 // 1024} KiB; {os.cpu_count()} cores; {args.threads} thread(s), {args.clock} time; "
+          f"load {os.getloadavg()[0]:.1f}")
     wanted = args.cases.split(",")
     sides = {"now": here}
     if args.baseline:
@@ -111,7 +119,7 @@ def main() -> int:
         best = {s: float("inf") for s in sides}
         for _ in range(args.rounds):
             for side, src in sides.items():
-                best[side] = min(best[side], run(src, case, args.repeat))
+                best[side] = min(best[side], run(src, case, args.repeat, args.threads, args.clock))
         row = f"{label:48s} " + " ".join(f"{best[s] * 1e3:8.1f}ms" for s in sides)
         if args.baseline:
             row += f"   {best['now'] / best['baseline']:.3f}"
