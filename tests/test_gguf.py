@@ -304,3 +304,35 @@ def test_chat_template_errors_are_one_clear_value_error():
     text = apply_chat_template("{{ messages | tojson }}{{ x.y }} {{ x.z }}", [{"role": "user", "content": "é"}],
                                x={"y": np.float32(1.5), "z": np.zeros(2)})
     assert text == '[{"role": "user", "content": "é"}]1.5 <ndarray>'
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("attention.head_count", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("attention.head_count", 3, r"attn_q.weight \(32, 32\): a q/k weight with 32 rows cannot hold 3 heads"),
+    ("embedding_length", "wide", "hidden_size must be a positive integer, got 'wide'"),
+])
+def test_metadata_that_does_not_fit_is_refused(tmp_path, key, value, match):
+    """Metadata with a bad head count or width: a CheckpointError naming the file."""
+    import gguf
+
+    src = tmp_path / "src.gguf"
+    write_tiny_gguf(src, layers=1, qtype="F32")
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        v = field.contents()
+        if name == f"llama.{key}":
+            v = value
+        kind = gguf.GGUFValueType.STRING if isinstance(v, str) else field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, v, kind, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, v, kind)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    with pytest.raises(CheckpointError, match=match) as info:
+        read_gguf(tmp_path / "bad.gguf")
+    assert "bad.gguf" in str(info.value)

@@ -273,6 +273,11 @@ def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file"
         if needed not in config:
             raise CheckpointError(f"{where}: the metadata has no {needed} ({arch}.* entry)")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
+                "max_position_embeddings", "vocab_size"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
     if f"{arch}.attention.key_length" in metadata:
         config["head_dim"] = metadata[f"{arch}.attention.key_length"]
     elif arch in _PERMUTED and f"{arch}.rope.dimension_count" in metadata:
@@ -349,7 +354,10 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
         if w.shape != shape:
             raise CheckpointError(f"{path}: tensor {t.name} dequantized to {w.shape}, but its header says {shape}")
         if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
+            try:
+                w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from None
         if len(shape) == 2 and shape[0] == 1 and t.name.endswith("norm.weight"):
             w = w.reshape(-1)
         if not (w.dtype == np.float32 and w.flags.c_contiguous and w.flags.writeable and w.flags.owndata):
