@@ -336,3 +336,41 @@ def test_metadata_that_does_not_fit_is_refused(tmp_path, key, value, match):
     with pytest.raises(CheckpointError, match=match) as info:
         read_gguf(tmp_path / "bad.gguf")
     assert "bad.gguf" in str(info.value)
+
+
+def test_sentencepiece_vocabulary_equals_transformers(tmp_path):
+    """A sentencepiece ('llama' model) vocabulary with scores and byte pieces, no merges
+    (Llama 2, Mistral and TinyLlama files): the merges recovered from the scores, byte
+    fallback, the leading '▁' and the BOS token, as transformers' GGUF tokenizer."""
+    import gguf
+
+    transformers = pytest.importorskip("transformers")
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "s", "▁h", "▁w", "he", "ll", "▁he", "▁hell",
+             "▁hello", "▁wo", "▁wor", "▁worl", "▁world", "th", "▁th", "▁the", "an", "▁an", "▁and", "in", "▁in", "er",
+             "st", "at", "▁a", "▁t", "▁s", ",", ".", "!", "ld", "or", "▁st"]
+    tokens = pieces + words
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64),
+                       ("attention.head_count", 4)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(pieces) + [-float(i % 17) for i in range(len(words))])  # ties too
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(words))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    ours = read_gguf(path, tensors=False).tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    rng = np.random.default_rng(0)
+    texts = ["hello world", " hello  world!", "the and in, a st.", "Héllo wörld 🤖", "\nhello\n\tworld", "",
+             "hellothe", "<s>hello</s>", "  leading", "trailing  "]
+    texts += ["".join(rng.choice(list("helowrdtans ,.!é\n"), size=30)) for _ in range(30)]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True), text
