@@ -13,10 +13,9 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_files import TEMPLATE, permute_qk_rows, write_tiny_gguf  # noqa: E402
-
 from attnlab.io import CheckpointError  # noqa: E402
 from attnlab.io.gguf import gguf_name, read_gguf, unpermute_qk_rows  # noqa: E402
+from gguf_files import TEMPLATE, permute_qk_rows, write_tiny_gguf  # noqa: E402
 
 TEXTS = [
     "What is the capital of France?",

@@ -2,7 +2,8 @@
 
 :func:`read_gguf` returns the file's metadata, a transformers-like config dict, the tensors
 under transformers' names dequantized to float32, a ``tokenizers`` tokenizer built from the
-file's vocabulary and merges, and the chat template. Supported architectures: ``llama``
+file's vocabulary (byte-level BPE, or sentencepiece BPE with byte fallback) and merges, and
+the chat template. Supported architectures: ``llama``
 (SmolLM2, Llama 2 and 3, Mistral), ``mistral``, ``qwen2`` and ``qwen3``.
 
 Conventions undone at load, as transformers' GGUF loader does:
@@ -407,11 +408,11 @@ def gguf_tokenizer(metadata: dict, *, where: object = "the GGUF file"):
         ])
     tokenizer.decoder = decoders.ByteLevel()
     types = metadata.get("tokenizer.ggml.token_type") or ()
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=False)
                if k == _CONTROL and set(t) <= letters]
     if special:
         tokenizer.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
             if k == _USER_DEFINED and t in vocab]
     if user:
         tokenizer.add_tokens(user)
@@ -438,7 +439,7 @@ def _sentencepiece_tokenizer(metadata: dict, where):
         if scores is None or len(scores) != len(tokens):
             raise CheckpointError(f"{where}: a sentencepiece vocabulary needs merges or one score per token")
         found = []
-        for tok, score in zip(tokens, scores):  # every split into two known pieces, by the pieces' ids
+        for tok, score in zip(tokens, scores, strict=True):  # every split into two known pieces, by the pieces' ids
             pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
             pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
             found.extend((left, right, float(score)) for left, right in pairs)
@@ -449,10 +450,11 @@ def _sentencepiece_tokenizer(metadata: dict, where):
     tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                            decoders.Strip(content=" ", left=1)])
     types = metadata.get("tokenizer.ggml.token_type") or ()
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == _CONTROL]
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
     if special:
         tokenizer.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
             if k == _USER_DEFINED and t in vocab]
     if user:
         tokenizer.add_tokens(user)
