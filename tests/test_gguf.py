@@ -146,6 +146,7 @@ def test_tiny_tokenizer_and_template(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path)
     g = read_gguf(path, tensors=False)
+    assert g.tensors == {} and g.config["num_hidden_layers"] == 2 and g.architecture == "llama"
     tok = g.tokenizer()
     ids = tok.encode("hello world<|im_end|>").ids
     names = g.metadata["tokenizer.ggml.tokens"]
