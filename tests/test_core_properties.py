@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attnlab
@@ -89,6 +89,7 @@ def test_softmax_survives_large_values():
     st.integers(1, 5), st.integers(1, 40), st.integers(1, 300),
     st.sampled_from([np.float32, np.float64]), st.integers(0, 2**32 - 1),
 )
+@example(3, 22, 1, np.float32, 184048)  # strided exp 5.2 eps away on an AVX-512 EPYC
 def test_in_place_softmax_in_blocks_equals_softmax(rows, cols, block, dtype, seed):
     sm = importlib.import_module("attnlab.core.softmax")  # the module, not the function
 
@@ -109,7 +110,9 @@ def test_in_place_softmax_in_blocks_equals_softmax(rows, cols, block, dtype, see
     finally:
         sm._SOFTMAX_BLOCK = before
     np.testing.assert_allclose(work, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
-    np.testing.assert_allclose(strided, expected, rtol=4 * np.finfo(dtype).eps, atol=0)
+    # A strided array takes NumPy's other exp loop (not the contiguous SIMD one): on AVX-512
+    # the two differ by up to ~5 ulp (seed 184048 below: 5.2 eps), each within its own bound.
+    np.testing.assert_allclose(strided, expected, rtol=8 * np.finfo(dtype).eps, atol=0)
     assert not work[0, 1].any() and np.isfinite(work).all()
     sums = work.sum(-1)
     sums[0, 1] += 1  # the empty row sums to 0
