@@ -112,8 +112,8 @@ def test_unknown_tokens_are_counted():
 
 
 def test_unknown_model_is_refused():
-    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'gpt2', 'minilm', 'random', 'smollm2'\], "
-                                         r"got 'gpt'"):
+    with pytest.raises(ValueError, match=r"model must be one of \['checkpoint', 'gpt2', 'minilm', 'random', "
+                                         r"'smollm2'\], got 'gpt'"):
         explain("a", model="gpt")
 
 
