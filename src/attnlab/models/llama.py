@@ -36,6 +36,7 @@ from attnlab.core.rotary import RopeConfig
 from attnlab.io.files import CheckpointError, load_tokenizer, read_json, regular_file
 from attnlab.models.generate import check_token_ids, decoder_forward, generate
 from attnlab.models.gpt2 import GPT2Output
+from attnlab.models.registry import FAMILIES as _REGISTRY
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import Attention, KVCache
@@ -48,13 +49,9 @@ from attnlab.nn.module import Module
 __all__ = ["FAMILIES", "Llama", "LlamaConfig", "llama_name_map", "load_smollm2", "smollm2_available",
            "smollm2_path"]
 
-#: ``model_type`` -> ``transformers``' class (``config.json``'s ``architectures``).
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+#: ``model_type`` -> ``transformers``' class (``config.json``'s ``architectures``): the
+#: registry's families arranged by this module (a new one is one registry entry).
+FAMILIES = {f.model_types[0]: f.architectures[0] for f in _REGISTRY.values() if f.module == __name__}
 
 # transformers' activation names -> attnlab's
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
