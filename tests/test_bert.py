@@ -237,6 +237,19 @@ def test_hidden_states_and_attentions_match_transformers_layer_by_layer(model, h
     assert np.allclose(ours.attentions.sum(-1), 1, atol=1e-5)
 
 
+def test_every_hook_pattern_equals_transformers_output_attentions(model, hf_model):
+    texts = SENTENCES[:6] + ["The bank of the river.", "北京是中华人民共和国的首都。"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids, mask, ref = _hf_run(hf_model, model, texts)
+    names = [f"blocks.{i}.attn.hook_pattern" for i in range(model.config.num_hidden_layers)]
+    assert set(names) < set(model.hook_names())
+    _, cache = model.run_with_cache(ids, mask, names_filter=names)
+    assert list(cache) == names
+    worst = max(float(np.abs(cache[n] - ref.attentions[i].numpy()).max()) for i, n in enumerate(names))
+    assert worst < 1e-5, worst
+
+
 def test_float64_model_is_closer_to_a_float64_transformers(model, hf_model):
     import copy
 

@@ -54,7 +54,7 @@ from attnlab.core import attention_scores, attention_weights
 from attnlab.nn import functional as F
 from attnlab.nn.attention import Attention, MultiheadAttention, SelfAttention
 
-__all__ = ["Trace", "TraceStep", "format_table", "trace"]
+__all__ = ["Trace", "TraceStep", "format_table", "trace", "trace_from_cache", "trace_model"]
 
 _DESCRIPTIONS = {
     "X": "input token vectors, one row per token",
@@ -370,124 +370,209 @@ def trace(
         if key_value is not None and layer.kdim != layer.vdim:
             raise ValueError(f"key_value is both the key and the value input, so the layer needs "
                              f"kdim == vdim, got kdim={layer.kdim}, vdim={layer.vdim}")
-        H, D = layer.num_heads, layer.head_dim
-        d_q = layer.embed_dim
+        H, d_q = layer.num_heads, layer.embed_dim
     elif isinstance(layer, SelfAttention):
-        H, D = 1, layer.d_out
-        d_q = layer.d_in
+        H, d_q = 1, layer.d_in
     else:
         raise TypeError(
             f"layer must be attnlab.nn.Attention (MultiheadAttention included) or attnlab.SelfAttention, "
             f"got {type(layer).__name__}"
         )
-    if head is not None and (isinstance(head, bool) or not isinstance(head, int | np.integer)
-                             or not 0 <= head < H):
-        raise ValueError(f"head must be None or in 0..{H - 1}, got {head!r}")
+    head = _check_head(head, H)
     if not isinstance(is_causal, bool | np.bool_):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     cross = key_value is not None
     masked = attn_mask is not None or bool(is_causal)
-    steps: list[TraceStep] = []
-    scale = 1.0 / math.sqrt(D)
-
-    def add(name, values, h=None):
-        if head is not None and h is not None and h != head:
-            return
-        desc = _DESCRIPTIONS[name].format(D=D, scale=scale)
-        steps.append(TraceStep(name, np.array(values, copy=True), h, desc))
-
     if isinstance(layer, SelfAttention):
-        x, c = layer.check_inputs(query, key_value)
-        if x.ndim == 3 and x.shape[0] != 1:
-            raise shape_error("query", x.shape, f"(T, {d_q}) or (1, T, {d_q}): one sequence")
-        lin = (layer.W_q, layer.W_k, layer.W_v)
-        ws = [m.weight.data for m in lin]  # (D, E_in)
-        bs = [None if m.bias is None else m.bias.data for m in lin]
-        # the projections as the layer's Linear layers compute them: F.linear
-        q, k, v = F.linear(x, ws[0], bs[0]), F.linear(c, ws[1], bs[1]), F.linear(c, ws[2], bs[2])
-        mask, causal = attn_mask, bool(is_causal)
-        X, X_kv = (a[0] if a.ndim == 3 else a for a in (x, c))
-        qh, kh = q.reshape(1, -1, D), k.reshape(1, -1, D)  # (1 head, T, D)
-        masked_scores = attention_scores(q, k, mask, causal) if masked else None
-        weights = attention_weights(q, k, mask, 0.0, causal)
-        output = layer.attention_fn(q, k, v, attn_mask=mask, is_causal=causal).reshape(-1, D)
-        vh, z, layer_scale = v.reshape(1, -1, D), None, None
-    else:
-        # One run of the layer itself, recorded through its hook points: the steps are what
-        # the layer computed, not a second computation.
-        if np.ndim(query) == 3:
-            _one_sequence(np.asarray(query), "query", layer, d_q)
-        was_training = layer.training
-        layer.eval()
-        try:
-            if isinstance(layer, MultiheadAttention):
-                kv_in = key_value if cross else query
-                (out, _), cache = layer.run_with_cache(query, kv_in, kv_in, attn_mask=attn_mask, is_causal=is_causal,
-                                                       average_attn_weights=False)
-            else:
-                out, cache = layer.run_with_cache(query, key_value=key_value, attn_mask=attn_mask,
-                                                  is_causal=is_causal)
-        finally:
-            layer.train(was_training)
-        q4 = cache["hook_rot_q"] if "hook_rot_q" in cache else cache["hook_q"]  # (1, L, H, D)
-        k4 = cache["hook_rot_k"] if "hook_rot_k" in cache else cache["hook_k"]  # (1, S, Hkv, D)
-        G = H // layer.num_kv_heads  # query heads per key/value head
-        qh = q4[0].transpose(1, 0, 2)  # (H, L, D)
-        kh = np.repeat(k4[0].transpose(1, 0, 2), G, axis=0)  # (H, S, D): head h reads h // G
-        vh = np.repeat(cache["hook_v"][0].transpose(1, 0, 2), G, axis=0)
-        (wq, wk, wv), bs = layer.in_projections()
-        ws = [wq, wk, wv]  # (H D, E_in), (Hkv D, E_in)
-        X = np.asarray(query).reshape(-1, d_q)
-        X_kv = np.asarray(key_value).reshape(-1, layer.kdim) if cross else X
-        masked_scores = cache["hook_attn_scores"][0] if masked else None
-        weights = cache["hook_pattern"][0]
-        z = cache["hook_z"][0]  # (L, H, D)
-        output = np.asarray(out).reshape(-1, layer.embed_dim)
-        layer_scale = layer.scale
-        if layer_scale is not None:
-            scale = layer_scale
-    L, S = X.shape[0], X_kv.shape[0]
+        return _self_attention_trace(layer, query, key_value, tokens, key_tokens, attn_mask, bool(is_causal), head)
+    # One run of the layer itself, recorded through its hook points: the steps are what the
+    # layer computed, not a second computation.
+    if np.ndim(query) == 3:
+        _one_sequence(np.asarray(query), "query", layer, d_q)
+    was_training = layer.training
+    layer.eval()
+    try:
+        if isinstance(layer, MultiheadAttention):
+            kv_in = key_value if cross else query
+            (out, _), cache = layer.run_with_cache(query, kv_in, kv_in, attn_mask=attn_mask, is_causal=is_causal,
+                                                   average_attn_weights=False)
+        else:
+            out, cache = layer.run_with_cache(query, key_value=key_value, attn_mask=attn_mask, is_causal=is_causal)
+    finally:
+        layer.train(was_training)
+    X = np.asarray(query).reshape(-1, d_q)
+    X_kv = np.asarray(key_value).reshape(-1, layer.kdim) if cross else None
+    return trace_from_cache(layer, cache, X=X, X_kv=X_kv, output=np.asarray(out).reshape(-1, layer.embed_dim),
+                            tokens=tokens, key_tokens=key_tokens, masked=masked, head=head)
+
+
+def _check_head(head, H: int) -> int | None:
+    if head is not None and (isinstance(head, bool) or not isinstance(head, int | np.integer)
+                             or not 0 <= head < H):
+        raise ValueError(f"head must be None or in 0..{H - 1}, got {head!r}")
+    return head
+
+
+class _Steps:
+    """The step list of one trace, keeping only the chosen head's per-head steps."""
+
+    def __init__(self, head: int | None, D: int, scale: float):
+        self.steps: list[TraceStep] = []
+        self.head, self.D, self.scale = head, D, scale
+
+    def add(self, name, values, h=None):
+        if self.head is not None and h is not None and h != self.head:
+            return
+        desc = _DESCRIPTIONS[name].format(D=self.D, scale=self.scale)
+        self.steps.append(TraceStep(name, np.array(values, copy=True), h, desc))
+
+    def per_head(self, name, arr, H: int):  # arr (H, T, D), (1, H, T, D) or, one head, (T, D)
+        arr = arr.reshape(-1, H, *arr.shape[-2:])[0]
+        for h in range(H):
+            self.add(name, arr[h], h)
+
+    def weights(self, names, ws, bs, H: int, G: int):
+        """Each head's projections ``(E_in, D)`` and biases; head ``h`` reads key/value
+        head ``h // G``."""
+        D = self.D
+        for name, w in zip(names[:3], ws, strict=True):
+            for h in range(H):
+                g = h if name == "W_q" else h // G
+                self.add(name, w[g * D : (g + 1) * D].T, h)  # (D, E_in) rows -> (E_in, D)
+        if bs[0] is not None:
+            for name, b in zip(names[3:], bs, strict=True):
+                for h in range(H):
+                    g = h if name == "b_q" else h // G
+                    self.add(name, b[g * D : (g + 1) * D], h)
+
+
+def _labelled(tokens, key_tokens, L: int, S: int, cross: bool):
     tokens = _labels(tokens, L, "tokens", "query")
     if key_tokens is None and not cross:
         key_tokens = tokens
-    key_tokens = _labels(key_tokens, S, "key_tokens", "key_value" if cross else "query")
+    return tokens, _labels(key_tokens, S, "key_tokens", "key_value" if cross else "query")
 
-    def per_head(name, arr):  # arr (H, T, D), (1, H, T, D) or, one head, (T, D), (1, T, D)
-        arr = arr.reshape(-1, H, *arr.shape[-2:])[0]
-        for h in range(H):
-            add(name, arr[h], h)
 
-    add("X", X)
+def trace_from_cache(
+    layer: Attention,
+    cache,
+    *,
+    X: np.ndarray,
+    output: np.ndarray,
+    prefix: str = "",
+    X_kv: np.ndarray | None = None,
+    tokens: Sequence[str] | None = None,
+    key_tokens: Sequence[str] | None = None,
+    masked: bool = True,
+    head: int | None = None,
+    batch: int = 0,
+) -> Trace:
+    """The :class:`Trace` of one attention call from what its hook points recorded.
+
+    Args:
+        layer: the :class:`~attnlab.nn.Attention` that ran.
+        cache: a mapping from hook names to arrays (:meth:`~attnlab.nn.Module.run_with_cache`)
+            holding ``{prefix}hook_q``, ``hook_k``, ``hook_v``, ``hook_attn_scores``,
+            ``hook_pattern``, ``hook_z`` (and ``hook_rot_q``/``hook_rot_k`` with rotary).
+        X: ``(L, E)`` the attention's input; ``X_kv`` ``(S, kdim)`` for cross-attention.
+        output: ``(L, E)`` the attention's output.
+        prefix: the layer's place in the cache's names (``"blocks.2.attn."``).
+        tokens, key_tokens, head: as :func:`trace`.
+        masked: whether the call had a mask (the ``masked_scores`` step).
+        batch: the sequence of the batch to show.
+    """
+    H, D = layer.num_heads, layer.head_dim
+    G = H // layer.num_kv_heads  # query heads per key/value head
+    head = _check_head(head, H)
+    q4 = cache[f"{prefix}hook_rot_q"] if f"{prefix}hook_rot_q" in cache else cache[f"{prefix}hook_q"]
+    k4 = cache[f"{prefix}hook_rot_k"] if f"{prefix}hook_rot_k" in cache else cache[f"{prefix}hook_k"]
+    qh = q4[batch].transpose(1, 0, 2)  # (L, H, D) -> (H, L, D)
+    kh = np.repeat(k4[batch].transpose(1, 0, 2), G, axis=0)  # (H, S, D): head h reads h // G
+    vh = np.repeat(cache[f"{prefix}hook_v"][batch].transpose(1, 0, 2), G, axis=0)
+    z = cache[f"{prefix}hook_z"][batch]  # (L, H, D)
+    cross = X_kv is not None
+    L, S = qh.shape[1], kh.shape[1]
+    tokens, key_tokens = _labelled(tokens, key_tokens, L, S, cross)
+    scale = layer.scale if layer.scale is not None else 1.0 / math.sqrt(D)
+    s = _Steps(head, D, scale)
+    s.add("X", X)
     if cross:
-        add("X_kv", X_kv)
-    G = H // getattr(layer, "num_kv_heads", H)
-    for name, w in zip(("W_q", "W_k", "W_v"), ws, strict=True):
-        for h in range(H):
-            g = h if name == "W_q" else h // G  # the key/value head that head h reads
-            add(name, w[g * D : (g + 1) * D].T, h)  # (D, E_in) rows of head g -> (E_in, D)
-    if bs[0] is not None:
-        for name, b in zip(("b_q", "b_k", "b_v"), bs, strict=True):
-            for h in range(H):
-                g = h if name == "b_q" else h // G
-                add(name, b[g * D : (g + 1) * D], h)
+        s.add("X_kv", X_kv)
+    ws, bs = layer.in_projections()
+    s.weights(("W_q", "W_k", "W_v", "b_q", "b_k", "b_v"), ws, bs, H, G)
     # The raw and scaled scores are the display's own steps (the layer goes straight to the
     # masked, scaled scores): Q K^T from the queries and keys the layer attended with.
-    raw = attention_scores(qh, kh, scale=1.0)
-    scaled = attention_scores(qh, kh, scale=layer_scale)
-    for name, arr in (("Q", qh), ("K", kh), ("V", vh), ("scores", raw), ("scaled_scores", scaled),
-                      ("masked_scores", masked_scores), ("weights", weights)):
-        if arr is not None:
-            per_head(name, arr)
+    s.per_head("Q", qh, H)
+    s.per_head("K", kh, H)
+    s.per_head("V", vh, H)
+    s.per_head("scores", attention_scores(qh, kh, scale=1.0), H)
+    s.per_head("scaled_scores", attention_scores(qh, kh, scale=layer.scale), H)
+    if masked:
+        s.per_head("masked_scores", cache[f"{prefix}hook_attn_scores"][batch], H)
+    s.per_head("weights", cache[f"{prefix}hook_pattern"][batch], H)
+    s.per_head("head_output", z.transpose(1, 0, 2), H)
+    s.add("concat", z.reshape(L, H * D))
+    s.add("W_o", layer.out_proj.weight.data.T)
+    if layer.out_proj.bias is not None:
+        s.add("b_o", layer.out_proj.bias.data)
+    s.add("output", output)  # the layer's own output
+    return Trace(steps=s.steps, tokens=tokens, num_heads=H, scale=scale, key_tokens=key_tokens, head=head)
 
-    if isinstance(layer, SelfAttention):
-        add("output", output)
-    else:
-        per_head("head_output", z.transpose(1, 0, 2))
-        w_o = layer.out_proj.weight.data
-        b_o = None if layer.out_proj.bias is None else layer.out_proj.bias.data
-        add("concat", z.reshape(L, H * D))
-        add("W_o", w_o.T)
-        if b_o is not None:
-            add("b_o", b_o)
-        add("output", output)  # the layer's own output
-    return Trace(steps=steps, tokens=tokens, num_heads=H, scale=scale, key_tokens=key_tokens, head=head)
+
+def trace_model(model, layer: int, run, *, tokens, head: int | None = None, masked: bool = True) -> Trace:
+    """The :class:`Trace` of block ``layer``'s attention (``1..n``) inside a model's own
+    forward pass ``run()`` on one sequence, from its hook points: what every model's
+    ``trace`` method returns.
+
+    The recorded arrays are the model's (no layer is run again); ``X`` is the attention's
+    input, ``ln_1`` of the block's input pre-norm (the norm applied again for display).
+    """
+    i = layer - 1
+    block = model.layers[i]
+    want = [f"blocks.{i}.{n}" for n in ("hook_resid_pre", "hook_attn_out")]
+    want += [f"blocks.{i}.attn.{n}" for n in block.attn.hook_names() if n.startswith("hook_")]
+    store: dict[str, np.ndarray] = {}
+
+    def keep(x, name):
+        store[name] = np.array(x, copy=True)
+
+    with model.hooks([(n, keep) for n in want]):
+        run()
+    X = block.attention_input(store[want[0]])[0]
+    t = trace_from_cache(block.attn, store, prefix=f"blocks.{i}.attn.", X=X, output=store[want[1]][0],
+                         tokens=tokens, masked=masked, head=head)
+    t.layer = layer
+    return t
+
+
+def _self_attention_trace(layer, query, key_value, tokens, key_tokens, mask, causal, head) -> Trace:
+    """The one-head :class:`~attnlab.SelfAttention`'s steps (it has no hook points: each
+    array comes from the function the layer calls)."""
+    D = layer.d_out
+    x, c = layer.check_inputs(query, key_value)
+    if x.ndim == 3 and x.shape[0] != 1:
+        raise shape_error("query", x.shape, f"(T, {layer.d_in}) or (1, T, {layer.d_in}): one sequence")
+    lin = (layer.W_q, layer.W_k, layer.W_v)
+    ws = [m.weight.data for m in lin]  # (D, E_in)
+    bs = [None if m.bias is None else m.bias.data for m in lin]
+    # the projections as the layer's Linear layers compute them: F.linear
+    q, k, v = F.linear(x, ws[0], bs[0]), F.linear(c, ws[1], bs[1]), F.linear(c, ws[2], bs[2])
+    X, X_kv = (a[0] if a.ndim == 3 else a for a in (x, c))
+    cross = key_value is not None
+    tokens, key_tokens = _labelled(tokens, key_tokens, X.shape[0], X_kv.shape[0], cross)
+    s = _Steps(head, D, 1.0 / math.sqrt(D))
+    s.add("X", X)
+    if cross:
+        s.add("X_kv", X_kv)
+    s.weights(("W_q", "W_k", "W_v", "b_q", "b_k", "b_v"), ws, bs, 1, 1)
+    qh, kh = q.reshape(1, -1, D), k.reshape(1, -1, D)
+    s.per_head("Q", qh, 1)
+    s.per_head("K", kh, 1)
+    s.per_head("V", v.reshape(1, -1, D), 1)
+    s.per_head("scores", attention_scores(qh, kh, scale=1.0), 1)
+    s.per_head("scaled_scores", attention_scores(qh, kh), 1)
+    if mask is not None or causal:
+        s.per_head("masked_scores", attention_scores(q, k, mask, causal), 1)
+    s.per_head("weights", attention_weights(q, k, mask, 0.0, causal), 1)
+    s.add("output", layer.attention_fn(q, k, v, attn_mask=mask, is_causal=causal).reshape(-1, D))
+    return Trace(steps=s.steps, tokens=tokens, num_heads=1, scale=s.scale, key_tokens=key_tokens, head=head)

@@ -114,7 +114,12 @@ def run(args) -> int:
     path = Path(args.checkpoint)
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "rng": np.random.default_rng(args.seed)}
     try:
-        desc, new, whole = (_gpt2 if path.is_dir() else _recall)(args, path, sampling)
+        from attnlab.models.registry import detect
+
+        family = detect(path)
+        if not family.decoder:
+            raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
+        desc, new, whole = (_recall if family.name == "tiny" else _gpt2)(args, path, sampling)
     except FileNotFoundError as exc:
         raise CLIError(f"file not found: {exc.filename}" if exc.filename else str(exc)) from None
     except ImportError as exc:

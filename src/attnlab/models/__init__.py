@@ -4,7 +4,8 @@
 ``attnlab train`` trains; :mod:`attnlab.models.bert` a BERT encoder in NumPy and the bundled
 all-MiniLM-L6-v2 model (the ``pretrained`` extra); :mod:`attnlab.models.gpt2` GPT-2, which
 loads Hugging Face checkpoints. Both decoders generate with a key/value cache
-(:mod:`attnlab.models.generate`). Heavy optional dependencies
+(:mod:`attnlab.models.generate`). :func:`from_pretrained` loads any supported folder or
+file, asking the one registry of families (:mod:`attnlab.models.registry`). Heavy optional dependencies
 (safetensors, tokenizers) are imported only when a model is loaded.
 """
 
@@ -16,9 +17,11 @@ from attnlab.models.bert import (
     minilm_available,
 )
 from attnlab.models.gpt2 import GPT2, GPT2Config, GPT2Output
+from attnlab.models.registry import FAMILIES, detect, from_pretrained
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 
 __all__ = [
+    "FAMILIES",
     "BertConfig",
     "BertEncoder",
     "CheckpointError",
@@ -27,6 +30,8 @@ __all__ = [
     "GPT2Output",
     "TinyTransformer",
     "TinyTransformerConfig",
+    "detect",
+    "from_pretrained",
     "load_minilm",
     "minilm_available",
 ]

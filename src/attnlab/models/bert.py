@@ -53,10 +53,10 @@ from attnlab.io.sentence_transformers import POOLING_MODES
 from attnlab.models.generate import embed_tokens
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.hooks import HookPoint
+from attnlab.nn.hooks import HookPoint, record_layers
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
-from attnlab.trace import Trace, trace
+from attnlab.trace import Trace, trace_model
 
 if TYPE_CHECKING:  # the tokenizers library is imported only when a tokenizer is loaded
     import tokenizers
@@ -519,23 +519,14 @@ class BertEncoder(Module):
 
     # ------------------------------------------------------------------ the forward pass
 
-
-    # ------------------------------------------------------------------ the forward pass
-
-    def _run(self, ids, types=None, key_padding_mask=None, *, layers: int | None = None,
-             need_weights: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """``([embeddings, output of block 1, ...], [weights of block 1, ...])`` for ``ids
-        (B, T)``, through the first ``layers`` blocks (default all)."""
+    def _run(self, ids, types=None, key_padding_mask=None, *, layers: int | None = None) -> np.ndarray:
+        """The output ``(B, T, D)`` of block ``layers`` (default the last; 0: the
+        embeddings) for ``ids (B, T)``. Every view records it through the hook points
+        (:func:`attnlab.nn.hooks.record_layers`)."""
         x = self.embeddings(ids, types)
-        hidden, maps = [x], []
         for block in self.layers[:layers]:
-            if need_weights:
-                x, w = block.forward_with_weights(x, key_padding_mask=key_padding_mask)
-                maps.append(w)
-            else:
-                x = block(x, key_padding_mask=key_padding_mask)
-            hidden.append(x)
-        return hidden, maps
+            x = block(x, key_padding_mask=key_padding_mask)
+        return x
 
     def forward(
         self,
@@ -587,8 +578,8 @@ class BertEncoder(Module):
                 mask = mask.astype(bool)
             if mask.all():
                 mask = None
-        hidden, maps = self._run(ids, types, mask, need_weights=True)
-        return BertOutput(hidden[-1], np.stack(hidden), np.stack(maps))
+        last, hidden, maps = record_layers(self, lambda: self._run(ids, types, mask))
+        return BertOutput(last, hidden, maps)
 
     # ------------------------------------------------------------------ texts
 
@@ -608,15 +599,15 @@ class BertEncoder(Module):
         """
         enc, ids, types = self._one_text(text)
         truncated = self._warn_truncated([enc])[0]
-        hidden, maps = self._run(ids, types, need_weights=True)
+        _, hidden, maps = record_layers(self, lambda: self._run(ids, types))
         return TextAnalysis(
             text=text,
             tokens=list(enc.tokens),
             offsets=[tuple(o) for o in enc.offsets],
             input_ids=ids[0],
             static=self.word_embeddings[ids[0]],
-            hidden_states=np.stack(hidden)[:, 0],
-            attentions=np.stack(maps)[:, 0],
+            hidden_states=hidden[:, 0],
+            attentions=maps[:, 0],
             truncated=truncated,
         )
 
@@ -636,11 +627,8 @@ class BertEncoder(Module):
         k = layer_number(layer, self.config.num_hidden_layers, embeddings=False)
         enc, ids, types = self._one_text(text)
         self._warn_truncated([enc])
-        x = self._run(ids, types, layers=k - 1)[0][-1]
-        block = self.layers[k - 1]
-        t = trace(block.attn, block.attention_input(x), tokens=list(enc.tokens), head=head)
-        t.layer = k
-        return t
+        return trace_model(self, k, lambda: self._run(ids, types, layers=k), tokens=list(enc.tokens), head=head,
+                           masked=False)
 
     def _pool(self, x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)``: text ``b`` is its
@@ -725,7 +713,7 @@ class BertEncoder(Module):
                     ids[row, : n[row]] = encodings[i].ids
                     types[row, : n[row]] = encodings[i].type_ids
                 keep = None if (n == T).all() else np.arange(T) < n[:, None]
-                result[idx] = self._pool(self._run(ids, types, keep)[0][-1], n)
+                result[idx] = self._pool(self._run(ids, types, keep), n)
 
             run_units(units, run, min(threads, len(units)))
             if normalize:
@@ -784,7 +772,7 @@ class BertEncoder(Module):
         if k == 0:
             return self.word_embeddings[ids[0, positions]].mean(axis=0)
         types = np.array([enc.type_ids], dtype=np.int64)
-        return self._run(ids, types, layers=k)[0][-1][0, positions].mean(axis=0)
+        return self._run(ids, types, layers=k)[0, positions].mean(axis=0)
 
 def _local_folder(path: str | Path) -> Path:
     """``path`` if it is a folder; a hub id (``"org/name"``) fetched by ``huggingface_hub``."""

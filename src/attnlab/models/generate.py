@@ -167,17 +167,15 @@ def decoder_forward(
     positions_name: str,
     ids_name: str = "input_ids",
     logits_to_keep: int | None = None,
-    hidden: list | None = None,
-    maps: list | None = None,
 ) -> np.ndarray:
     """The forward pass of a causal decoder: ``embed(ids, positions)`` -> every block (causal,
     with the key padding mask, its layer's cache and the positions) -> ``head`` (final norm and output
     layer) -> logits ``(..., T, V)`` (``(..., logits_to_keep, V)``: only the last ones).
 
     ``positions_name`` names the model's limit on positions in errors
-    (``"n_positions"``, ``"context_length"``), ``ids_name`` the ids' argument. Given lists, ``hidden`` receives the
-    embeddings and every block's output ``(..., T, D)``, ``maps`` every block's attention
-    weights ``(..., H, T, P + T)`` (the blocks' own ``need_weights`` maps).
+    (``"n_positions"``, ``"context_length"``), ``ids_name`` the ids' argument. The hidden
+    states and maps are recorded through the blocks' hook points
+    (:func:`attnlab.nn.hooks.record_layers`).
     """
     past = cache_length(cache, len(blocks))
     ids = check_token_ids(input_ids, vocab_size, ids_name)
@@ -193,17 +191,9 @@ def decoder_forward(
     with decoding_threads(ids.size):
         positions = position_ids(mask, past, T)
         x = embed(ids, positions)
-        if hidden is not None:
-            hidden.append(x)
         for i, block in enumerate(blocks):
             layer_cache = None if cache is None else cache[i]
-            if maps is None:
-                x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
-            else:
-                x, w = block.forward_with_weights(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
-                maps.append(w)
-            if hidden is not None:
-                hidden.append(x)
+            x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
         if logits_to_keep is not None:
             x = x[..., T - logits_to_keep :, :]
         return head(x)

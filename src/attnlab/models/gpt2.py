@@ -35,15 +35,15 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
 from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models.generate import check_token_ids, decoder_forward, decoding_threads, embed_tokens, generate
+from attnlab.models.generate import check_token_ids, decoder_forward, embed_tokens, generate
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.hooks import HookPoint
+from attnlab.nn.hooks import HookPoint, record_layers
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
-from attnlab.trace import Trace, trace
+from attnlab.trace import Trace, trace_model
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Output"]
 
@@ -329,12 +329,12 @@ class GPT2(Module):
         """The final LayerNorm, then the output layer tied to the token embedding."""
         return self.unembed(self.ln_f(h))
 
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         c = self.config
         return decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
             vocab_size=c.vocab_size, n_positions=c.n_positions, positions_name="n_positions",
-            logits_to_keep=logits_to_keep, hidden=hidden, maps=maps,
+            logits_to_keep=logits_to_keep,
         )
 
     def forward(
@@ -372,9 +372,8 @@ class GPT2(Module):
         >>> out.hidden_states.shape, out.attentions.shape, float(out.attentions[0, 0, 0, 0, 1])
         ((3, 1, 3, 16), (2, 1, 2, 3, 3), 0.0)
         """
-        hidden, maps = [], []
-        logits = self._run(input_ids, attention_mask, None, hidden=hidden, maps=maps)
-        return GPT2Output(logits, np.stack(hidden), np.stack(maps))
+        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
+        return GPT2Output(logits, hidden, maps)
 
     # ------------------------------------------------------------------ generation
 
@@ -496,12 +495,5 @@ class GPT2(Module):
         k = layer_number(layer, self.config.n_layer, embeddings=False)
         if len(ids) > self.config.n_positions:
             raise shape_error("ids", ids.shape, f"(T,) with T <= n_positions={self.config.n_positions}")
-        with decoding_threads(len(ids)):  # as the forward pass runs them: the same numbers
-            x = self._embed(ids, np.arange(len(ids)))
-            for block in self.layers[: k - 1]:
-                x = block(x)
-            block = self.layers[k - 1]
-            t = trace(block.attn, block.attention_input(x), tokens=labels if tokens is None else tokens,
-                      is_causal=block.causal, head=head)
-        t.layer = k
-        return t
+        return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
+                           head=head)

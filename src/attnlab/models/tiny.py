@@ -19,11 +19,11 @@ from attnlab._validation import float_dtype, generator, layer_number, positive_i
 from attnlab.models.generate import decoder_forward, embed_tokens, generate
 from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.hooks import HookPoint
+from attnlab.nn.hooks import HookPoint, record_layers
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
-from attnlab.trace import Trace, trace
+from attnlab.trace import Trace, trace_model
 
 __all__ = ["TinyTransformer", "TinyTransformerConfig"]
 
@@ -246,17 +246,12 @@ class TinyTransformer(Module):
         was_training = self.training
         self.eval()
         try:
-            x = static = self._embed(ids)
-            maps = []
-            for block in self.layers:
-                x, w = block.forward_with_weights(x)
-                maps.append(w)
-            contextual = self.ln_f(x)
+            logits, hidden, maps = record_layers(self, lambda: self(ids))
             return {
-                "attentions": np.stack(maps),
-                "static": static,
-                "contextual": contextual,
-                "logits": self.head(contextual),
+                "attentions": maps,
+                "static": hidden[0],
+                "contextual": self.ln_f(hidden[-1]),  # what the output layer read
+                "logits": logits,
             }
         finally:
             self.train(was_training)
@@ -291,14 +286,7 @@ class TinyTransformer(Module):
         was_training = self.training
         self.eval()
         try:
-            x = self._embed(ids)
-            for block in self.layers[: k - 1]:
-                x = block(x)
-            block = self.layers[k - 1]
-            t = trace(block.attn, block.attention_input(x), tokens=tokens, is_causal=block.causal,
-                      head=head)
-            t.layer = k
-            return t
+            return trace_model(self, k, lambda: self(ids), tokens=tokens, head=head)
         finally:
             self.train(was_training)
 

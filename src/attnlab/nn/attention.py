@@ -34,10 +34,10 @@ from attnlab.core import (
     mask_to_bias,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
-    softmax,
 )
 from attnlab.core._namespace import as_dtype, device, is_bool, is_floating, namespace
 from attnlab.core.naive import dropout_mask
+from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.hooks import HookPoint
@@ -505,7 +505,7 @@ class Attention(Module):
                                   scale=self.scale, enable_gqa=gqa, rng=self._rng)
             return z, None, rng_state
         scores = self.hook_attn_scores(attention_scores(qh, kh, mask, causal, self.scale, gqa))
-        weights = self.hook_pattern(softmax(scores, axis=-1))
+        weights = self.hook_pattern(softmax_(scores))  # fresh scores (a hook's are copies): in place
         if p > 0:  # the keep-mask the core's backward redraws from the same state
             weights = weights * dropout_mask(weights, p, tuple(weights.shape), self._rng)
         return _weights_times_values(weights, vh), weights, rng_state

@@ -126,7 +126,8 @@ class TransformerBlock(Module):
     Hook points (TransformerLens's names): ``hook_resid_pre``, ``ln1.hook_normalized``,
     ``attn.hook_*``, ``hook_attn_out``, ``hook_resid_mid``, ``ln2.hook_normalized``,
     ``mlp.hook_pre``, ``mlp.hook_post``, ``hook_mlp_out``, ``hook_resid_post``. Post-norm,
-    ``hook_resid_post`` is the sum before ``ln_2`` and the block's output is ``ln_2`` of it.
+    ``hook_resid_post`` is the sum before ``ln_2`` and the block's output, ``ln_2`` of it,
+    is ``hook_normalized_resid_post`` (see :attr:`output_hook`).
 
     >>> block = TransformerBlock(8, 2, 16, rng=np.random.default_rng(0))
     >>> block(np.zeros((1, 5, 8), dtype=np.float32)).shape
@@ -183,6 +184,14 @@ class TransformerBlock(Module):
         self.mlp = mlp
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
+        if not self.norm_first:  # the block's output, ln_2 of the residual (TransformerLens's BERT)
+            self.hook_normalized_resid_post = HookPoint()
+
+    @property
+    def output_hook(self) -> str:
+        """The name (within the block) of the hook point that sees the block's output:
+        ``hook_resid_post``, or ``hook_normalized_resid_post`` post-norm."""
+        return "hook_resid_post" if self.norm_first else "hook_normalized_resid_post"
 
     def extra_repr(self) -> str:
         norm = "pre-norm" if self.norm_first else "post-norm"
@@ -232,7 +241,7 @@ class TransformerBlock(Module):
         s = self.ln_1(s)
         m = self.hook_mlp_out(self.mlp(s))
         m += s
-        return self.ln_2(self.hook_resid_post(m)), w
+        return self.hook_normalized_resid_post(self.ln_2(self.hook_resid_post(m))), w
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         if self.norm_first:

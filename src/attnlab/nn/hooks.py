@@ -34,7 +34,7 @@ import numpy as np
 from attnlab._validation import fmt_shape
 from attnlab.nn.module import Module
 
-__all__ = ["ActivationCache", "HookPoint", "hook_points"]
+__all__ = ["ActivationCache", "HookPoint", "hook_points", "record_layers"]
 
 HookFn = Callable[[np.ndarray, str], "np.ndarray | None"]
 
@@ -229,3 +229,29 @@ def run_with_hooks(module: Module, *args, fwd_hooks=(), **kwargs):
     """``module(*args, **kwargs)`` with ``fwd_hooks`` attached for the call."""
     with hooks(module, fwd_hooks):
         return module(*args, **kwargs)
+
+
+def record_layers(model: Module, run: Callable[[], object], *, maps: bool = True):
+    """``(output, hidden, weights)`` of ``run()``, a forward pass of ``model``, recorded
+    through its hook points: ``hidden`` ``(n + 1, B, T, D)`` (layer 0, the embeddings, is
+    ``blocks.0.hook_resid_pre``; layer ``k`` the output of block ``k``) and ``weights``
+    ``(n, B, H, T, S)`` (every block's ``attn.hook_pattern``; None without ``maps``); no
+    ``B`` axis for an unbatched sequence.
+    ``model.layers`` are its blocks. The views of every model (``inspect``, ``analyze``,
+    explain) come from here, so they show what the forward pass computed.
+    """
+    blocks = model.layers
+    store: dict[str, np.ndarray] = {}
+
+    def keep(x, name):  # these arrays are not updated in place later: np.stack copies them
+        store[name] = x
+
+    names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.{b.output_hook}" for i, b in enumerate(blocks)]
+    pattern = [f"blocks.{i}.attn.hook_pattern" for i in range(len(blocks))] if maps else []
+    with hooks(model, [(n, keep) for n in names + pattern]):
+        out = run()
+    hidden = np.stack([store[n] for n in names])
+    weights = np.stack([store[n] for n in pattern]) if maps else None
+    if weights is not None and hidden.ndim == 3:  # one unbatched sequence: (n, H, T, S)
+        weights = weights[:, 0]
+    return out, hidden, weights
