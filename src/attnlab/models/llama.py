@@ -476,12 +476,12 @@ class Llama(Module):
     def _logits(self, h: np.ndarray) -> np.ndarray:
         return self.unembed(self.ln_f(h))
 
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None, *, hidden=None, maps=None):
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         c = self.config
         return decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
             vocab_size=c.vocab_size, n_positions=c.context_length,
-            positions_name="context_length", logits_to_keep=logits_to_keep, hidden=hidden, maps=maps,
+            positions_name="context_length", logits_to_keep=logits_to_keep,
         )
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
@@ -494,9 +494,10 @@ class Llama(Module):
     def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> GPT2Output:
         """The logits with every layer's hidden states ``(n + 1, B, T, D)`` (before the final
         norm) and attention maps ``(n, B, H, T, T)``."""
-        hidden, maps = [], []
-        logits = self._run(input_ids, attention_mask, None, hidden=hidden, maps=maps)
-        return GPT2Output(logits, np.stack(hidden), np.stack(maps))
+        from attnlab.nn.hooks import record_layers
+
+        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
+        return GPT2Output(logits, hidden, maps)
 
     # ------------------------------------------------------------------ generation
 
