@@ -1,6 +1,7 @@
 """The PyTorch twin of :class:`~attnlab.models.TinyTransformer`, for tests and benchmarks.
 
-Same architecture (GPT-style or Llama-style, as the config says) and the same ``state_dict`` keys, so weights move across with
+Same architecture (GPT-style or Llama-style, as the config says) and the same
+``state_dict`` keys, so weights move across with
 ``twin.load_state_dict({k: torch.from_numpy(v) ...})``. torch is imported inside
 :func:`torch_tiny_transformer` only: it is a test oracle, never a dependency of attnlab.
 """
