@@ -82,6 +82,9 @@ FAMILIES: dict[str, Family] = {
                name_map="attnlab.io.names:gpt2_name_map"),
         Family("tiny", "attnlab.models.tiny", "TinyTransformer", "TinyTransformerConfig",
                files="an attnlab checkpoint (.npz, written by attnlab train)"),
+        Family("llama", "attnlab.models.llama", "Llama", "LlamaConfig", ("llama", "mistral", "qwen2", "qwen3"),
+               ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"),
+               ("llama", "mistral", "qwen2", "qwen3"), name_map="attnlab.models.llama:llama_name_map"),
     )
 }
 
