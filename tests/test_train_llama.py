@@ -75,6 +75,23 @@ def test_parameter_count_is_the_models(overrides):
     assert parameter_count(cfg) == sum(p.data.size for p in TinyTransformer(cfg).parameters())
 
 
+def test_cache_trace_and_inspect_on_the_llama_style_model():
+    """Rotary positions continue through the KV cache (also left-padded); trace and inspect
+    read the same attention."""
+    model = perturbed(llama()).eval()
+    ids = TASK.sample(2, rng=np.random.default_rng(5))[0][:, :12]
+    full = model(ids)
+    cache = model.new_cache()
+    stepped = np.concatenate([model(ids[:, :7], cache=cache)] +
+                             [model(ids[:, t : t + 1], cache=cache) for t in range(7, 12)], axis=1)
+    assert np.abs(stepped - full).max() <= 1e-12
+    padded = np.concatenate([np.zeros((2, 3), np.int64), ids[:, :9]], axis=1)
+    mask = np.concatenate([np.zeros((2, 3), bool), np.ones((2, 9), bool)], axis=1)
+    np.testing.assert_allclose(model(padded, mask)[:, 3:], model(ids[:, :9]), atol=1e-12)
+    t = model.trace(ids[0], layer=2, head=1)
+    np.testing.assert_array_equal(t.get("weights", 1), model.inspect(ids[0])["attentions"][1, 1])
+
+
 # ---- gradients against torch autograd ---------------------------------------------------------
 torch = pytest.importorskip("torch", reason="torch is the test oracle for training")
 
