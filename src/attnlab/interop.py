@@ -8,7 +8,11 @@ back. What each attnlab class becomes:
 - ``Linear``, ``MultiheadAttention``: ``torch.nn.Linear``, ``torch.nn.MultiheadAttention``;
 - ``SelfAttention``, ``TinyTransformer``: torch modules with attnlab's ``state_dict`` names;
 - ``BertEncoder``: a ``transformers`` ``BertModel`` (Hugging Face names, through
-  :func:`attnlab.io.bert_name_map`; needs the ``transformers`` package).
+  :func:`attnlab.io.bert_name_map`; needs the ``transformers`` package);
+- ``Llama`` (Llama, Mistral, Qwen2, Qwen3): ``transformers``' ``LlamaForCausalLM``,
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (through
+  :func:`attnlab.models.llama.llama_name_map`; :func:`from_torch` recognises them by the
+  model registry's ``architectures``).
 
 To run a layer's own forward on torch tensors instead, convert its weights with
 :meth:`attnlab.nn.Module.to` (``layer.to(torch)``).
@@ -28,6 +32,7 @@ import numpy as np
 from attnlab.io.names import NameMap, bert_name_map, gpt2_name_map, gpt2_transposed
 from attnlab.models.bert import BertConfig, BertEncoder
 from attnlab.models.gpt2 import GPT2, GPT2Config, unsupported_setting
+from attnlab.models.llama import Llama
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.models.tiny_torch import torch_tiny_transformer
 from attnlab.nn.attention import MultiheadAttention, SelfAttention
@@ -36,9 +41,10 @@ from attnlab.nn.module import Module
 
 _TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 # What to_torch and from_torch support, for their errors (a new model adds its names here).
-_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, TinyTransformer, BertEncoder and GPT2"
+_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, Llama, TinyTransformer, BertEncoder and GPT2"
 _FROM_TORCH = (
-    "nn.MultiheadAttention, nn.Linear, to_torch(SelfAttention), to_torch(TinyTransformer), "
+    "nn.MultiheadAttention, nn.Linear, transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or "
+    "Qwen3ForCausalLM, to_torch(SelfAttention), to_torch(TinyTransformer), "
     "transformers' GPT2LMHeadModel or GPT2Model and "
     "transformers' BertModel"
 )
@@ -210,8 +216,10 @@ def to_torch(layer: Module):
     (-> an equivalent torch module), :class:`~attnlab.models.TinyTransformer` (-> a torch
     module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits)
     :class:`~attnlab.models.GPT2` (-> a ``transformers`` ``GPT2LMHeadModel`` with the same
-    logits, dropout 0) and :class:`~attnlab.models.BertEncoder` (-> a ``transformers``
-    ``BertModel`` built from
+    logits, dropout 0), :class:`~attnlab.models.llama.Llama` (-> ``transformers``'
+    ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
+    ``Qwen3ForCausalLM``, as its ``model_type``, with the same logits) and
+    :class:`~attnlab.models.BertEncoder` (-> a ``transformers`` ``BertModel`` built from
     a matching ``BertConfig``, without pooler and with dropout 0 as attnlab's encoder, whose
     ``last_hidden_state`` and ``hidden_states`` equal the encoder's; the tokenizer stays
     with attnlab). Training/eval mode is copied. The weights may be in any library
@@ -226,6 +234,10 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
+    if isinstance(layer, Llama):
+        module = _llama_to_torch(layer)
+        module.train(layer.training)
+        return module
     if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder | GPT2):
         raise TypeError(f"to_torch supports {_TO_TORCH}, got {type(layer).__name__}")
     state = layer.state_dict()  # NumPy copies, wherever the weights are
@@ -253,7 +265,9 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
 
     Accepts ``torch.nn.MultiheadAttention``, ``torch.nn.Linear``, the modules returned by
     :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer``, a ``transformers``
-    ``GPT2LMHeadModel`` or ``GPT2Model`` (-> a :class:`~attnlab.models.GPT2`) and a ``transformers``
+    ``GPT2LMHeadModel`` or ``GPT2Model`` (-> a :class:`~attnlab.models.GPT2`), ``transformers``'
+    ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
+    (-> a :class:`~attnlab.models.llama.Llama` without tokenizer) and a ``transformers``
     ``BertModel`` (-> a :class:`~attnlab.models.BertEncoder` without tokenizer; its pooler is
     left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
     also after training in torch, and any of these wrapped in ``DistributedDataParallel``
@@ -278,6 +292,11 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
         layer = _gpt2_from_torch(module, rng)
         layer.train(module.training)
         return layer
+    family = _registry_family(module)
+    if family is not None and family.name in _FROM_TRANSFORMERS:
+        layer = _FROM_TRANSFORMERS[family.name](module)
+        layer.train(module.training)
+        return layer
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     if isinstance(module, torch.nn.MultiheadAttention):
@@ -293,3 +312,149 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     layer.load_state_dict(state)
     layer.train(module.training)
     return layer
+
+
+# ---- the Llama family: attnlab's Llama <-> transformers' LlamaForCausalLM and relatives ----------
+def _registry_family(module):
+    """The family of the model registry whose ``architectures`` name ``module``'s class (a
+    ``transformers`` model), or None."""
+    if not type(module).__module__.startswith("transformers."):
+        return None
+    from attnlab.models.registry import FAMILIES
+
+    name = type(module).__name__
+    return next((f for f in FAMILIES.values() if name in f.architectures), None)
+
+
+def _split_sizes(state: dict[str, np.ndarray], name_map: NameMap, sizes: dict[str, list[int]]) -> dict[str, np.ndarray]:
+    """attnlab-named arrays -> checkpoint-named ones, a fused tensor split along axis 0 into
+    parts of the given sizes (grouped-query heads: ``H * D_h`` query rows, then ``H_kv * D_h``
+    key rows and as many value rows)."""
+    out = {}
+    for ours, sources in name_map.items():
+        if len(sources) == 1:
+            out[sources[0]] = state[ours]
+            continue
+        parts = np.split(state[ours], np.cumsum(sizes[ours.rsplit(".", 1)[-1]])[:-1])
+        for src, part in zip(sources, parts, strict=True):
+            out[src] = part
+    return out
+
+
+def llama_hf_config(config) -> dict:
+    """The ``transformers`` ``config.json`` contents of a
+    :class:`~attnlab.models.llama.LlamaConfig` (the inverse of ``LlamaConfig.from_dict``).
+
+    Raises:
+        ValueError: a combination the ``transformers`` class of its ``model_type`` cannot
+            express (the field named), e.g. a Llama with a sliding window.
+
+    >>> from attnlab.models.llama import LlamaConfig
+    >>> c = LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+    ...                 num_attention_heads=2, model_type="qwen2", qkv_bias=True)
+    >>> d = llama_hf_config(c)
+    >>> d["architectures"], d["num_key_value_heads"], d["use_sliding_window"]
+    (['Qwen2ForCausalLM'], 2, False)
+    """
+    from attnlab.models.llama import FAMILIES
+
+    c = config
+    kind = c.model_type
+    rope = {"rope_type": "default", **dict(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    d = {
+        "model_type": kind, "architectures": [FAMILIES[kind]], "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.kv_heads, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps, "rope_parameters": rope, "hidden_act": c.hidden_act,
+        "tie_word_embeddings": c.tie_word_embeddings, "attention_dropout": 0.0,
+        "bos_token_id": c.bos_token_id, "pad_token_id": c.pad_token_id,
+        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id,
+    }
+    if c.head_dim is not None:
+        d["head_dim"] = c.head_dim
+    if c.partial_rotary_factor is not None:
+        rope["partial_rotary_factor"] = d["partial_rotary_factor"] = c.partial_rotary_factor
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{FAMILIES[kind]} has no {what}; this {kind} config has it")
+
+    if kind == "qwen2":
+        if (c.qkv_bias, c.out_bias) != (True, False):
+            raise refuse(f"qkv_bias={c.qkv_bias}, out_bias={c.out_bias} (it has q/k/v biases only)")
+    elif kind == "mistral":
+        if c.qkv_bias or c.out_bias:
+            raise refuse("attention biases")
+    else:  # llama, qwen3: attention_bias on q, k, v and the output projection alike
+        if c.qkv_bias != c.out_bias:
+            raise refuse(f"qkv_bias={c.qkv_bias} with out_bias={c.out_bias}")
+        d["attention_bias"] = c.qkv_bias
+    if c.mlp_bias:
+        if kind != "llama":
+            raise refuse("mlp_bias")
+        d["mlp_bias"] = True
+    if c.qk_norm != (kind == "qwen3"):
+        raise refuse(f"qk_norm={c.qk_norm}")
+    windows = c.sliding_windows or (None,) * c.num_hidden_layers
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"sliding_windows {c.sliding_windows}: transformers' {FAMILIES[kind]} has one window size")
+    window = next(iter(sizes), None)
+    if kind == "llama" and window is not None:
+        raise refuse("sliding window")
+    if kind == "mistral":
+        if window is not None and None in windows:
+            raise refuse(f"sliding window on some layers only ({c.sliding_windows})")
+        d["sliding_window"] = window
+    elif kind in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = window is not None
+        d["sliding_window"] = window
+        if window is not None:
+            d["max_window_layers"] = next(i for i, w in enumerate(windows) if w is not None)
+            d["layer_types"] = ["sliding_attention" if w is not None else "full_attention" for w in windows]
+    return d
+
+
+def _llama_to_torch(model: Llama):
+    """``transformers``' class of ``model``'s family (``LlamaForCausalLM``…) with its weights
+    (attention dropout 0: the same function as ``model``)."""
+    transformers, torch = _transformers(), _torch()
+    from attnlab.models.llama import llama_name_map
+
+    c = model.config
+    d = llama_hf_config(c)
+    kind = d.pop("model_type")
+    hf_config = transformers.AutoConfig.for_model(kind, **d)
+    H, Hkv, Dh = c.num_attention_heads, c.kv_heads, c.head_size
+    sizes = [H * Dh, Hkv * Dh, Hkv * Dh]
+    ours = model.state_dict()
+    state = _split_sizes(ours, llama_name_map(c), {"in_proj_weight": sizes, "in_proj_bias": sizes})
+    dtype = getattr(torch, _TORCH_DTYPES[ours["tok_emb.weight"].dtype])
+    module = getattr(transformers, d["architectures"][0])(hf_config).to(dtype)
+    missing, unexpected = module.load_state_dict(
+        {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
+    tied = ["lm_head.weight"] if c.tie_word_embeddings else []
+    if unexpected or sorted(missing) != tied:
+        raise ValueError(f"{type(module).__name__} names do not match: missing {missing}, unexpected {unexpected}")
+    if tied and module.lm_head.weight.data_ptr() != module.model.embed_tokens.weight.data_ptr():
+        raise ValueError(f"{type(module).__name__} did not tie lm_head.weight to the token embedding")
+    return module
+
+
+def _llama_from_torch(module) -> Llama:
+    """A :class:`~attnlab.models.llama.Llama` with a ``LlamaForCausalLM``'s (or a
+    relative's) architecture and weights (read through ``LlamaConfig.from_dict``)."""
+    from attnlab.models.llama import LlamaConfig
+
+    name = type(module).__name__
+    data = module.config.to_dict()
+    data["architectures"] = [name]
+    config = LlamaConfig.from_dict(data, where=name)
+    state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
+    dtype = state["model.embed_tokens.weight"].dtype
+    return Llama(config, weights=state, dtype=dtype, name=f"{name} (from torch)")
+
+
+#: registry family name -> its converter from a ``transformers`` model.
+# The registry's families arranged by attnlab.models.llama (Llama, Mistral, Qwen2, Qwen3).
+_FROM_TRANSFORMERS = {name: _llama_from_torch for name in ("llama", "mistral", "qwen2", "qwen3")}

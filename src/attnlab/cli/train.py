@@ -1,7 +1,10 @@
 """attnlab train: train a TinyTransformer on multi-query associative recall.
 
+--arch llama trains Llama-style blocks (rotary positions, RMSNorm, a SwiGLU MLP,
+grouped-query heads) instead of the GPT-style ones.
+
 Writes to --out: checkpoint.npz (weights + config, no pickle), metrics.json
-(steps, seconds, final_loss, heldout_accuracy, …) and curves.png (loss and accuracy;
+(steps, seconds, final_loss, heldout_accuracy, ...) and curves.png (loss and accuracy;
 needs matplotlib), replacing an earlier run's. A NaN/inf loss stops training and keeps the
 last good weights; Ctrl-C saves a checkpoint (and the curves so far) before exiting; a
 checkpoint that cannot be written (a full disk) ends the run with one line and leaves the
@@ -18,6 +21,7 @@ import time
 from attnlab.cli._common import CLIError, atomic_write, prepare_out_dir
 
 DEFAULT_OUT = "attnlab-out/train"
+ARCHS = ("gpt", "llama")
 
 
 def register(sub) -> None:
@@ -37,6 +41,12 @@ def register(sub) -> None:
     p.add_argument("--d-model", default=None, metavar="N", help="model width (default 64)")
     p.add_argument("--heads", default=None, metavar="N", help="attention heads (default 4)")
     p.add_argument("--layers", default=None, metavar="N", help="transformer blocks (default 2)")
+    p.add_argument("--arch", default="gpt", choices=ARCHS,
+                   help="the blocks: 'gpt' (learned positions, LayerNorm, a ReLU MLP; the default) or "
+                        "'llama' (rotary positions, RMSNorm, a SwiGLU MLP, grouped-query heads, no biases)")
+    p.add_argument("--kv-heads", default=None, metavar="N",
+                   help="key/value heads shared by the query heads; must divide --heads (default: all "
+                        "heads; with --arch llama, half of them when --heads is even)")
     p.add_argument("--num-keys", default=None, metavar="N", help="distinct keys (default 16)")
     p.add_argument("--num-values", default=None, metavar="N", help="distinct values (default 16)")
     p.add_argument("--num-pairs", default=None, metavar="N", help="key/value pairs per sequence (default 8)")
@@ -156,15 +166,23 @@ def run(args) -> int:
             model_kw[key] = _int(getattr(args, flag), "--" + flag.replace("_", "-"))
     if "d_model" in model_kw:
         model_kw["d_ff"] = 2 * model_kw["d_model"]
+    if args.kv_heads is not None:
+        model_kw["n_kv_heads"] = _int(args.kv_heads, "--kv-heads")
+        heads = model_kw.get("n_heads", mc.n_heads)
+        if heads % model_kw["n_kv_heads"]:
+            raise CLIError(f"--kv-heads must divide --heads ({heads}), got {args.kv_heads!r}")
+    arch = getattr(args, "arch", "gpt")
+    if arch not in ARCHS:
+        raise CLIError(f"--arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    make_config = TinyTransformerConfig.llama if arch == "llama" else TinyTransformerConfig
     task_kw = {}
     for key in ("num_keys", "num_values", "num_pairs", "num_queries"):
         if getattr(args, key) is not None:
             task_kw[key] = _int(getattr(args, key), "--" + key.replace("_", "-"))
     try:
         task = RecallTask(**task_kw)
-        model_config = TinyTransformerConfig(**{
-            **mc.to_dict(), **model_kw, "vocab_size": task.vocab_size,
-            "context_length": max(mc.context_length, task.seq_len),
+        model_config = make_config(**{
+            **model_kw, "vocab_size": task.vocab_size, "context_length": max(mc.context_length, task.seq_len),
         })
         config = TrainConfig(**{**tc.to_dict(), **train_kw})
     except (TypeError, ValueError) as exc:
@@ -267,7 +285,8 @@ def run(args) -> int:
             from attnlab.viz.plots import plot_training_curves
 
             atomic_write(paths["curves.png"], lambda p: plot_training_curves(
-                h, evals, title="TinyTransformer on multi-query associative recall", path=p))
+                h, evals, title=f"TinyTransformer{' (Llama-style)' if arch == 'llama' else ''} on multi-query "
+                                "associative recall", path=p))
             wrote.append("curves.png")
         except ImportError:
             print("attnlab train: matplotlib is not installed; skipped curves.png "

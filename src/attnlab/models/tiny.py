@@ -1,7 +1,11 @@
-"""A tiny decoder-only transformer (GPT-style, pre-norm) built from attnlab's own layers.
+"""A tiny decoder-only transformer (pre-norm) built from attnlab's own layers.
 
-``ids (B, T) -> token + position embeddings -> n_layers x TransformerBlock (causal)
--> LayerNorm -> Linear head -> logits (B, T, vocab_size)``.
+GPT-style by default: ``ids (B, T) -> token + learned position embeddings -> n_layers x
+TransformerBlock (causal) -> LayerNorm -> Linear head -> logits (B, T, vocab_size)``.
+Llama-style with :meth:`TinyTransformerConfig.llama` (or the fields one at a time): rotary
+positions in every attention instead of learned ones, RMSNorm instead of LayerNorm, a gated
+feed-forward network (SwiGLU) instead of the GELU MLP, and grouped-query heads
+(``n_kv_heads`` key/value heads shared by the ``n_heads`` query heads).
 
 It trains with attnlab's backward passes: ``forward`` in training mode, then
 ``backward(grad_logits)`` fills every parameter's ``.grad``. With a key/value cache
@@ -11,21 +15,28 @@ tokens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
 from attnlab.models.generate import decoder_forward, embed_tokens, generate
-from attnlab.nn.attention import KVCache
-from attnlab.nn.blocks import TransformerBlock
+from attnlab.nn.attention import Attention, KVCache
+from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
-from attnlab.nn.layers import Embedding, LayerNorm
+from attnlab.nn.layers import Embedding, LayerNorm, RMSNorm, RotaryEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
 from attnlab.trace import Trace, trace_model
 
 __all__ = ["TinyTransformer", "TinyTransformerConfig"]
+
+POSITIONS = ("learned", "rotary")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("standard", "gated")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
 @dataclass(frozen=True)
@@ -40,9 +51,28 @@ class TinyTransformerConfig:
         n_layers: number of transformer blocks.
         d_ff: hidden width of each feed-forward network.
         dropout: dropout probability (attention weights, residual branches, MLP).
-        activation: ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``.
+        activation: ``"gelu"``, ``"gelu_tanh"`` or ``"relu"``; with ``mlp="gated"`` also
+            ``"silu"`` (SwiGLU).
         bias: biases in the linear layers (the LM head has none).
         dtype: ``"float32"`` or ``"float64"``.
+        position: ``"learned"`` (position embeddings added to the tokens) or ``"rotary"``
+            (queries and keys rotated in every attention, Hugging Face's split-halves
+            convention; no position embeddings).
+        rope_theta: the rotary embedding's base.
+        norm: ``"layernorm"`` or ``"rmsnorm"`` (the blocks' norms and the final one).
+        norm_eps: the norms' ``eps``.
+        mlp: ``"standard"`` (``Linear -> activation -> Linear``) or ``"gated"``
+            (``down(act(gate(x)) * up(x))``, :class:`~attnlab.nn.GatedFeedForward`; no
+            dropout inside).
+        n_kv_heads: key/value heads (divides ``n_heads``; 1 is multi-query attention;
+            None: ``n_heads``).
+
+    The defaults are the GPT-style model (and read every checkpoint written before the
+    other arrangements existed). :meth:`llama` gives the Llama-style one:
+
+    >>> c = TinyTransformerConfig.llama(n_heads=4)
+    >>> c.position, c.norm, c.mlp, c.activation, c.kv_heads, c.bias
+    ('rotary', 'rmsnorm', 'gated', 'silu', 2, False)
     """
 
     vocab_size: int = 32
@@ -55,6 +85,12 @@ class TinyTransformerConfig:
     activation: str = "relu"
     bias: bool = True
     dtype: str = "float32"
+    position: str = "learned"
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "standard"
+    n_kv_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "d_model", "n_heads", "n_layers", "d_ff"):
@@ -63,6 +99,58 @@ class TinyTransformerConfig:
             raise ValueError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         probability(self.dropout, "dropout")
         float_dtype(self.dtype)
+        for name, allowed in (("position", POSITIONS), ("norm", NORMS), ("mlp", MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
+        acts = GATED_ACTIVATIONS if self.mlp == "gated" else ACTIVATIONS
+        if self.activation not in acts:
+            raise ValueError(f"activation must be one of {', '.join(map(repr, acts))} with mlp={self.mlp!r}, "
+                             f"got {self.activation!r}")
+        if self.n_kv_heads is not None:
+            positive_int(self.n_kv_heads, "n_kv_heads")
+            if self.n_heads % self.n_kv_heads:
+                raise ValueError(f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}")
+        for name in ("rope_theta", "norm_eps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {v!r}")
+        if self.position == "rotary":
+            head_dim = self.d_model // self.n_heads
+            if head_dim % 2:
+                raise ValueError(f"rotary positions need an even head size, got d_model / n_heads = "
+                                 f"{self.d_model} / {self.n_heads} = {head_dim}")
+            if self.rope_theta <= 1:
+                raise ValueError(f"rope_theta must be > 1, got {self.rope_theta!r}")
+
+    @classmethod
+    def llama(cls, **overrides) -> TinyTransformerConfig:
+        """The Llama-style arrangement: rotary positions, RMSNorm (``eps`` 1e-6), a SwiGLU
+        feed-forward network, no biases and grouped-query heads (``n_kv_heads`` half of
+        ``n_heads`` when that is even, else ``n_heads``); ``overrides`` set any field.
+
+        >>> TinyTransformerConfig.llama(n_heads=3, d_model=48).kv_heads
+        3
+        """
+        H = overrides.get("n_heads", cls.n_heads)
+        preset = dict(position="rotary", norm="rmsnorm", norm_eps=1e-6, mlp="gated", activation="silu",
+                      bias=False, n_kv_heads=H // 2 if isinstance(H, int) and H % 2 == 0 else None)
+        return cls(**{**preset, **overrides})
+
+    @property
+    def kv_heads(self) -> int:
+        """The number of key/value heads (``n_kv_heads``, or ``n_heads``)."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def arrangement(self) -> str:
+        """``"gpt"`` for the default arrangement, ``"llama"`` for :meth:`llama`'s, else
+        ``"custom"``."""
+        if (self.position, self.norm, self.mlp, self.n_kv_heads) == ("learned", "layernorm", "standard", None):
+            return "gpt"
+        if (self.position, self.norm, self.mlp, self.activation, self.bias) == \
+                ("rotary", "rmsnorm", "gated", "silu", False):
+            return "llama"
+        return "custom"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,7 +168,11 @@ class TinyTransformerConfig:
 class TinyTransformer(Module):
     """A small causal language model; parameter names follow the attribute layout
     (``tok_emb.weight``, ``pos_emb.weight``, ``blocks.0.attn.in_proj_weight``, …,
-    ``ln_f.weight``, ``head.weight``).
+    ``ln_f.weight``, ``head.weight``). Llama-style (rotary positions) it has no
+    ``pos_emb``, its fused ``in_proj_weight`` holds ``n_heads`` query heads then
+    ``n_kv_heads`` key and value heads, and its gated MLP ``mlp.gate_proj.weight``,
+    ``mlp.up_proj.weight``, ``mlp.down_proj.weight``; its attention hook points include
+    ``hook_rot_q`` and ``hook_rot_k``.
 
     Args:
         config: the :class:`TinyTransformerConfig`.
@@ -92,6 +184,9 @@ class TinyTransformer(Module):
     >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0))
     >>> model(np.zeros((2, 8), dtype=np.int64)).shape
     (2, 8, 10)
+    >>> llama = TinyTransformer(TinyTransformerConfig.llama(vocab_size=10, context_length=8, d_model=16, d_ff=32))
+    >>> llama.layers[0].attn.num_kv_heads, llama(np.zeros((2, 8), dtype=np.int64)).shape
+    (2, (2, 8, 10))
     """
 
     def __init__(self, config: TinyTransformerConfig, *, rng=None, attention_fn=None):
@@ -103,21 +198,44 @@ class TinyTransformer(Module):
         dtype = float_dtype(c.dtype)
         object.__setattr__(self, "config", c)
         self.tok_emb = Embedding(c.vocab_size, c.d_model, rng=rng, dtype=dtype)
-        self.pos_emb = Embedding(c.context_length, c.d_model, rng=rng, dtype=dtype)
+        if c.position == "learned":
+            self.pos_emb = Embedding(c.context_length, c.d_model, rng=rng, dtype=dtype)
         self.hook_embed = HookPoint()
-        self.hook_pos_embed = HookPoint()
+        if c.position == "learned":
+            self.hook_pos_embed = HookPoint()
         # torch's N(0, 1) embeddings: on recall they train far faster than GPT-2's N(0, 0.02)
         # (distinct positions from the start help the previous-token head form).
         self.blocks = Module()
         for i in range(c.n_layers):
+            parts = self._parts(rng, dtype, attention_fn)  # None: the block's default part
             block = TransformerBlock(
                 c.d_model, c.n_heads, c.d_ff, dropout=c.dropout, activation=c.activation,
-                causal=True, bias=c.bias, norm_first=True, attention_fn=attention_fn, rng=rng,
-                dtype=dtype,
+                causal=True, bias=c.bias, norm_first=True, layer_norm_eps=c.norm_eps,
+                attention_fn=attention_fn, rng=rng, dtype=dtype, **parts,
             )
             setattr(self.blocks, str(i), block)
-        self.ln_f = LayerNorm(c.d_model, dtype=dtype)
+        self.ln_f = self._norm(dtype) or LayerNorm(c.d_model, c.norm_eps, dtype=dtype)
         self.head = Linear(c.d_model, c.vocab_size, bias=False, rng=rng, dtype=dtype)
+
+    def _norm(self, dtype) -> RMSNorm | None:
+        c = self.config
+        return RMSNorm(c.d_model, c.norm_eps, dtype=dtype) if c.norm == "rmsnorm" else None
+
+    def _parts(self, rng, dtype, attention_fn) -> dict[str, Module | None]:
+        """A block's parts that differ from TransformerBlock's defaults (in the order the
+        block would build them, so the default arrangement draws the same weights)."""
+        c = self.config
+        attn = None
+        if c.position == "rotary" or c.kv_heads != c.n_heads:
+            rotary = RotaryEmbedding(c.d_model // c.n_heads, theta=float(c.rope_theta)) \
+                if c.position == "rotary" else None
+            attn = Attention(
+                c.d_model, c.n_heads, num_kv_heads=c.kv_heads, dropout=c.dropout, bias=c.bias,
+                rotary=rotary, causal=True, rng=rng, dtype=dtype, attention_fn=attention_fn,
+            )
+        mlp = GatedFeedForward(c.d_model, c.d_ff, activation=c.activation, bias=c.bias, rng=rng, dtype=dtype) \
+            if c.mlp == "gated" else None
+        return {"attn": attn, "mlp": mlp, "ln_1": self._norm(dtype), "ln_2": self._norm(dtype)}
 
     _hook_alias = {"ln_f": "ln_final"}
 
@@ -126,8 +244,8 @@ class TinyTransformer(Module):
         return list(self.blocks._modules.values())
 
     @property
-    def ln_final(self) -> LayerNorm:
-        """The final LayerNorm (hook name ``ln_final``)."""
+    def ln_final(self) -> LayerNorm | RMSNorm:
+        """The final norm (hook name ``ln_final``)."""
         return self.ln_f
 
     @property
@@ -167,6 +285,8 @@ class TinyTransformer(Module):
     def _embed_at(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # positions (T,) are shared by the batch, (B, T) are per sequence (a padded batch)
         self._save(positions_per_sequence=positions.ndim == ids.ndim == 2)
+        if self.config.position == "rotary":  # positions enter in every attention
+            return self.hook_embed(self.tok_emb(ids))
         return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
 
     def forward(
@@ -236,6 +356,8 @@ class TinyTransformer(Module):
         for block in reversed(self.layers):
             g = block.backward(g)
         self.tok_emb.backward(g)
+        if self.config.position == "rotary":
+            return
         # Positions shared by every sequence: sum over the batch axis first.
         self.pos_emb.backward(g if per_sequence else g.reshape(-1, *g.shape[-2:]).sum(axis=0))
 
@@ -304,4 +426,6 @@ class TinyTransformer(Module):
         return (
             f"vocab_size={c.vocab_size}, context_length={c.context_length}, d_model={c.d_model}, "
             f"n_heads={c.n_heads}, n_layers={c.n_layers}, d_ff={c.d_ff}"
+            + ("" if c.arrangement == "gpt" else
+               f", n_kv_heads={c.kv_heads}, position={c.position!r}, norm={c.norm!r}, mlp={c.mlp!r}")
         )

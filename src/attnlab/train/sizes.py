@@ -18,19 +18,27 @@ __all__ = ["available_memory", "parameter_count", "training_bytes"]
 def parameter_count(config: TinyTransformerConfig) -> int:
     """The number of weights of ``TinyTransformer(config)``, without building it.
 
-    Token and position embeddings, per block two LayerNorms, the fused Q/K/V projection, the
-    output projection and the two feed-forward linears (biases when ``config.bias``), then
-    the final LayerNorm and the bias-free LM head.
+    Token and position embeddings (none with rotary positions), per block two norms
+    (LayerNorm: weight and bias; RMSNorm: weight), the fused Q/K/V projection (``n_heads``
+    query heads, ``n_kv_heads`` key and value heads), the output projection and the
+    feed-forward linears (two, or three when gated; biases when ``config.bias``), then the
+    final norm and the bias-free LM head.
 
     >>> parameter_count(TinyTransformerConfig(vocab_size=32, context_length=32, d_model=64,
     ...                                       n_layers=2, d_ff=128))
     73216
+    >>> parameter_count(TinyTransformerConfig.llama(vocab_size=32, d_model=64, n_layers=2, d_ff=128))
+    78144
     """
     c = config
     V, C, D, F, N = c.vocab_size, c.context_length, c.d_model, c.d_ff, c.n_layers
     b = 1 if c.bias else 0
-    block = 2 * D + 3 * D * D + b * 3 * D + D * D + b * D + 2 * D + D * F + b * F + F * D + b * D
-    return V * D + C * D + N * block + 2 * D + V * D
+    norm = 2 * D if c.norm == "layernorm" else D
+    qkv = D + 2 * c.kv_heads * (D // c.n_heads)
+    attn = qkv * D + b * qkv + D * D + b * D
+    mlp = 3 * D * F + b * (2 * F + D) if c.mlp == "gated" else D * F + b * F + F * D + b * D
+    positions = C * D if c.position == "learned" else 0
+    return V * D + positions + N * (2 * norm + attn + mlp) + norm + V * D
 
 
 def training_bytes(config: TinyTransformerConfig, *, batch_size: int, seq_len: int,
@@ -39,7 +47,7 @@ def training_bytes(config: TinyTransformerConfig, *, batch_size: int, seq_len: i
 
     Weights, gradients, AdamW's two moments, the last-good copy and a checkpoint's copy
     (6 x the weights), plus the activations a training step keeps for its backward pass
-    (per block and token: about 12 widths ``D``, 3 hidden widths ``F`` and 3 rows of
+    (per block and token: about 12 widths ``D``, 3 hidden widths ``F`` (5 gated) and 3 rows of
     scores per head) and the logits, for the larger of the batch and the evaluation chunk.
 
     >>> cfg = TinyTransformerConfig(d_model=100_000, d_ff=200_000)
@@ -49,7 +57,8 @@ def training_bytes(config: TinyTransformerConfig, *, batch_size: int, seq_len: i
     c = config
     itemsize = np.dtype(c.dtype).itemsize
     rows = max(batch_size, eval_chunk) * seq_len
-    per_token = c.n_layers * (12 * c.d_model + 3 * c.d_ff + 3 * c.n_heads * seq_len) + 3 * c.vocab_size
+    per_token = c.n_layers * (12 * c.d_model + (5 if c.mlp == "gated" else 3) * c.d_ff
+                              + 3 * c.n_heads * seq_len) + 3 * c.vocab_size
     return itemsize * (6 * parameter_count(c) + rows * per_token)
 
 
