@@ -100,7 +100,7 @@ def test_explain_steps_walk_through():
                  "scaled_scores  (6, 6)", "weights  (6, 6)", "head_output  (6, 8)",
                  "concat  (6, 16)", "output  (6, 16)"):
         assert step in text, step
-    assert "step by step (layer 1, head 1 of 2)" in text
+    assert "step by step (layer 1, head 1 (of 0-1))" in text
     assert "head 0" not in text.split("step by step")[1].replace("other heads", "")
     assert "1/sqrt(8)" in text
 

@@ -165,7 +165,7 @@ def test_cli_steps_with_minilm_and_a_checkpoint(tmp_path, capsys):
     assert main(["explain", "k1 v5 k2 v9 k1", "--checkpoint", str(path), "--steps", "--layer", "1"]) == 0
     out = capsys.readouterr().out
     assert "attention weights, layer 1 (of 1-2), head 0 (of 0-1)" in out
-    assert "step by step (layer 1, head 0 of 2)" in out
+    assert "step by step (layer 1, head 0 (of 0-1))" in out
 
 
 def _minilm_available() -> bool:

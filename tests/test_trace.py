@@ -230,7 +230,7 @@ def test_str_shows_the_steps_as_tables():
     t = attnlab.trace(mha, x, tokens=["the", "cat", "sat"], is_causal=True)
     text = str(t)
     lines = text.splitlines()
-    assert lines[1] == "step by step (head 0 of 2)"
+    assert lines[1] == "step by step (head 0 (of 0-1))"
     assert " 1. X  (3, 8): input token vectors, one row per token" in lines
     assert any(line.startswith(" 2. W_q  (8, 4)  head 0: ") for line in lines)
     i = lines.index(next(line for line in lines if ". weights  (3, 3)  head 0:" in line))
@@ -238,6 +238,6 @@ def test_str_shows_the_steps_as_tables():
     row = lines[i + 2].split()
     assert row[0] == "the" and [float(v) for v in row[1:]] == [1.0, 0.0, 0.0]
     assert "head 1" not in text
-    assert "step by step (head 1 of 2)" in t.format(head=1)
+    assert "step by step (head 1 (of 0-1))" in t.format(head=1)
     wide = attnlab.trace(_mha(E=16, H=4), _x(T=10))
     assert "  ... 2 more rows, 2 more columns (to_dict() has every value)" in str(wide)

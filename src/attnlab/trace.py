@@ -187,7 +187,7 @@ class Trace:
     >>> mha = attnlab.MultiheadAttention(4, 2, rng=np.random.default_rng(0))
     >>> t = attnlab.trace(mha, np.eye(3, 4, dtype=np.float32), tokens=["a", "b", "c"])
     >>> print("\\n".join(str(t).splitlines()[1:6]))
-    step by step (head 0 of 2)
+    step by step (head 0 (of 0-1))
     <BLANKLINE>
      1. X  (3, 4): input token vectors, one row per token
           0    1    2    3
@@ -264,7 +264,7 @@ class Trace:
         steps = [s for s in self.steps if s.head in (None, head)]
         where = [f"layer {self.layer}"] if self.layer is not None else []
         if self.num_heads > 1:
-            where.append(f"head {head} of {self.num_heads}")
+            where.append(f"head {head} (of 0-{self.num_heads - 1})")
         lines = ["", "step by step" + (f" ({', '.join(where)})" if where else "")]
         for i, s in enumerate(steps, 1):
             at = "" if s.head is None else f"  head {s.head}"
