@@ -294,7 +294,7 @@ def test_trace_of_any_layer_is_its_attention_map(model, layer, k):
     assert np.array_equal(t.get("X"), a.hidden_states[k - 1])  # post-norm: the block's input
     one = model.trace(text, layer=layer, head=5)
     assert {s.head for s in one.steps} == {None, 5}
-    assert f"step by step (layer {k}, head 5 of 12)" in str(one)
+    assert f"step by step (layer {k}, head 5 (of 0-11))" in str(one)
 
 
 def test_the_model_is_a_module_with_a_state_dict(model):

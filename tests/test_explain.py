@@ -156,7 +156,7 @@ def test_cli_steps_with_minilm_and_a_checkpoint(tmp_path, capsys):
         assert main(["explain", "The bank of the river", "--steps", "--layer", "6", "--head", "2"]) == 0
         out = capsys.readouterr().out
         assert "attention weights, layer 6 (of 1-6), head 2 (of 0-11)" in out
-        assert "step by step (layer 6, head 2 of 12)" in out and "weights  (7, 7)  head 2" in out
+        assert "step by step (layer 6, head 2 (of 0-11))" in out and "weights  (7, 7)  head 2" in out
     task = RecallTask()
     cfg = TinyTransformerConfig(vocab_size=len(task.vocab), context_length=task.seq_len, d_model=16,
                                 n_heads=2, n_layers=2, d_ff=32)
