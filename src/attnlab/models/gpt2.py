@@ -32,19 +32,17 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
+from attnlab._validation import float_dtype, generator, positive_int
 from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
 from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models.generate import check_token_ids, decoder_forward, embed_tokens, generate
-from attnlab.nn import functional as F
+from attnlab.models.decoder import CausalLM
+from attnlab.models.generate import embed_tokens
 from attnlab.nn import init
-from attnlab.nn.attention import KVCache
 from attnlab.nn.blocks import TransformerBlock
-from attnlab.nn.hooks import HookPoint, record_layers
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import Embedding, LayerNorm
 from attnlab.nn.module import Module
-from attnlab.trace import Trace, trace_model
 
 __all__ = ["GPT2", "GPT2Config", "GPT2Output", "parameter_shapes", "unsupported_setting"]
 
@@ -221,7 +219,7 @@ def _layers_in(names, prefix: str) -> int:
     return max(found) + 1 if found else 0
 
 
-class GPT2(Module):
+class GPT2(CausalLM):
     """A GPT-2 language model (``transformers``' ``GPT2LMHeadModel``, eval mode).
 
     Build it with :meth:`from_pretrained` (a checkpoint folder), from a config and a
@@ -290,21 +288,13 @@ class GPT2(Module):
                                                  prefixes=("", "transformer."), what="GPT-2"))
         self.eval()
 
-    _hook_alias = {"ln_f": "ln_final"}
+    _positions_name = "n_positions"
+    _output_class = GPT2Output
 
     def __repr__(self) -> str:
         c = self.config
         return (f"GPT2({self.name!r}, layers={c.n_layer}, heads={c.n_head}, n_embd={c.n_embd}, "
                 f"vocab_size={c.vocab_size}, n_positions={c.n_positions}, dtype={self.dtype})")
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.tok_emb.weight.dtype
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        """The transformer blocks, first to last (layer ``k`` is ``layers[k - 1]``)."""
-        return list(self.blocks._modules.values())
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: p.shape for n, p in self.named_parameters()}
@@ -365,18 +355,8 @@ class GPT2(Module):
 
     # ------------------------------------------------------------------ forward
 
-    def new_cache(self) -> list[KVCache]:
-        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
-        :meth:`forward` ``(..., cache=...)``."""
-        return [KVCache() for _ in self.layers]
-
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
-
-    @property
-    def ln_final(self) -> LayerNorm:
-        """The final LayerNorm (hook name ``ln_final``)."""
-        return self.ln_f
 
     @property
     def max_positions(self) -> int:
@@ -388,119 +368,9 @@ class GPT2(Module):
         """The unembedding ``(D, V)`` (a view of the tied token embedding): ``logits = h @ W_U``."""
         return self.tok_emb.weight.data.T
 
-    @property
-    def b_U(self) -> None:
-        """GPT-2's output layer has no bias."""
-        return None
-
-    def unembed(self, h: np.ndarray) -> np.ndarray:
-        """The output layer, tied to the token embedding: ``(..., D) -> (..., V)`` logits of
-        a normalized residual (after :attr:`ln_final`)."""
-        return F.linear(h, self.tok_emb.weight.data)
-
-    def _logits(self, h: np.ndarray) -> np.ndarray:
-        """The final LayerNorm, then the output layer tied to the token embedding."""
-        return self.unembed(self.ln_f(h))
-
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
-        c = self.config
-        return decoder_forward(
-            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
-            vocab_size=c.vocab_size, n_positions=c.n_positions, positions_name="n_positions",
-            logits_to_keep=logits_to_keep,
-        )
-
-    def forward(
-        self,
-        input_ids: np.ndarray,
-        attention_mask: np.ndarray | None = None,
-        *,
-        cache: list[KVCache] | None = None,
-        logits_to_keep: int | None = None,
-    ) -> np.ndarray:
-        """``input_ids (B, T)`` (or ``(T,)``) -> ``logits (B, T, V)``.
-
-        Args:
-            input_ids: integer token ids in ``0..V-1``.
-            attention_mask: ``(B, P + T)``, 1 (True) for real tokens, 0 for padding, the
-                ``P`` cached tokens included. Padded keys take no part; positions count
-                the real tokens (``cumsum(mask) - 1``, as ``transformers``' ``generate``),
-                so a left-padded sequence's real tokens get the logits of the unpadded one.
-                (``GPT2LMHeadModel.forward`` itself numbers positions ``0..T-1`` unless
-                given ``position_ids``.) Logits at padded positions mean nothing.
-            cache: from :meth:`new_cache`: ``input_ids`` are the tokens after the cached ones;
-                their keys and values are appended, and the logits equal those of the
-                whole sequence run at once.
-            logits_to_keep: only the last this many positions' logits (None: all).
-        """
-        return self._run(input_ids, attention_mask, cache, logits_to_keep)
-
-    def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> GPT2Output:
-        """The logits with every layer's hidden states and attention maps (see
-        :class:`GPT2Output`), as ``GPT2LMHeadModel(..., output_hidden_states=True,
-        output_attentions=True)``.
-
-        >>> cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-        >>> out = GPT2(cfg, rng=np.random.default_rng(0)).inspect(np.array([[1, 2, 3]]))
-        >>> out.hidden_states.shape, out.attentions.shape, float(out.attentions[0, 0, 0, 0, 1])
-        ((3, 1, 3, 16), (2, 1, 2, 3, 3), 0.0)
-        """
-        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
-        return GPT2Output(logits, hidden, maps)
-
     # ------------------------------------------------------------------ generation
 
-    def generate(
-        self,
-        input_ids: np.ndarray,
-        max_new_tokens: int,
-        *,
-        attention_mask: np.ndarray | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        rng: np.random.Generator | None = None,
-        eos_token_id: int | Sequence[int] | None = None,
-    ) -> np.ndarray:
-        """The prompts followed by up to ``max_new_tokens`` new tokens: ``(B, T + n)``.
-
-        The prompt runs once and fills a per-layer key/value cache; each step runs only the
-        token just chosen, whose query attends bottom-right causally over the cached keys.
-        Greedy when ``temperature == 0`` (token for token as ``transformers``'
-        ``generate(do_sample=False)``); otherwise a sample from ``softmax(logits /
-        temperature)`` (among the ``top_k`` likeliest) drawn with ``rng``. A batch of
-        prompts of different lengths is left-padded, with ``attention_mask`` (1 = real
-        token). With ``eos_token_id`` a finished row continues with it and generation stops
-        when every row has finished. See :func:`attnlab.models.generate.generate`.
-
-        Raises:
-            ValueError: token ids outside the vocabulary, the prompt plus
-                ``max_new_tokens`` longer than ``n_positions``, a mask that is not 0/1 or
-                not left-padded, a negative temperature, ``top_k`` without sampling.
-        """
-        c = self.config
-        return generate(
-            self, input_ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.n_positions,
-            positions_name="n_positions", attention_mask=attention_mask, temperature=temperature,
-            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
-        )
-
     # ------------------------------------------------------------------ text
-
-    def _tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError("this GPT2 has no tokenizer: load a folder with tokenizer.json "
-                             "(GPT2.from_pretrained) or pass tokenizer=")
-        return self.tokenizer
-
-    def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
-        """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (tokens as the
-        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        enc = self._tokenizer().encode(text)
-        if not enc.ids:
-            raise ValueError("text is empty: it has no tokens")
-        return np.array(enc.ids, dtype=np.int64), list(enc.tokens)
 
     def generate_text(
         self,
@@ -537,36 +407,3 @@ class GPT2(Module):
         return texts[0] if single else texts
 
     # ------------------------------------------------------------------ inspection
-
-    def _one_sequence(self, ids_or_text) -> tuple[np.ndarray, list[str]]:
-        if isinstance(ids_or_text, str):
-            return self.encode(ids_or_text)
-        ids = check_token_ids(ids_or_text, self.config.vocab_size, "ids")
-        if ids.ndim != 1:
-            raise shape_error("ids", ids.shape, "(T,): one sequence")
-        tokens = [self.tokenizer.id_to_token(int(i)) or str(int(i)) for i in ids] if self.tokenizer \
-            else [str(int(i)) for i in ids]
-        return ids, tokens
-
-    def trace(self, ids_or_text, *, layer: int = -1, head: int | None = None, tokens=None) -> Trace:
-        """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s causal attention on
-        one sequence.
-
-        Args:
-            ids_or_text: ``(T,)`` token ids, or a text (needs the tokenizer).
-            layer: ``1..n_layer`` (the block whose attention is traced), negatives from
-                the end; 0 (the embeddings) has no attention.
-            head: keep only this head's per-head steps (``None``: every head).
-            tokens: ``T`` labels (default: the tokenizer's tokens, else the ids).
-
-        >>> cfg = GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-        >>> t = GPT2(cfg, rng=np.random.default_rng(0)).trace(np.array([1, 2, 3]), layer=1, head=1)
-        >>> t.layer, t.head, t.get("weights", 1).round(2)[0]
-        (1, 1, array([1., 0., 0.], dtype=float32))
-        """
-        ids, labels = self._one_sequence(ids_or_text)
-        k = layer_number(layer, self.config.n_layer, embeddings=False)
-        if len(ids) > self.config.n_positions:
-            raise shape_error("ids", ids.shape, f"(T,) with T <= n_positions={self.config.n_positions}")
-        return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
-                           head=head)

@@ -31,17 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
+from attnlab._validation import float_dtype, generator, positive_int
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.files import CheckpointError, load_tokenizer, read_json, regular_file
-from attnlab.models.generate import check_token_ids, decoder_forward, generate
+from attnlab.models.decoder import CausalLM
 from attnlab.models.gpt2 import GPT2Output
 from attnlab.models.registry import FAMILIES as _REGISTRY
-from attnlab.nn import functional as F
 from attnlab.nn import init
-from attnlab.nn.attention import Attention, KVCache
+from attnlab.nn.attention import Attention
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
-from attnlab.nn.hooks import HookPoint, record_layers
+from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import Embedding, RMSNorm, RotaryEmbedding
 from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
@@ -284,7 +283,7 @@ def llama_name_map(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
     return m
 
 
-class Llama(Module):
+class Llama(CausalLM):
     """A Llama-family causal language model (``transformers``' ``LlamaForCausalLM``,
     ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; eval mode).
 
@@ -316,7 +315,7 @@ class Llama(Module):
     ((1, 3, 50), (1, 7))
     """
 
-    _hook_alias = {"ln_f": "ln_final"}
+    _output_class = GPT2Output
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
                  chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
@@ -366,15 +365,6 @@ class Llama(Module):
         return (f"Llama({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
                 f"heads={c.num_attention_heads}, kv_heads={c.kv_heads}, hidden_size={c.hidden_size}, "
                 f"vocab_size={c.vocab_size}, dtype={self.dtype})")
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.tok_emb.weight.dtype
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        """The transformer blocks, first to last (layer ``k`` is ``layers[k - 1]``)."""
-        return list(self.blocks._modules.values())
 
     # ------------------------------------------------------------------ loading
 
@@ -460,17 +450,8 @@ class Llama(Module):
 
     # ------------------------------------------------------------------ forward
 
-    def new_cache(self) -> list[KVCache]:
-        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block."""
-        return [KVCache() for _ in self.layers]
-
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids))  # positions enter in every attention (rotary)
-
-    @property
-    def ln_final(self) -> RMSNorm:
-        """The final RMSNorm (hook name ``ln_final``)."""
-        return self.ln_f
 
     @property
     def max_positions(self) -> int:
@@ -484,70 +465,9 @@ class Llama(Module):
         w = self.tok_emb.weight.data if self.config.tie_word_embeddings else self.lm_head.weight.data
         return w.T
 
-    @property
-    def b_U(self) -> None:
-        return None
-
-    def unembed(self, h: np.ndarray) -> np.ndarray:
-        """The output layer ``(..., D) -> (..., V)`` of a normalized residual (after
-        :attr:`ln_final`): the token embedding when tied, else ``lm_head``."""
-        w = self.tok_emb.weight.data if self.config.tie_word_embeddings else self.lm_head.weight.data
-        return F.linear(h, w)
-
-    def _logits(self, h: np.ndarray) -> np.ndarray:
-        return self.unembed(self.ln_f(h))
-
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
-        c = self.config
-        return decoder_forward(
-            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
-            vocab_size=c.vocab_size, n_positions=c.context_length,
-            positions_name="context_length", logits_to_keep=logits_to_keep,
-        )
-
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None, *,
-                cache: list[KVCache] | None = None, logits_to_keep: int | None = None) -> np.ndarray:
-        """``input_ids (B, T)`` (or ``(T,)``) -> ``logits (B, T, V)``; the arguments are
-        :meth:`attnlab.models.GPT2.forward`'s (``attention_mask`` 1 = real token, left
-        padding; positions count the real tokens, as ``transformers``' ``generate``)."""
-        return self._run(input_ids, attention_mask, cache, logits_to_keep)
-
-    def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> GPT2Output:
-        """The logits with every layer's hidden states ``(n + 1, B, T, D)`` (before the final
-        norm) and attention maps ``(n, B, H, T, T)``."""
-        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
-        return GPT2Output(logits, hidden, maps)
-
     # ------------------------------------------------------------------ generation
 
-    def generate(self, input_ids: np.ndarray, max_new_tokens: int, *, attention_mask: np.ndarray | None = None,
-                 temperature: float = 0.0, top_k: int | None = None, rng: np.random.Generator | None = None,
-                 eos_token_id: int | Sequence[int] | None = None) -> np.ndarray:
-        """The prompts followed by up to ``max_new_tokens`` new tokens ``(B, T + n)``, with
-        the key/value cache; see :meth:`attnlab.models.GPT2.generate`."""
-        c = self.config
-        return generate(self, input_ids, max_new_tokens, vocab_size=c.vocab_size,
-                        n_positions=c.context_length, positions_name="context_length",
-                        attention_mask=attention_mask, temperature=temperature, top_k=top_k, rng=rng,
-                        eos_token_id=eos_token_id)
-
     # ------------------------------------------------------------------ text
-
-    def _tokenizer(self):
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: load a folder with tokenizer.json or a .gguf file "
-                             "(Llama.from_pretrained), or pass tokenizer=")
-        return self.tokenizer
-
-    def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
-        """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (special tokens such
-        as ``<|im_start|>`` are recognised)."""
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
-        enc = self._tokenizer().encode(text)
-        if not enc.ids:
-            raise ValueError("text is empty: it has no tokens")
-        return np.array(enc.ids, dtype=np.int64), list(enc.tokens)
 
     def chat_prompt(self, message: str, *, system: str | None = None) -> str:
         """The chat template applied to one user message (and a system message), ending
@@ -603,26 +523,6 @@ class Llama(Module):
         return texts[0] if single else texts
 
     # ------------------------------------------------------------------ inspection
-
-    def trace(self, ids_or_text, *, layer: int = -1, head: int | None = None, tokens=None):
-        """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s causal attention on
-        one sequence (see :meth:`attnlab.models.GPT2.trace`)."""
-        from attnlab.trace import trace_model
-
-        if isinstance(ids_or_text, str):
-            ids, labels = self.encode(ids_or_text)
-        else:
-            ids = check_token_ids(ids_or_text, self.config.vocab_size, "ids")
-            if ids.ndim != 1:
-                raise shape_error("ids", ids.shape, "(T,): one sequence")
-            labels = [self.tokenizer.id_to_token(int(i)) or str(int(i)) for i in ids] if self.tokenizer \
-                else [str(int(i)) for i in ids]
-        k = layer_number(layer, self.config.num_hidden_layers, embeddings=False)
-        if len(ids) > self.config.context_length:
-            raise shape_error("ids", ids.shape, f"(T,) with T <= the context length {self.config.context_length}")
-        return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
-                           head=head)
-
 
 def _read_safetensors(folder: Path, dtype) -> dict[str, np.ndarray]:
     """Every tensor of ``model.safetensors``, or of the shards a

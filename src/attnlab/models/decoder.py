@@ -1,0 +1,198 @@
+"""What every causal language model shares, written once: :class:`CausalLM`.
+
+A family's module (:mod:`attnlab.models.gpt2`, :mod:`attnlab.models.llama`) arranges the
+blocks and says how tokens are embedded (``_embed``), what the unembedding is (``W_U``)
+and how long a sequence may be (``max_positions``); the forward pass, the cache,
+generation, the recorded views (``inspect``, ``trace``) and the tokenizer methods come
+from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from attnlab._validation import layer_number, shape_error
+from attnlab.models.generate import check_token_ids, decoder_forward, generate
+from attnlab.nn import functional as F
+from attnlab.nn.attention import KVCache
+from attnlab.nn.hooks import record_layers
+from attnlab.nn.module import Module
+
+__all__ = ["CausalLM"]
+
+
+class CausalLM(Module):
+    """The shared half of a causal language model (see the module docstring).
+
+    A subclass has ``tok_emb``, ``blocks`` (a Module of ``TransformerBlock``\\ s), ``ln_f``,
+    ``config.vocab_size`` and ``tokenizer``, and defines ``_embed(ids, positions)``,
+    :attr:`W_U` and :attr:`max_positions` (named ``_positions_name`` in errors).
+    """
+
+    _hook_alias = {"ln_f": "ln_final"}
+    _positions_name = "context_length"
+    _output_class = None  # what inspect returns: (logits, hidden_states, attentions)
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.tok_emb.weight.dtype
+
+    @property
+    def layers(self) -> list:
+        """The transformer blocks, first to last (layer ``k`` is ``layers[k - 1]``)."""
+        return list(self.blocks._modules.values())
+
+    @property
+    def max_positions(self) -> int:
+        """The longest sequence the model takes."""
+        raise NotImplementedError
+
+    @property
+    def W_U(self) -> np.ndarray:
+        """The unembedding ``(D, V)``: ``logits = ln_final(h) @ W_U``."""
+        raise NotImplementedError
+
+    @property
+    def b_U(self) -> None:
+        """The output layer's bias: none in these families."""
+        return None
+
+    @property
+    def ln_final(self) -> Module:
+        """The final norm (hook name ``ln_final``)."""
+        return self.ln_f
+
+    def new_cache(self) -> list[KVCache]:
+        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
+        :meth:`forward` ``(..., cache=...)``."""
+        return [KVCache() for _ in self.layers]
+
+    def unembed(self, h: np.ndarray) -> np.ndarray:
+        """The output layer: ``(..., D) -> (..., V)`` logits of a normalized residual (after
+        :attr:`ln_final`)."""
+        return F.linear(h, self.W_U.T)
+
+    def _logits(self, h: np.ndarray) -> np.ndarray:
+        return self.unembed(self.ln_f(h))
+
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
+        return decoder_forward(
+            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
+            vocab_size=self.config.vocab_size, n_positions=self.max_positions,
+            positions_name=self._positions_name, logits_to_keep=logits_to_keep,
+        )
+
+    def forward(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray | None = None,
+        *,
+        cache: list[KVCache] | None = None,
+        logits_to_keep: int | None = None,
+    ) -> np.ndarray:
+        """``input_ids (B, T)`` (or ``(T,)``) -> ``logits (B, T, V)``.
+
+        Args:
+            input_ids: integer token ids in ``0..V-1``.
+            attention_mask: ``(B, P + T)``, 1 (True) for real tokens, 0 for padding, the
+                ``P`` cached tokens included. Padded keys take no part; positions count
+                the real tokens (``cumsum(mask) - 1``, as ``transformers``' ``generate``),
+                so a left-padded sequence's real tokens get the logits of the unpadded one.
+                Logits at padded positions mean nothing.
+            cache: from :meth:`new_cache`: ``input_ids`` are the tokens after the cached ones;
+                their keys and values are appended, and the logits equal those of the
+                whole sequence run at once.
+            logits_to_keep: only the last this many positions' logits (None: all).
+        """
+        return self._run(input_ids, attention_mask, cache, logits_to_keep)
+
+    def inspect(self, input_ids: np.ndarray, attention_mask: np.ndarray | None = None):
+        """The logits with every layer's hidden states and attention maps, recorded through
+        the hook points in one forward pass (``output_hidden_states=True,
+        output_attentions=True`` in ``transformers``)."""
+        logits, hidden, maps = record_layers(self, lambda: self._run(input_ids, attention_mask, None))
+        return self._output_class(logits, hidden, maps)
+
+    def generate(
+        self,
+        input_ids: np.ndarray,
+        max_new_tokens: int,
+        *,
+        attention_mask: np.ndarray | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> np.ndarray:
+        """The prompts followed by up to ``max_new_tokens`` new tokens: ``(B, T + n)``.
+
+        The prompt runs once and fills a per-layer key/value cache; each step runs only the
+        token just chosen, whose query attends bottom-right causally over the cached keys.
+        Greedy when ``temperature == 0`` (token for token as ``transformers``'
+        ``generate(do_sample=False)``); otherwise a sample from ``softmax(logits /
+        temperature)`` (among the ``top_k`` likeliest) drawn with ``rng``. A batch of
+        prompts of different lengths is left-padded, with ``attention_mask`` (1 = real
+        token). With ``eos_token_id`` a finished row continues with it and generation stops
+        when every row has finished. Hooks attached with ``model.hooks(...)`` run once per
+        step. See :func:`attnlab.models.generate.generate`.
+
+        Raises:
+            ValueError: token ids outside the vocabulary, the prompt plus
+                ``max_new_tokens`` longer than the context, a mask that is not 0/1 or not
+                left-padded, a negative temperature, ``top_k`` without sampling.
+        """
+        return generate(
+            self, input_ids, max_new_tokens, vocab_size=self.config.vocab_size, n_positions=self.max_positions,
+            positions_name=self._positions_name, attention_mask=attention_mask, temperature=temperature,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+        )
+
+    # ------------------------------------------------------------------ text
+
+    def _tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"this {type(self).__name__} has no tokenizer: load a folder with tokenizer.json "
+                             "(or a .gguf file) with from_pretrained, or pass tokenizer=")
+        return self.tokenizer
+
+    def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
+        """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (tokens as the
+        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``)."""
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        enc = self._tokenizer().encode(text)
+        if not enc.ids:
+            raise ValueError("text is empty: it has no tokens")
+        return np.array(enc.ids, dtype=np.int64), list(enc.tokens)
+
+    def _one_sequence(self, ids_or_text) -> tuple[np.ndarray, list[str]]:
+        if isinstance(ids_or_text, str):
+            return self.encode(ids_or_text)
+        ids = check_token_ids(ids_or_text, self.config.vocab_size, "ids")
+        if ids.ndim != 1:
+            raise shape_error("ids", ids.shape, "(T,): one sequence")
+        tokens = [self.tokenizer.id_to_token(int(i)) or str(int(i)) for i in ids] if self.tokenizer \
+            else [str(int(i)) for i in ids]
+        return ids, tokens
+
+    def trace(self, ids_or_text, *, layer: int = -1, head: int | None = None, tokens=None):
+        """The step-by-step :class:`~attnlab.Trace` of block ``layer``'s causal attention on
+        one sequence, recorded through the hook points of one forward pass.
+
+        Args:
+            ids_or_text: ``(T,)`` token ids, or a text (needs the tokenizer).
+            layer: ``1..n`` (the block whose attention is traced), negatives from the end;
+                0 (the embeddings) has no attention.
+            head: keep only this head's per-head steps (``None``: every head).
+            tokens: ``T`` labels (default: the tokenizer's tokens, else the ids).
+        """
+        from attnlab.trace import trace_model
+
+        ids, labels = self._one_sequence(ids_or_text)
+        k = layer_number(layer, len(self.layers), embeddings=False)
+        if len(ids) > self.max_positions:
+            raise shape_error("ids", ids.shape, f"(T,) with T <= {self._positions_name}={self.max_positions}")
+        return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
+                           head=head)
