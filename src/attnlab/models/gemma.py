@@ -153,7 +153,7 @@ class GemmaConfig(LlamaConfig):
         n = data["num_hidden_layers"]
         try:
             local = _local_layers(kind, data, n)
-            window = data.get("sliding_window")
+            window = data.get("sliding_window", 4096)  # transformers' default
             if any(local) and window is None:
                 raise ValueError("sliding_window is null but layer_types has sliding_attention layers")
             (theta, scaling), (local_theta, local_scaling) = _rope_parameters(kind, data)
