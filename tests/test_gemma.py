@@ -162,7 +162,8 @@ def test_the_arrangement_and_hooks(pair):
     assert ("lm_head.weight" in ours.state_dict()) == (not c.tie_word_embeddings)
     assert attn.scale == pytest.approx(hf.config.query_pre_attn_scalar ** -0.5)
     names = ours.hook_names()
-    order = ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "blocks.0.attn.hook_rot_q","blocks.0.attn.hook_z", "blocks.0.ln1_post.hook_normalized", "blocks.0.hook_attn_out",
+    order = ["blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized", "blocks.0.attn.hook_rot_q",
+             "blocks.0.attn.hook_z", "blocks.0.ln1_post.hook_normalized", "blocks.0.hook_attn_out",
              "blocks.0.hook_resid_mid", "blocks.0.ln2.hook_normalized", "blocks.0.mlp.hook_post",
              "blocks.0.ln2_post.hook_normalized", "blocks.0.hook_mlp_out", "blocks.0.hook_resid_post"]
     assert [names.index(n) for n in order] == sorted(names.index(n) for n in order)

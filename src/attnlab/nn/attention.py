@@ -36,8 +36,8 @@ from attnlab.core import (
     scaled_dot_product_attention_backward,
 )
 from attnlab.core._namespace import add_, as_dtype, device, fill_forbidden, is_bool, is_floating, namespace
-from attnlab.core.naive import dropout_mask
 from attnlab.core._reduce import row_sum
+from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
 from attnlab.nn import init
