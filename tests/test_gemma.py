@@ -381,3 +381,14 @@ def test_config_defaults_follow_transformers():
             hf_types = hf_cls(**base).layer_types
         ours = GemmaConfig.from_dict({**base, "model_type": kind})
         assert [w is not None for w in ours.sliding_windows] == [t == "sliding_attention" for t in hf_types]
+
+
+def test_torch_conversion_refuses_gemma_clearly(pair):
+    """to_torch/from_torch convert Llama's families only: Gemma gets a TypeError naming it."""
+    from attnlab.interop import from_torch, to_torch
+
+    hf, ours, case = pair
+    with pytest.raises(TypeError, match=r"to_torch supports .*, got Gemma$"):
+        to_torch(ours)
+    with pytest.raises(TypeError, match=r"from_torch supports .*, got Gemma[23]ForCausalLM"):
+        from_torch(hf)
