@@ -370,8 +370,8 @@ class Attention(Module):
     Call with ``x (N, L, E)`` (or ``(L, E)``); see :meth:`forward`. Hook points (names
     relative to the layer): ``hook_q`` ``(N, L, H, D)``, ``hook_k``, ``hook_v``
     ``(N, S, H_kv, D)``, ``hook_rot_q``, ``hook_rot_k`` (with ``rotary``),
-    ``hook_attn_scores`` (scaled and masked with ``-inf``, before the softmax) and
-    ``hook_pattern`` ``(N, H, L, S)``, ``hook_z`` ``(N, L, H, D)`` (the heads' outputs
+    ``hook_attn_scores`` (scaled, soft-capped with ``softcap``, masked with ``-inf``;
+    before the softmax) and ``hook_pattern`` ``(N, H, L, S)``, ``hook_z`` ``(N, L, H, D)`` (the heads' outputs
     before the output projection).
 
     >>> attn = Attention(8, 4, num_kv_heads=2, causal=True, rng=np.random.default_rng(0))
