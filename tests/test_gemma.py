@@ -392,3 +392,34 @@ def test_torch_conversion_refuses_gemma_clearly(pair):
         to_torch(ours)
     with pytest.raises(TypeError, match=r"from_torch supports .*, got Gemma[23]ForCausalLM"):
         from_torch(hf)
+
+
+def test_softcapped_attention_backward_with_dropout_matches_autograd():
+    """Training with attention dropout: the backward pass redraws the forward pass's
+    keep-mask (read back from the returned, dropped weights) and matches autograd."""
+    rng = np.random.default_rng(9)
+    N, L, E, H, Hkv, D, cap, p = 2, 6, 12, 4, 2, 5, 2.0, 0.3
+    layer = Attention(E, H, num_kv_heads=Hkv, head_dim=D, causal=True, dropout=p, softcap=cap, rng=rng,
+                      dtype=np.float64, bias=False)
+    layer.in_proj_weight.data *= 3.0
+    layer.train()
+    x = rng.standard_normal((N, L, E))
+    out, dropped = layer.forward_with_weights(x)
+    g = rng.standard_normal(out.shape)
+    gx = layer.backward(g)
+    xt = torch.tensor(x, requires_grad=True)
+    qkv = xt @ torch.tensor(layer.in_proj_weight.data).T
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q = q.reshape(N, L, H, D).transpose(1, 2)
+    k = k.reshape(N, L, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    v = v.reshape(N, L, Hkv, D).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    s = cap * torch.tanh(q @ k.transpose(-1, -2) / np.sqrt(D) / cap)
+    s = s.masked_fill(~torch.from_numpy(np.tril(np.ones((L, L), bool))), float("-inf"))
+    probs = torch.softmax(s, dim=-1)
+    keep = torch.from_numpy((dropped != 0) / (1 - p))
+    assert (dropped[:, :, np.tril(np.ones((L, L), bool))] == 0).any()  # some visible weights were dropped
+    z = (probs * keep @ v).transpose(1, 2).reshape(N, L, H * D)
+    want = z @ torch.tensor(layer.out_proj.weight.data).T
+    (want * torch.from_numpy(g)).sum().backward()
+    np.testing.assert_allclose(out, want.detach().numpy(), rtol=0, atol=1e-12)
+    np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=0, atol=1e-10)
