@@ -234,7 +234,7 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
-    if isinstance(layer, Llama):
+    if type(layer) is Llama:  # its families only (a subclass, such as Gemma, is not converted)
         module = _llama_to_torch(layer)
         module.train(layer.training)
         return module

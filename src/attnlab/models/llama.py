@@ -117,8 +117,9 @@ class LlamaConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                      "max_position_embeddings"):
             positive_int(getattr(self, name), name)
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+        families = self._families()  # a subclass's config (another module's families) gives its own
+        if self.model_type not in families:
+            raise ValueError(f"model_type {self.model_type!r} is not supported; supported: {', '.join(families)}")
         H, Hkv = self.num_attention_heads, self.kv_heads
         positive_int(Hkv, "num_key_value_heads")
         if H % Hkv:
@@ -135,6 +136,9 @@ class LlamaConfig:
             raise ValueError(f"sliding_windows has {len(self.sliding_windows)} entries for "
                              f"{self.num_hidden_layers} layers")
         self.rope  # noqa: B018  (validates the rotary parameters: an unsupported scaling type is named)
+
+    def _families(self) -> Mapping[str, str]:
+        return FAMILIES
 
     @property
     def kv_heads(self) -> int:
@@ -316,6 +320,9 @@ class Llama(CausalLM):
     """
 
     _output_class = GPT2Output
+    #: the config class and the weight-name map the loaders use (a subclass's family gives its own)
+    config_class = LlamaConfig
+    name_map = staticmethod(llama_name_map)
 
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
                  chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
@@ -371,7 +378,7 @@ class Llama(CausalLM):
     def _mapped(self, weights: Mapping[str, np.ndarray], where, dtype) -> dict[str, np.ndarray]:
         """attnlab's state dict from ``transformers``-named weights: every tensor checked
         (present, the shape the config needs) before any is stacked or cast."""
-        name_map = llama_name_map(self.config)
+        name_map = self.name_map(self.config)
         own = {n: p.shape for n, p in self.named_parameters()}
         missing = sorted({t for src in name_map.values() for t in src if t not in weights})
         if missing:
@@ -416,7 +423,7 @@ class Llama(CausalLM):
             return cls._from_gguf(path, dtype=dtype, name=name)
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is missing (give a model folder or a .gguf file)")
-        config = LlamaConfig.from_json(path / "config.json")
+        config = cls.config_class.from_json(path / "config.json")
         weights = _read_safetensors(path, dtype)
         tokenizer = load_tokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() and \
             importlib.util.find_spec("tokenizers") is not None else None
@@ -438,7 +445,7 @@ class Llama(CausalLM):
         """The model of a GGUF file already read with :func:`attnlab.io.gguf.read_gguf`
         (its float32 tensors are adopted, not copied, where the dtype allows)."""
         path = gguf_file.path
-        config = LlamaConfig.from_dict(gguf_file.config, where=path)
+        config = cls.config_class.from_dict(gguf_file.config, where=path)
         tokenizer = gguf_file.tokenizer() if importlib.util.find_spec("tokenizers") is not None else None
         default = gguf_file.metadata.get("general.name") or path.stem
         dtype = float_dtype(dtype)

@@ -89,6 +89,10 @@ FAMILIES: dict[str, Family] = {
                ("qwen2",), name_map="attnlab.models.llama:llama_name_map"),
         Family("qwen3", "attnlab.models.llama", "Llama", "LlamaConfig", ("qwen3",), ("Qwen3ForCausalLM",),
                ("qwen3",), name_map="attnlab.models.llama:llama_name_map"),
+        Family("gemma2", "attnlab.models.gemma", "Gemma", "GemmaConfig", ("gemma2",), ("Gemma2ForCausalLM",),
+               name_map="attnlab.models.gemma:gemma_name_map"),
+        Family("gemma3", "attnlab.models.gemma", "Gemma", "GemmaConfig", ("gemma3_text",), ("Gemma3ForCausalLM",),
+               name_map="attnlab.models.gemma:gemma_name_map"),
         Family("tiny", "attnlab.models.tiny", "TinyTransformer", "TinyTransformerConfig",
                files="an attnlab checkpoint (.npz, written by attnlab train)"),
     )

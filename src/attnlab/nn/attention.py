@@ -35,7 +35,8 @@ from attnlab.core import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
-from attnlab.core._namespace import as_dtype, device, is_bool, is_floating, namespace
+from attnlab.core._namespace import add_, as_dtype, device, fill_forbidden, is_bool, is_floating, namespace
+from attnlab.core._reduce import row_sum
 from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
@@ -260,6 +261,48 @@ def _weights_times_values(weights, value):
     return _reshape(out, (*lead, Hq, L, value.shape[-1]))
 
 
+def _capped_scores(qh, kh, mask, causal: bool, scale, gqa: bool, cap: float):
+    """Soft-capped, masked scores ``(N, H, L, S)`` and ``tanh(scores / cap)``: the raw
+    scaled scores ``s = q k^T * scale`` become ``cap * tanh(s / cap)`` (Gemma 2's attention
+    logit soft-capping), then the mask gives ``-inf`` (bool False, the causal future) or is
+    added (float), as ``transformers``' eager attention orders them."""
+    raw = attention_scores(qh, kh, None, False, scale, gqa)  # fresh (N, H, L, S)
+    t = namespace(raw).tanh(raw / cap)
+    s = t * cap
+    if causal:
+        mask = causal_mask(s.shape[-2], s.shape[-1], like=s)
+    if mask is not None:
+        s = fill_forbidden(s, mask) if is_bool(mask) else add_(s, mask)
+    return s, t
+
+
+def _capped_backward(grad_z, qh, kh, vh, mask, causal: bool, scale, cap: float, p: float, rng):
+    """``(grad_q, grad_k, grad_v)`` through soft-capped attention ``z = dropout(softmax(
+    mask(cap * tanh(q k^T * scale / cap)))) @ v`` (NumPy; grouped-query heads summed back):
+    the softmax's gradient times ``1 - tanh^2``, then the two products of the scores."""
+    H, Hkv = qh.shape[1], kh.shape[1]
+    G = H // Hkv
+    scale = 1.0 / np.sqrt(qh.shape[-1]) if scale is None else scale
+    s, t = _capped_scores(qh, kh, mask, causal, scale, G > 1, cap)
+    probs = softmax_(s)
+    keep = dropout_mask(probs, p, tuple(probs.shape), rng) if p > 0 else None
+    dropped = probs if keep is None else probs * keep
+    kr, vr = (np.repeat(kh, G, axis=1), np.repeat(vh, G, axis=1)) if G > 1 else (kh, vh)
+    grad_v = np.matmul(dropped.swapaxes(-1, -2), grad_z)  # (N, H, S, D)
+    grad_p = np.matmul(grad_z, vr.swapaxes(-1, -2))  # (N, H, L, S)
+    if keep is not None:
+        grad_p *= keep
+    grad_raw = probs * (grad_p - row_sum(grad_p * probs)) * (1.0 - t * t)
+    grad_q = np.matmul(grad_raw, kr) * scale
+    grad_k = np.matmul(grad_raw.swapaxes(-1, -2), qh) * scale
+    if G > 1:
+        N, _, S, D = grad_k.shape
+        grad_k = grad_k.reshape(N, Hkv, G, S, D).sum(axis=2)
+        grad_v = grad_v.reshape(N, Hkv, G, S, grad_v.shape[-1]).sum(axis=2)
+    dtype = qh.dtype
+    return grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False), grad_v.astype(dtype, copy=False)
+
+
 @dataclass
 class AttentionInputs:
     """What an attention call attends with (internal to the layers).
@@ -307,7 +350,12 @@ class Attention(Module):
         rotary: the position slot, a module with ``forward(q, k, positions) -> (q, k)`` on
             ``(N, H, L, D)``/``(N, H_kv, S, D)`` and ``backward(grad_q, grad_k)`` (rotary
             position embedding). Applied after the QK-norm, before the key/value cache.
-        scale: the score scale (None: ``1 / sqrt(D)``).
+        scale: the score scale (None: ``1 / sqrt(D)``; Gemma's ``query_pre_attn_scalar ** -0.5``).
+        softcap: soft-capping of the scores (Gemma 2): the scaled scores ``s`` become
+            ``softcap * tanh(s / softcap)`` before the mask and the softmax (None: off).
+            The core's attention functions have no soft-cap, so with it the layer always
+            takes the explicit path (the scores computed, then ``weights @ V``) and
+            ``attention_fn`` is not called; the backward pass goes through the tanh.
         dropout: dropout on the attention weights (training mode only).
         causal: attend only to earlier positions unless a call says otherwise.
         sliding_window: with ``causal``, each query sees only the ``sliding_window`` most
@@ -322,8 +370,8 @@ class Attention(Module):
     Call with ``x (N, L, E)`` (or ``(L, E)``); see :meth:`forward`. Hook points (names
     relative to the layer): ``hook_q`` ``(N, L, H, D)``, ``hook_k``, ``hook_v``
     ``(N, S, H_kv, D)``, ``hook_rot_q``, ``hook_rot_k`` (with ``rotary``),
-    ``hook_attn_scores`` (scaled and masked with ``-inf``, before the softmax) and
-    ``hook_pattern`` ``(N, H, L, S)``, ``hook_z`` ``(N, L, H, D)`` (the heads' outputs
+    ``hook_attn_scores`` (scaled, soft-capped with ``softcap``, masked with ``-inf``;
+    before the softmax) and ``hook_pattern`` ``(N, H, L, S)``, ``hook_z`` ``(N, L, H, D)`` (the heads' outputs
     before the output projection).
 
     >>> attn = Attention(8, 4, num_kv_heads=2, causal=True, rng=np.random.default_rng(0))
@@ -356,8 +404,13 @@ class Attention(Module):
         rng: np.random.Generator | None = None,
         dtype=np.float32,
         attention_fn: Callable[..., np.ndarray] | None = None,
+        softcap: float | None = None,
     ):
         super().__init__()
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float)
+                                    or not (np.isfinite(softcap) and softcap > 0)):
+            raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+        self.softcap = None if softcap is None else float(softcap)
         E = self.embed_dim = positive_int(embed_dim, "embed_dim")
         H = self.num_heads = positive_int(num_heads, "num_heads")
         Hkv = self.num_kv_heads = H if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
@@ -433,6 +486,8 @@ class Attention(Module):
         extra = ", causal=True" if self.causal else ""
         if self.sliding_window is not None:
             extra += f", sliding_window={self.sliding_window}"
+        if self.softcap is not None:
+            extra += f", softcap={self.softcap}"
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, head_dim={self.head_dim}{extra}"
 
     # ---- the projections --------------------------------------------------------------
@@ -500,11 +555,15 @@ class Attention(Module):
         p = self.dropout if self.training else 0.0
         rng_state = self._rng.bit_generator.state if p > 0 else None
         gqa = self.num_kv_heads != self.num_heads
-        if not (need_weights or self.hook_attn_scores._fns or self.hook_pattern._fns):
+        if self.softcap is None and not (need_weights or self.hook_attn_scores._fns or self.hook_pattern._fns):
             z = self.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal,
                                   scale=self.scale, enable_gqa=gqa, rng=self._rng)
             return z, None, rng_state
-        scores = self.hook_attn_scores(attention_scores(qh, kh, mask, causal, self.scale, gqa))
+        if self.softcap is None:
+            scores = attention_scores(qh, kh, mask, causal, self.scale, gqa)
+        else:  # the core has no soft-cap: the explicit path
+            scores = _capped_scores(qh, kh, mask, causal, self.scale, gqa, self.softcap)[0]
+        scores = self.hook_attn_scores(scores)
         weights = self.hook_pattern(softmax_(scores))  # fresh scores (a hook's are copies): in place
         if p > 0:  # the keep-mask the core's backward redraws from the same state
             weights = weights * dropout_mask(weights, p, tuple(weights.shape), self._rng)
@@ -644,10 +703,14 @@ class Attention(Module):
         if g.shape != (N, L, self.embed_dim):
             raise shape_error("grad_output", np.shape(grad_output), "the output's shape")
         gh = self.out_proj.backward(g).reshape(N, L, H, D).transpose(0, 2, 1, 3)
-        gqh, gkh, gvh = scaled_dot_product_attention_backward(
-            gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"], is_causal=a.causal, scale=self.scale,
-            enable_gqa=Hkv != H, rng=_replay(self._rng, c["rng_state"]),
-        )
+        if self.softcap is not None:
+            gqh, gkh, gvh = _capped_backward(gh, a.qh, a.kh, a.vh, a.mask, a.causal, self.scale, self.softcap,
+                                             c["p"], _replay(self._rng, c["rng_state"]))
+        else:
+            gqh, gkh, gvh = scaled_dot_product_attention_backward(
+                gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"], is_causal=a.causal, scale=self.scale,
+                enable_gqa=Hkv != H, rng=_replay(self._rng, c["rng_state"]),
+            )
         if self.add_zero_attn:
             gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]
         if self.rotary is not None:

@@ -99,7 +99,10 @@ class TransformerBlock(Module):
     (``mlp.0.weight``, ``mlp.2.weight`` …). A model family arranges its own parts by passing
     them in (``attn=``, ``mlp=``, ``ln_1=``, ``ln_2=``: an RMSNorm, a gated MLP, an
     attention with rotary positions); the block's residual wiring, hooks and backward pass
-    stay the same.
+    stay the same. Sandwich norms (Gemma 2 and 3): ``post_attn_norm=`` and ``post_mlp_norm=``
+    normalise the attention's and the feed-forward network's outputs before the residual
+    adds them, ``x + post_attn_norm(attn(ln_1(x)))`` (kept as ``ln_1_post`` and
+    ``ln_2_post``, TransformerLens's ``ln1_post``/``ln2_post``).
 
     Args:
         d_model: width; ``n_heads`` must divide it.
@@ -115,6 +118,8 @@ class TransformerBlock(Module):
             ``in_proj_weight`` (see :class:`~attnlab.nn.Attention`).
         attention_fn: the attention's ``attention_fn`` (a faster kernel).
         attn, mlp, ln_1, ln_2: modules that replace the default-built parts.
+        post_attn_norm, post_mlp_norm: norms of the attention's and the feed-forward
+            network's outputs, applied before the residual adds (None: none).
         rng, dtype: initialisation and dtype of every parameter.
 
     Call with ``x`` ``(B, T, d_model)`` (or ``(T, d_model)``) and optionally
@@ -127,14 +132,17 @@ class TransformerBlock(Module):
     ``attn.hook_*``, ``hook_attn_out``, ``hook_resid_mid``, ``ln2.hook_normalized``,
     ``mlp.hook_pre``, ``mlp.hook_post``, ``hook_mlp_out``, ``hook_resid_post``. Post-norm,
     ``hook_resid_post`` is the sum before ``ln_2`` and the block's output, ``ln_2`` of it,
-    is ``hook_normalized_resid_post`` (see :attr:`output_hook`).
+    is ``hook_normalized_resid_post`` (see :attr:`output_hook`). With sandwich norms,
+    ``ln1_post.hook_normalized`` and ``ln2_post.hook_normalized`` too, and ``hook_attn_out``
+    and ``hook_mlp_out`` are the normed outputs, what the residual receives (as
+    TransformerLens's Gemma 2).
 
     >>> block = TransformerBlock(8, 2, 16, rng=np.random.default_rng(0))
     >>> block(np.zeros((1, 5, 8), dtype=np.float32)).shape
     (1, 5, 8)
     """
 
-    _hook_alias = {"ln_1": "ln1", "ln_2": "ln2"}
+    _hook_alias = {"ln_1": "ln1", "ln_2": "ln2", "ln_1_post": "ln1_post", "ln_2_post": "ln2_post"}
 
     def __init__(
         self,
@@ -156,6 +164,8 @@ class TransformerBlock(Module):
         ln_2: Module | None = None,
         rng=None,
         dtype=np.float32,
+        post_attn_norm: Module | None = None,
+        post_mlp_norm: Module | None = None,
     ):
         super().__init__()
         rng = generator(rng)
@@ -173,6 +183,7 @@ class TransformerBlock(Module):
         elif not isinstance(attn, Attention):
             raise TypeError(f"attn must be an attnlab Attention, got {type(attn).__name__}")
         self.attn = attn
+        self.ln_1_post = post_attn_norm  # None: no sandwich norm (registered only when given)
         self.drop_1 = Dropout(dropout, rng=rng)
         self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
@@ -182,6 +193,7 @@ class TransformerBlock(Module):
         if mlp is None:
             mlp = FeedForward(d_model, d_ff, activation=activation, dropout=dropout, bias=bias, rng=rng, dtype=dtype)
         self.mlp = mlp
+        self.ln_2_post = post_mlp_norm
         self.hook_mlp_out = HookPoint()
         self.hook_resid_post = HookPoint()
         if not self.norm_first:  # the block's output, ln_2 of the residual (TransformerLens's BERT)
@@ -231,25 +243,35 @@ class TransformerBlock(Module):
         x = self.hook_resid_pre(x)
         h = self.attention_input(x)
         a, w = self.attn._run(h, None, key_padding_mask, None, self.causal, cache, positions, need_weights)
+        if self.ln_1_post is not None:
+            a = self.ln_1_post(a)
         s = self.hook_attn_out(self.drop_1(a))  # a fresh array: the residual is added in place
         s += x
         s = self.hook_resid_mid(s)
         if self.norm_first:
-            m = self.hook_mlp_out(self.mlp(self.ln_2(s)))
+            m = self.mlp(self.ln_2(s))
+            m = self.hook_mlp_out(m if self.ln_2_post is None else self.ln_2_post(m))
             m += s
             return self.hook_resid_post(m), w
         s = self.ln_1(s)
-        m = self.hook_mlp_out(self.mlp(s))
+        m = self.mlp(s)
+        m = self.hook_mlp_out(m if self.ln_2_post is None else self.ln_2_post(m))
         m += s
         return self.hook_normalized_resid_post(self.ln_2(self.hook_resid_post(m))), w
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         if self.norm_first:
-            g = grad_output + self.ln_2.backward(self.mlp.backward(grad_output))
-            return g + self.ln_1.backward(self.attn.backward(self.drop_1.backward(g)))
+            g = grad_output + self.ln_2.backward(self.mlp.backward(self._post_mlp_backward(grad_output)))
+            return g + self.ln_1.backward(self.attn.backward(self._post_attn_backward(self.drop_1.backward(g))))
         gm = self.ln_2.backward(grad_output)
-        gs = self.ln_1.backward(gm + self.mlp.backward(gm))
-        return gs + self.attn.backward(self.drop_1.backward(gs))
+        gs = self.ln_1.backward(gm + self.mlp.backward(self._post_mlp_backward(gm)))
+        return gs + self.attn.backward(self._post_attn_backward(self.drop_1.backward(gs)))
+
+    def _post_attn_backward(self, g: np.ndarray) -> np.ndarray:
+        return g if self.ln_1_post is None else self.ln_1_post.backward(g)
+
+    def _post_mlp_backward(self, g: np.ndarray) -> np.ndarray:
+        return g if self.ln_2_post is None else self.ln_2_post.backward(g)
 
 
 class GatedFeedForward(Module):
