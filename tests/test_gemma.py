@@ -423,3 +423,15 @@ def test_softcapped_attention_backward_with_dropout_matches_autograd():
     (want * torch.from_numpy(g)).sum().backward()
     np.testing.assert_allclose(out, want.detach().numpy(), rtol=0, atol=1e-12)
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=0, atol=1e-10)
+
+
+def test_trace_output_is_the_attention_output_before_the_post_norm(pair):
+    _, ours, case = pair
+    ids = prompt(np.random.default_rng(3), 1, 6)[0]
+    t = ours.trace(ids, layer=1)
+    _, cache = ours.run_with_cache(ids[None], names_filter=["blocks.0.attn.hook_z", "blocks.0.hook_attn_out"])
+    z = cache["blocks.0.attn.hook_z"]
+    want = ours.layers[0].attn.out_proj(z.reshape(*z.shape[:2], -1))[0]
+    np.testing.assert_array_equal(t.get("output"), want)
+    # the residual receives the post-normed output, which is another array
+    assert not np.allclose(t.get("output"), cache["blocks.0.hook_attn_out"][0], atol=1e-3), case

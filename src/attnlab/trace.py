@@ -539,7 +539,11 @@ def trace_model(model, layer: int, run, *, tokens, head: int | None = None, mask
     with model.hooks([(n, keep) for n in want]):
         run()
     X = block.attention_input(store[want[0]])[0]
-    t = trace_from_cache(block.attn, store, prefix=f"blocks.{i}.attn.", X=X, output=store[want[1]][0],
+    output = store[want[1]][0]
+    if getattr(block, "ln_1_post", None) is not None:  # the residual receives the normed output:
+        z = store[f"blocks.{i}.attn.hook_z"]  # the attention's own output is concat @ W_o^T + b_o
+        output = block.attn.out_proj(z.reshape(*z.shape[:2], -1))[0]
+    t = trace_from_cache(block.attn, store, prefix=f"blocks.{i}.attn.", X=X, output=output,
                          tokens=tokens, masked=masked, head=head)
     t.layer = layer
     return t

@@ -40,3 +40,8 @@ __all__ = [
 from attnlab.models.llama import Llama, LlamaConfig, load_smollm2, smollm2_available  # noqa: E402
 
 __all__ += ["Llama", "LlamaConfig", "load_smollm2", "smollm2_available"]
+
+# Gemma 2 and Gemma 3 (text): the Llama arrangement with soft-capping and sandwich norms
+from attnlab.models.gemma import Gemma, GemmaConfig  # noqa: E402
+
+__all__ += ["Gemma", "GemmaConfig"]
