@@ -290,19 +290,23 @@ def checkpoint_model(
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
+    corrupt: str | None = None,
 ) -> Explanation:
     """A trained associative-recall model (a file from ``attnlab train``) on ``text``.
 
     ``text`` is a space-separated sequence of the task's tokens, e.g. ``"k1 v5 k2 v9 k1"``.
     The notes point out the induction pattern: in the last layer each repeated key
     attends to the value that followed its first occurrence (which the first layer has
-    tagged with that key), and the model predicts that value.
+    tagged with that key), and the model predicts that value. The logit lens and the head
+    detector scores are filled in, and with ``corrupt`` (a text of as many tokens)
+    activation patching (see :func:`attnlab.explain.inside.decoder_inside`).
 
     Raises:
         ValueError: unknown tokens, a text longer than the model's context, a bad file.
     """
     from attnlab.core import softmax
     from attnlab.explain import Explanation
+    from attnlab.explain.inside import decoder_inside
     from attnlab.train.checkpoint import load_checkpoint
 
     if path is None:
@@ -323,7 +327,12 @@ def checkpoint_model(
         tr = model.trace(ids, layer=k)
         tr.tokens = list(tokens)
     notes += _trace_note(trace, T)
+    lens, scores, patching = decoder_inside(model, np.asarray(ids), task.vocab, corrupt=corrupt,
+                                            encode=lambda s: (task.encode(s), s.split()))
     return Explanation(
+        lens=lens,
+        head_scores=scores,
+        patching=patching,
         text=text,
         tokens=tokens,
         model=(f"TinyTransformer ({c.n_layers} layers, {c.n_heads} heads, d_model {c.d_model}) "
@@ -346,6 +355,7 @@ def gpt2_model(
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
+    corrupt: str | None = None,
 ) -> Explanation:
     """A GPT-2 checkpoint folder (``config.json``, ``model.safetensors``, optionally
     ``tokenizer.json``; see :meth:`attnlab.models.GPT2.from_pretrained`) on ``text``.
@@ -355,15 +365,19 @@ def gpt2_model(
     causal: each token attends to itself and the tokens before it. ``static`` is layer 0
     (token + position embeddings), ``contextual`` the last block's output after the final
     LayerNorm. The notes give the predicted next token and, for repeated tokens, whether
-    some head (in any layer) shows the induction pattern.
+    some head (in any layer) shows the induction pattern. The logit lens and the head
+    detector scores are filled in, and with ``corrupt`` (a text of as many tokens)
+    activation patching (see :func:`attnlab.explain.inside.decoder_inside`).
 
     Raises:
         ValueError: no ``path``, a text longer than ``n_positions`` tokens, ids that are
-            not numbers or outside the vocabulary (without a tokenizer).
+            not numbers or outside the vocabulary (without a tokenizer), a corrupted text
+            of a different length.
         CheckpointError: a folder that is not a GPT-2 checkpoint.
     """
     from attnlab.core import softmax
     from attnlab.explain import Explanation
+    from attnlab.explain.inside import decoder_inside
     from attnlab.models.gpt2 import GPT2
 
     if path is None:
@@ -374,16 +388,20 @@ def gpt2_model(
     c = model.config
     k, h = _place(layer, head, c.n_layer, c.n_head)
     if model.tokenizer is not None:
-        ids, tokens = model.encode(text)
         vocab = [model.tokenizer.id_to_token(i) or str(i) for i in range(c.vocab_size)]
     else:
+        vocab = [str(i) for i in range(c.vocab_size)]
+
+    def encode(text: str) -> tuple[np.ndarray, list[str]]:
+        if model.tokenizer is not None:
+            return model.encode(text)
         words = text.split()
         if not words or not all(w.isdigit() for w in words):
             raise ValueError(f"{Path(path).name} has no tokenizer.json: give the text as space-separated "
                              f"token ids in 0..{c.vocab_size - 1}, e.g. '1 2 3'")
-        ids = np.array([int(w) for w in words], dtype=np.int64)
-        tokens = words
-        vocab = [str(i) for i in range(c.vocab_size)]
+        return np.array([int(w) for w in words], dtype=np.int64), words
+
+    ids, tokens = encode(text)
     T = len(ids)
     if T > c.n_positions:
         raise ValueError(f"text has {T} tokens, but the model's n_positions is {c.n_positions}")
@@ -405,7 +423,11 @@ def gpt2_model(
     notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
     tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
     notes += _trace_note(trace, T)
+    lens, scores, patching = decoder_inside(model, np.asarray(ids), vocab, corrupt=corrupt, encode=encode)
     return Explanation(
+        lens=lens,
+        head_scores=scores,
+        patching=patching,
         text=text,
         tokens=tokens,
         model=(f"GPT-2 ({c.n_layer} layers, {c.n_head} heads, n_embd {c.n_embd}, vocabulary "
