@@ -5,7 +5,10 @@
 view (tokens left and right, lines weighted by attention), the model view (a layers x heads
 grid of thumbnails), a heatmap with the value under the pointer, the step view of the
 trace of one attention call (X, Q, K, V, scores, weights, output with their shapes) and the
-static -> contextual embedding plot. Every view exports as PNG or SVG.
+static -> contextual embedding plot; for decoders also the logit lens (layers x positions,
+the likeliest next token in each cell, shaded by its probability), the head detector
+scores (a blocks x heads heatmap per kind) and, when the explanation has one, the
+activation-patching heatmap (blocks x positions). Every view exports as PNG or SVG.
 
 The file makes no network request of any kind: script and style are inlined, the numbers
 are embedded, and a Content-Security-Policy forbids every fetch except ``data:``/``blob:``
@@ -110,7 +113,8 @@ def _json_for_script(obj: object) -> str:
 class _Blob:
     """Arrays packed one after the other (4-byte aligned), described by offset/dtype/shape."""
 
-    _CODES = {np.dtype(np.uint8): "u8", np.dtype(np.float32): "f32"}
+    _CODES = {np.dtype(np.uint8): "u8", np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32",
+              np.dtype(np.float32): "f32"}
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
@@ -321,6 +325,7 @@ def _payload(explanation: object) -> dict:
         steps.append(step)
 
     layers, heads = att.shape[:2]
+    inside = _inside(explanation, blob, arrays, tokens, int(layers), int(heads))
     # The view opens on the explanation's layer (numbered 1..n; index layer - 1) and head.
     layer = getattr(explanation, "layer", None) or layers
     head = getattr(explanation, "head", None) or 0
@@ -340,9 +345,73 @@ def _payload(explanation: object) -> dict:
         "window": window,
         "embedding": pca_2d(static, contextual),
         "steps": steps,
+        **inside,
         "arrays": arrays,
         "blob": blob.encode(),
     }
+
+
+def _finite(a: np.ndarray, name: str) -> np.ndarray:
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"explanation.{name} must be a real number array, got dtype {a.dtype}")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError(f"explanation.{name} contains NaN or infinity")
+    return a
+
+
+def _inside(explanation: object, blob: _Blob, arrays: dict, tokens: list[str], layers: int, heads: int) -> dict:
+    """The logit lens, the head detector scores and the patching result (each None when the
+    explanation has none), checked against the maps' shape; big arrays go to ``blob``."""
+    T = len(tokens)
+    out: dict = {"lens": None, "detectors": None, "patching": None}
+    lens = getattr(explanation, "lens", None)
+    if lens is not None:
+        ids, probs = np.asarray(lens.ids), np.asarray(lens.probs)
+        if ids.ndim != 3 or ids.shape[:2] != (layers + 1, T) or ids.shape[2] < 1 or probs.shape != ids.shape:
+            raise ValueError(f"explanation.lens has ids {ids.shape} and probs {probs.shape}, but both should be "
+                             f"({layers + 1}, {T}, k): layers 0..{layers} by tokens")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"explanation.lens.ids must be integer token ids, got dtype {ids.dtype}")
+        probs = _finite(probs, "lens.probs")
+        used, index = np.unique(ids, return_inverse=True)
+        try:
+            strings = [clean_text(lens.strings[int(i)]) for i in used]
+        except KeyError as exc:
+            raise ValueError(f"explanation.lens.strings has no string for token id {exc.args[0]}") from None
+        index = index.reshape(ids.shape).astype(np.uint16 if len(used) <= 1 << 16 else np.uint32)
+        arrays["lens_index"] = blob.add(index)
+        arrays["lens_p"] = blob.add(np.clip(probs, 0.0, 1.0).astype(np.float32))
+        out["lens"] = {"k": int(ids.shape[2]), "strings": strings}
+    scores = getattr(explanation, "head_scores", None)
+    if scores is not None:
+        kinds = {}
+        for kind, v in scores.items():
+            v = np.asarray(v)
+            if v.shape != (layers, heads):
+                raise ValueError(f"explanation.head_scores[{kind!r}] has shape {v.shape}, but should be "
+                                 f"({layers}, {heads}): blocks by heads")
+            v = _finite(v, f"head_scores[{kind!r}]")
+            kinds[clean_text(kind)] = np.round(v, 4).tolist()
+        out["detectors"] = kinds
+    patching = getattr(explanation, "patching", None)
+    if patching is not None:
+        values = np.asarray(patching.values)
+        if values.shape != (layers, T):
+            raise ValueError(f"explanation.patching.values has shape {values.shape}, but should be "
+                             f"({layers}, {T}): blocks by tokens")
+        corrupted = [clean_text(t) for t in patching.corrupted_tokens]
+        if len(corrupted) != T:
+            raise ValueError(f"explanation.patching.corrupted_tokens has {len(corrupted)} tokens, but the text "
+                             f"has {T}")
+        arrays["patch"] = blob.add(_finite(values, "patching.values").astype(np.float32))
+        out["patching"] = {
+            "hook": clean_text(patching.hook), "metric": clean_text(patching.metric),
+            "corrupted_text": clean_text(patching.corrupted_text), "corrupted_tokens": corrupted,
+            "clean_token": clean_text(patching.clean_token), "corrupted_token": clean_text(patching.corrupted_token),
+            "clean_value": float(patching.clean_value), "corrupted_value": float(patching.corrupted_value),
+        }
+    return out
 
 
 def _header(data: dict) -> str:
