@@ -936,7 +936,7 @@
     var ticks = sv("g", { "font-size": fs });
     for (var j = 0; j < n; j += step) {
       var tt = lo + j, diff = tokens[tt] !== bad[tt];
-      var name = (labels ? "" : tt + " ") + short(tokens[tt], labels ? 10 : 8) + (diff ? "/" + short(bad[tt], 6) : "");
+      var name = (labels ? "" : tt + " ") + short(tokens[tt], labels ? 10 : 8) + (diff ? "/" + short(bad[tt], labels ? 10 : 6) : "");
       var cx = left + (j + 0.5) * cw, cy = top - 4;
       ticks.appendChild(sv("text", { x: cx, y: cy, transform: "rotate(-60 " + cx + " " + cy + ")", "dominant-baseline": "central",
         fill: diff ? "#c2410c" : "#1d2330", "font-weight": diff ? 700 : 400 }, name));
