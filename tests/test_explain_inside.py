@@ -181,7 +181,8 @@ def test_json_round_trip(gpt2_folder):
     np.testing.assert_allclose(decode_array(p["values"]), e.patching.values, rtol=5e-4, atol=0)
     assert p["clean_prediction"] == {"id": e.patching.clean_id, "token": e.patching.clean_token}
     assert p["corrupted_prediction"]["id"] == e.patching.corrupted_id
-    assert (p["corrupted_text"], p["corrupted_tokens"], p["hook"]) == (CORRUPT, e.patching.corrupted_tokens, "resid_pre")
+    assert (p["corrupted_text"], p["corrupted_tokens"]) == (CORRUPT, e.patching.corrupted_tokens)
+    assert p["hook"] == "resid_pre"
     assert p["clean_value"] == pytest.approx(e.patching.clean_value, rel=5e-4)
     assert p["metric"] == PATCH_METRIC
     none = json.loads(json.dumps(explain("a b", dim=4, heads=1).to_dict()))
@@ -243,7 +244,8 @@ def test_cli_json_has_the_new_fields(gpt2_folder, capsys):
 
 
 def test_cli_corrupted_text_of_another_length_is_one_line_naming_both(gpt2_folder, recall_file, capsys):
-    assert main(["explain", "--checkpoint", str(gpt2_folder), TEXT, "--corrupt", "The dog sat on the mat. The cat sat"]) == 2
+    longer = "The dog sat on the mat. The cat sat"
+    assert main(["explain", "--checkpoint", str(gpt2_folder), TEXT, "--corrupt", longer]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert re.fullmatch(r"attnlab explain: error: --corrupt: the corrupted text has 15 tokens but the text has 14: "
@@ -260,8 +262,8 @@ def test_cli_corrupted_text_of_another_length_is_one_line_naming_both(gpt2_folde
 def test_cli_corrupt_needs_a_decoder(capsys):
     assert main(["explain", "the cat sat", "--model", "random", "--corrupt", "the dog sat"]) == 2
     err = capsys.readouterr().err
-    assert err == ("attnlab explain: error: --corrupt needs a decoder (--model gpt2 or checkpoint): model random predicts "
-                   "no next token to patch\n")
+    assert err == ("attnlab explain: error: --corrupt needs a decoder (--model gpt2 or checkpoint): model random "
+                   "predicts no next token to patch\n")
     assert main(["explain", "the cat sat", "--model", "random", "--corrupt", "  "]) == 2
 
 

@@ -491,7 +491,8 @@ def test_lens_detector_and_patching_views(session, tmp_path):
     # the lens: layers 0..n x positions, the top token in each cell; bold where it comes next
     page.click('.al-tab[data-view="lens"]')
     assert page.get_attribute(".attnlab-report", "data-view") == "lens"
-    cells = page.eval_on_selector_all(".al-lens-cell", "ts => ts.map(t => [t.dataset.row, t.dataset.pos, t.textContent])")
+    cells = page.eval_on_selector_all(".al-lens-cell",
+                                      "ts => ts.map(t => [t.dataset.row, t.dataset.pos, t.textContent])")
     assert len(cells) == (L + 1) * T
     assert {(int(r), int(t)): w for r, t, w in cells} == {
         (r, t): e.lens.strings[int(e.lens.ids[r, t, 0])] for r in range(L + 1) for t in range(T)}

@@ -313,7 +313,8 @@ def print_inside(expl, *, out=None, color: bool = False, top: int = 3) -> None:
         ids, probs = lens.ids[:, -1], lens.probs[:, -1]  # (n + 1, k)
         for k in range(ids.shape[0]):
             what = "  (the embeddings)" if k == 0 else "  (the model's prediction)" if k == ids.shape[0] - 1 else ""
-            others = ", ".join(f"{lens.strings[int(i)]!r} {p:.2f}" for i, p in zip(ids[k, 1:], probs[k, 1:], strict=True))
+            others = ", ".join(f"{lens.strings[int(i)]!r} {p:.2f}"
+                               for i, p in zip(ids[k, 1:], probs[k, 1:], strict=True))
             print(f"  layer {k:>2}  {lens.strings[int(ids[k, 0])]!r} p={probs[k, 0]:.2f}"
                   + (f"   then {others}" if others else "") + what, file=out)
     if scores is not None:

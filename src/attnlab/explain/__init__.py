@@ -3,8 +3,9 @@
 An :class:`Explanation` holds one text run through one model: its tokens, every attention
 map, the static and contextual token vectors, the step-by-step trace of one layer, the
 layer and head to open on and, for decoders, what :mod:`attnlab.explain.inside` reads
-from inside: the logit lens, the head detector scores and activation patching. The CLI prints it, :mod:`attnlab.viz` draws it, the HTML report
-embeds it, :meth:`Explanation.to_dict` is its JSON document.
+from inside: the logit lens, the head detector scores and activation patching. The CLI
+prints it, :mod:`attnlab.viz` draws it, the HTML report embeds it,
+:meth:`Explanation.to_dict` is its JSON document.
 
 Layers are numbered as everywhere in attnlab: layer 0 is the embeddings (no attention),
 layer ``k`` is the output of the ``k``-th transformer block (``1..n``), negative numbers
