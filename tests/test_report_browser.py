@@ -599,3 +599,23 @@ def test_1024_token_decoder_report(session, tmp_path, capsys):
     with capsys.disabled():
         print(f"\n1024-token decoder report (4x4, causal): {size / 1e6:.2f} MB, open-to-ready {wall * 1000:.0f} ms, "
               f"views (ms): {json.dumps({k: round(v) for k, v in times.items()})}")
+
+
+def test_a_report_with_fewer_bits_reads_its_weights(session, tmp_path, monkeypatch):
+    monkeypatch.setattr(rep, "_SMALL_ATTENTION", 0)
+    e = random_explanation(150, 2, 2, sharpness=1.0)
+    limit = len(rep.render_html(e).encode()) * 4 // 5
+    page = session.open(rep.write_report(e, tmp_path / "small.html", max_bytes=limit))
+    foot = page.inner_text(".al-foot")
+    bits = int(re.search(r"stored with (\d) bits per value", foot).group(1))
+    assert bits < 8
+    levels = 2 ** bits - 1
+    page.click('.al-tab[data-view="heatmap"]')
+    page.click('.al-chip[data-head="1"]')
+    tip = _tip_at(page, ".al-stage .al-hit", 5, 3, 150, 150)
+    shown = float(re.search(r"weight ([\d.]+)", tip).group(1))
+    assert abs(shown - e.attentions[1, 1, 5, 3]) <= e.attentions[1, 1, 5].max() / (2 * levels) + 1e-4
+    page.click('.al-tab[data-view="model"]')
+    page.click('.al-tab[data-view="head"]')
+    assert page.locator(".al-lines path").count() > 0
+    session.check_clean()

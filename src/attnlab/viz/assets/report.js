@@ -176,6 +176,8 @@
     this.root = root; this.app = app; this.data = data;
     this.T = data.T; this.L = data.layers; this.H = data.heads; this.tokens = data.tokens;
     this.codes = arrays.attn; this.rowmax = arrays.rowmax; this.arrays = arrays;
+    if (data.arrays.rowmax.dtype === "u16") this.rowmax = Float32Array.from(arrays.rowmax, function (v) { return v / 65535; });
+    this.levels = data.levels || 255;  // the largest attention code (255: 8 bits)
     this.thumbs = {};
     var stepHeads = {};
     data.steps.forEach(function (s) { if (s.head !== null) stepHeads[s.head] = true; });
@@ -218,9 +220,10 @@
     this.hint = el("p", { "class": "al-hint" });
     this.stage = el("div", { "class": "al-stage" });
     this.tip = el("div", { "class": "al-tip", role: "status" });
+    var bits = Math.round(Math.log2(this.levels + 1));
     this.foot = el("p", { "class": "al-foot" },
-      "Attention weights are stored with 8 bits per value relative to each row's maximum " +
-      "(error at most 0.2% of that maximum). The file makes no network request.");
+      "Attention weights are stored with " + bits + " bits per value relative to each row's maximum " +
+      "(error at most " + +(50 / this.levels).toPrecision(2) + "% of that maximum). The file makes no network request.");
     app.appendChild(this.controls);
     app.appendChild(this.hint);
     app.appendChild(this.stage);
@@ -231,7 +234,7 @@
 
   Report.prototype.value = function (l, h, i, j) {
     var r = (l * this.H + h) * this.T + i;
-    return this.codes[r * this.T + j] * this.rowmax[r] / 255;
+    return this.codes[r * this.T + j] * this.rowmax[r] / this.levels;
   };
 
   /* How many tokens the current view shows at a time (the lens view fewer: text in each cell). */
@@ -496,7 +499,7 @@
     if (only && only.side === 1) { j0 = only.idx; j1 = j0 + 1; }
     var i, j, w, lv;
     for (i = i0; i < i1; i++) {
-      var sc = rowmax[base + i] * gain / 255, off = (base + i) * T;
+      var sc = rowmax[base + i] * gain / this.levels, off = (base + i) * T;
       for (j = j0; j < j1; j++) {
         w = codes[off + j] * sc;
         if (w < min) continue;
@@ -510,7 +513,7 @@
     var parts = [];
     for (lv = 0; lv < LEVELS; lv++) parts.push([]);
     for (i = i0; i < i1; i++) {
-      var sc2 = rowmax[base + i] * gain / 255, off2 = (base + i) * T, y1 = ys(i).toFixed(1);
+      var sc2 = rowmax[base + i] * gain / this.levels, off2 = (base + i) * T, y1 = ys(i).toFixed(1);
       for (j = j0; j < j1; j++) {
         w = codes[off2 + j] * sc2;
         if (w < min) continue;
@@ -541,7 +544,7 @@
     for (var a = 0; a < n; a++) {
       var ia = lo + Math.floor(a * m / n), ib = lo + Math.max(Math.floor(a * m / n) + 1, Math.floor((a + 1) * m / n));
       for (var i = ia; i < ib; i++) {
-        var sc = rowmax[base + i] / 255, off = (base + i) * T;
+        var sc = rowmax[base + i] / this.levels, off = (base + i) * T;
         for (var b = 0; b < n; b++) {
           var ja = lo + Math.floor(b * m / n), jb = lo + Math.max(Math.floor(b * m / n) + 1, Math.floor((b + 1) * m / n));
           var best = 0;
