@@ -302,7 +302,10 @@ def test_a_report_that_cannot_fit_says_so(monkeypatch):
     e = random_explanation(60, 1, 2)
     with pytest.warns(UserWarning, match=r"the report is 0\.\d MB, more than 0\.01 MB, even with 2-bit attention"):
         page = rep.render_html(e, max_bytes=10_000)
-    assert _data(page)["levels"] == 3
+    data = _data(page)
+    assert data["levels"] == 3
+    assert ("attention weights stored with 2 bits (instead of 8) relative to each row's maximum, the fewest offered "
+            "(the report is still more than 0.01 MB): each weight within 17% of its row's maximum") in data["notes"]
 
 
 def test_small_reports_keep_8_bits_and_float_row_maxima():

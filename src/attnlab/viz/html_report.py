@@ -402,12 +402,14 @@ def _payload(explanation: object, max_bytes: int | None = None) -> dict:
         _pack(data, att, CODE_LEVELS[CODE_LEVELS.index(levels[0]) - 1], pending)
         if _page_size(data) > limit:
             data.update(chosen)
+    fits = _page_size(data) <= limit
     if data["levels"] != 255:
         bits = int(data["levels"]).bit_length()
+        why = f"to keep the report under {limit / 1e6:g} MB" if fits else f"the fewest offered (the report is " \
+              f"still more than {limit / 1e6:g} MB)"
         notes.append(f"attention weights stored with {bits} bits (instead of 8) relative to each row's maximum, "
-                     f"to keep the report under {limit / 1e6:g} MB: each weight within "
-                     f"{50 / data['levels']:.2g}% of its row's maximum")
-    if att.size > _SMALL_ATTENTION and _page_size(data) > limit:
+                     f"{why}: each weight within {50 / data['levels']:.2g}% of its row's maximum")
+    if att.size > _SMALL_ATTENTION and not fits:
         warnings.warn(f"the report is {_page_size(data) / 1e6:.1f} MB, more than {limit / 1e6:.3g} MB, even with "
                       f"{int(data['levels']).bit_length()}-bit attention codes", UserWarning, stacklevel=3)
     return data
