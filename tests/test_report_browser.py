@@ -619,3 +619,23 @@ def test_a_report_with_fewer_bits_reads_its_weights(session, tmp_path, monkeypat
     page.click('.al-tab[data-view="head"]')
     assert page.locator(".al-lines path").count() > 0
     session.check_clean()
+
+
+def test_hostile_strings_in_the_new_views_run_nothing(session, tmp_path):
+    e = inside_explanation(6, 1, 2)
+    e.lens.strings = {i: (XSS_IMG if i % 2 else XSS_SCRIPT) for i in e.lens.strings}
+    e.patching.corrupted_tokens[2] = XSS_IMG
+    e.patching.corrupted_text = XSS_SCRIPT
+    e.patching.clean_token = XSS_IMG
+    page = session.open(rep.write_report(e, tmp_path / "xss-inside.html"))
+    for view in ("lens", "detectors", "patching"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.locator(".al-stage svg").count() == 1
+    text = page.inner_text(".al-stage")
+    assert "corrupted text: </script><script>alert(1)</script>" in text and "<img src=x on" in text
+    page.click('.al-tab[data-view="lens"]')
+    cells = page.inner_text(".al-stage")  # cut to 10 characters, shown as text
+    assert "<img src=\u2026" in cells and "</script>\u2026" in cells
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    session.check_clean()
