@@ -317,3 +317,39 @@ def test_report_refuses_new_fields_of_the_wrong_shape(gpt2_folder):
     e.patching.values = np.full((3, 14), np.nan)
     with pytest.raises(ValueError, match=r"patching.values contains NaN or infinity"):
         render_html(e)
+
+
+# ---- encoders: the attention rollout ---------------------------------------------------------------
+
+
+def _minilm():
+    try:
+        from attnlab.models.bert import minilm_available, shared_minilm
+    except ImportError:
+        return None
+    return shared_minilm() if minilm_available() else None
+
+
+def test_minilm_rollout_is_attnlab_inspect_on_its_hook_patterns():
+    from attnlab.inspect import attention_rollout
+
+    model = _minilm()
+    if model is None:
+        pytest.skip("the pretrained MiniLM package is not installed")
+    text = "The bank of the river was quiet"
+    e = explain(text, model="minilm")
+    _, ids, types = model._one_text(text)
+    patterns = {}
+    with model.hooks([(lambda n: n.endswith("hook_pattern"), lambda a, n: patterns.__setitem__(n, a.copy()))]):
+        model._run(ids, types)
+    want = attention_rollout(model, patterns)[:, 0]
+    assert e.rollout.shape == (6, len(e.tokens), len(e.tokens))
+    np.testing.assert_allclose(e.rollout, want, rtol=1e-6, atol=1e-9)
+    assert (e.lens, e.head_scores, e.patching) == (None, None, None)
+    d = json.loads(json.dumps(e.to_dict()))
+    np.testing.assert_allclose(decode_array(d["rollout"]), e.rollout, atol=0.5e-4, rtol=0)
+
+
+def test_decoders_have_no_rollout(gpt2_folder):
+    e = explain(TEXT, model="gpt2", path=gpt2_folder)
+    assert e.rollout is None and e.to_dict()["rollout"] is None

@@ -639,3 +639,27 @@ def test_hostile_strings_in_the_new_views_run_nothing(session, tmp_path):
     assert page.evaluate("document.querySelectorAll('img').length") == 0
     assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
     session.check_clean()
+
+
+def test_rollout_view(session, tmp_path):
+    T, L = 12, 3
+    e = random_explanation(T, L, 2, seed=4)
+    a = e.attentions.mean(1) + np.eye(T)  # (L, T, T): heads averaged, the residual added
+    a /= a.sum(-1, keepdims=True)
+    rollout = [a[0]]
+    for i in range(1, L):
+        rollout.append(a[i] @ rollout[-1])
+    e.rollout = np.stack(rollout)
+    page = session.open(rep.write_report(e, tmp_path / "rollout.html"))
+    assert page.is_disabled('.al-tab[data-view="lens"]') and not page.is_disabled('.al-tab[data-view="rollout"]')
+    page.click('.al-tab[data-view="rollout"]')
+    page.eval_on_selector(".al-layer", "s => { s.value = '1'; s.dispatchEvent(new Event('change')); }")  # layer 2
+    assert "Attention rollout through layers 1\u20132" in page.inner_text(".al-stage")
+    tip = _tip_at(page, ".al-stage .al-hit", 6, 2, T, T)
+    assert tip.startswith("token 6 \u201ctok6\u201d after layer 2 draws on input token 2 \u201ctok2\u201d")
+    shown = float(re.search(r"rollout ([\d.]+)", tip).group(1))
+    assert abs(shown - e.rollout[1, 6, 2]) <= e.rollout[1, 6].max() / 510 + 1e-4
+    session.shot("rollout")
+    name, svg = session.download(".al-export-svg")
+    assert name == "attnlab-rollout-layer2.svg" and ET.fromstring(svg).tag.endswith("svg")
+    session.check_clean()

@@ -49,7 +49,8 @@ FORMAT = "attnlab-explanation"
 # 2: layers numbered 1..n (0 = embeddings), "layers" and "model_name" added
 # 3: attentions as 1e-4 codes (base64 of zlib'd uint16), vectors and steps rounded to 4
 #    significant digits, steps only when asked, "unknown_tokens" added
-# 4: "lens", "head_scores" and "patching" added (null for models without them)
+# 4: "lens", "head_scores", "patching" (decoders) and "rollout" (encoders) added, null where
+#    the model has none
 FORMAT_VERSION = 4
 #: Attention weights are stored in units of this (what the views show: 4 decimals).
 WEIGHT_STEP = 1e-4
@@ -182,6 +183,9 @@ class Explanation:
         patching: activation patching of ``resid_pre`` from this text into a corrupted
             one (:class:`~attnlab.explain.inside.Patching`, ``(n_layers, T)``, row ``i``
             the residual entering block ``i``), or None.
+        rollout: encoders: :func:`attnlab.inspect.attention_rollout` of the maps,
+            ``(n_layers, T, T)``; ``rollout[k - 1]`` is the rollout through layers
+            ``1..k`` (each row sums to 1). None for decoders.
     """
 
     text: str
@@ -200,6 +204,7 @@ class Explanation:
     lens: Lens | None = None
     head_scores: dict[str, np.ndarray] | None = None
     patching: Patching | None = None
+    rollout: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.layer is None:
@@ -245,6 +250,8 @@ class Explanation:
         - ``patching``: ``{"hook", "metric", "values" (n, T), "corrupted_text",
           "corrupted_tokens", "clean_prediction", "corrupted_prediction", "clean_value",
           "corrupted_value", "rows"}``; row ``i`` patches the residual entering block ``i``.
+        - ``rollout`` (encoders): ``(n_layers, T, T)`` in ``WEIGHT_STEP`` units
+          (:func:`encode_weights`); entry ``k - 1`` is the rollout through layers ``1..k``.
 
         >>> att = np.full((1, 1, 2, 2), 0.5)
         >>> e = Explanation("a b", ["a", "b"], "toy", att, np.eye(2), np.eye(2))
@@ -278,6 +285,7 @@ class Explanation:
             "head_scores": (None if self.head_scores is None
                             else {kind: _array(v) for kind, v in self.head_scores.items()}),
             "patching": self._patching_dict(),
+            "rollout": None if self.rollout is None else encode_weights(self.rollout),
         }
 
     def _lens_dict(self) -> dict | None:

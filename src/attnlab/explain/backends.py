@@ -167,12 +167,14 @@ def minilm_model(
     """``text`` through the pretrained all-MiniLM-L6-v2 (attnlab's NumPy BERT).
 
     ``static`` is the tokens' word-embedding rows (layer 0), ``contextual`` the output of
-    layer 6, ``attentions`` ``(6, 12, T, T)``. Needs the ``pretrained`` extra
-    (``ImportError`` without it).
+    layer 6, ``attentions`` ``(6, 12, T, T)``, ``rollout`` the attention rollout of those
+    maps (:func:`attnlab.inspect.attention_rollout`, ``(6, T, T)``). Needs the
+    ``pretrained`` extra (``ImportError`` without it).
     """
     import warnings
 
     from attnlab.explain import Explanation
+    from attnlab.inspect import attention_rollout
     from attnlab.models.bert import MINILM_NAME, minilm_available, shared_minilm
 
     if not minilm_available():
@@ -199,7 +201,10 @@ def minilm_model(
                      "most Chinese characters and emoji)")
     notes += [str(w.message) for w in caught]
     notes += _trace_note(trace, T)
+    maps = np.asarray(analysis.attentions)  # (N, H, T, T): each block's hook_pattern
+    rollout = attention_rollout(model, {f"blocks.{i}.attn.hook_pattern": maps[i][None] for i in range(len(maps))})
     return Explanation(
+        rollout=rollout[:, 0],
         unknown=n_unknown,
         text=text,
         tokens=analysis.tokens,

@@ -428,7 +428,15 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
     """The logit lens, the head detector scores and the patching result (each None when the
     explanation has none), checked against the maps' shape; big arrays go to ``pending``."""
     T = len(tokens)
-    out: dict = {"lens": None, "detectors": None, "patching": None}
+    out: dict = {"lens": None, "detectors": None, "patching": None, "rollout": False}
+    rollout = getattr(explanation, "rollout", None)
+    if rollout is not None:
+        r = np.asarray(rollout)
+        if r.shape != (layers, T, T):
+            raise ValueError(f"explanation.rollout has shape {r.shape}, but should be ({layers}, {T}, {T})")
+        codes, rowmax = quantize_rows(np.clip(_finite(r, "rollout"), 0.0, 1.0))
+        pending["roll"], pending["roll_max"] = codes, rowmax
+        out["rollout"] = True
     lens = getattr(explanation, "lens", None)
     if lens is not None:
         ids, probs = np.asarray(lens.ids), np.asarray(lens.probs)

@@ -17,14 +17,15 @@
   var VIEWS = [
     ["head", "Head view"], ["model", "Model view"], ["heatmap", "Heatmap"],
     ["steps", "Steps"], ["embedding", "Embeddings"], ["lens", "Logit lens"],
-    ["detectors", "Head detectors"], ["patching", "Patching"]
+    ["detectors", "Head detectors"], ["patching", "Patching"], ["rollout", "Rollout"]
   ];
   // Why a tab is off when the explanation has no data for it.
   var MISSING = {
     steps: "no step-by-step trace in this explanation (attnlab explain --steps records one)",
     lens: "only decoders have a logit lens (attnlab explain --model gpt2 or checkpoint)",
     detectors: "only decoders get head detector scores (attnlab explain --model gpt2 or checkpoint)",
-    patching: "no activation patching in this explanation (attnlab explain --corrupt TEXT records one)"
+    patching: "no activation patching in this explanation (attnlab explain --corrupt TEXT records one)",
+    rollout: "attention rollout is drawn for encoders (attnlab explain --model minilm)"
   };
   var KIND_NAMES = { previous_token: "previous-token heads", duplicate_token: "duplicate-token heads",
     induction: "induction heads" };
@@ -206,7 +207,8 @@
     this.tabButtons = {};
     VIEWS.forEach(function (v) {
       var b = el("button", { "class": "al-tab", role: "tab", type: "button", "data-view": v[0] }, v[1]);
-      var has = { steps: data.steps.length > 0, lens: !!data.lens, detectors: !!data.detectors, patching: !!data.patching };
+      var has = { steps: data.steps.length > 0, lens: !!data.lens, detectors: !!data.detectors, patching: !!data.patching,
+        rollout: !!data.rollout };
       if (v[0] in has && !has[v[0]]) {
         b.disabled = true;
         b.title = MISSING[v[0]];
@@ -266,6 +268,7 @@
     else if (s.view === "lens") svg = this.lensView();
     else if (s.view === "detectors") svg = this.detectorsView();
     else if (s.view === "patching") svg = this.patchingView();
+    else if (s.view === "rollout") svg = this.rolloutView();
     else svg = this.embeddingView();
     svg.setAttribute("xmlns", NS);
     svg.classList.add("al-view");
@@ -288,11 +291,12 @@
       embedding: "Token vectors before attention (hollow) and after (filled), projected on their first two principal components. Point at a token for its name.",
       lens: "The likeliest next token at each position, read from the residual stream after each layer (through the final norm and the unembedding); darker = more probable, bold = the token that does come next. Point at a cell for the top tokens.",
       detectors: "How much each head attends like a previous-token, duplicate-token or induction head (0 to 1), on this text. Rows: blocks, counted from 0 as in the hook names (block i makes layer i + 1). Click a cell to open that head.",
+      rollout: "Attention rollout (Abnar & Zuidema): how much each token's vector after the chosen layer draws on each input token, through every layer up to it (heads averaged, the residual counted as attention to itself). Rows: tokens after the layer, columns: input tokens.",
       patching: "Each cell: the metric when the corrupted text runs with one residual vector (entering block i, at one position) taken from the clean text. Red: it restores the clean prediction, white: no effect. Point at a cell for its value."
     };
     this.hint.textContent = hints[s.view];
 
-    if (s.view === "head" || s.view === "heatmap") {
+    if (s.view === "head" || s.view === "heatmap" || s.view === "rollout") {
       var lab = el("label", null, "Layer ");
       var sel = el("select", { "class": "al-layer", "aria-label": "layer" });
       for (var l = 0; l < this.L; l++) {
@@ -981,6 +985,48 @@
     return svg;
   };
 
+  /* ------------------------------------------------------------------ rollout view */
+
+  /* The rollout through layers 1..l + 1 as a tokens x tokens heatmap of the window. */
+  Report.prototype.rolloutView = function () {
+    var self = this, tokens = this.tokens, l = this.state.layer, T = this.T;
+    var codes = this.arrays.roll, rmax = this.arrays.roll_max;
+    var w = this.win(), lo = w[0], n = w[1] - w[0];
+    var val = function (i, j) { var r = l * T + lo + i; return codes[r * T + lo + j] * rmax[r] / 255; };
+    var cell = clamp(640 / n, 1, 30), size = cell * n, labels = cell >= 9, step = labels ? 1 : Math.ceil(10 / cell);
+    var fs = clamp(Math.floor(cell) - 2, 9, 12), longest = 0;
+    for (var t = lo; t < lo + n; t++) longest = Math.max(longest, Math.min(14, show(tokens[t]).length));
+    var lab = clamp(longest * fs * 0.62 + (labels ? 10 : 34), 40, 140);
+    var left = lab + 8, top = lab + 30;
+    var title = "Attention rollout through layers 1\u2013" + (l + 1) + " (rows: tokens after layer " + (l + 1) +
+      ", columns: input tokens)" + (n < T ? ", tokens " + lo + "\u2013" + (lo + n - 1) + " of " + T : "");
+    var W = Math.max(380, left + size + 80, textWidth(title, 12) + 20), Hh = top + size + 16;
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, title));
+    var mx = 0;
+    for (var i = 0; i < n; i++) for (var j = 0; j < n; j++) mx = Math.max(mx, val(i, j));
+    var inv = mx > 0 ? 255 / mx : 0;
+    svg.appendChild(sv("image", { x: left, y: top, width: size, height: size, preserveAspectRatio: "none",
+      "image-rendering": "pixelated", style: "image-rendering:pixelated",
+      href: matrixImage(n, n, SEQ, function (a, b) { return Math.round(val(a, b) * inv); }) }));
+    var ticks = sv("g", { "font-size": fs, fill: "#1d2330" });
+    for (i = 0; i < n; i += step) {
+      var name = labels ? short(tokens[lo + i], 14) : (lo + i) + " " + short(tokens[lo + i], 8);
+      ticks.appendChild(sv("text", { x: left - 4, y: top + (i + 0.5) * cell, "text-anchor": "end", "dominant-baseline": "central" }, name));
+      var cx = left + (i + 0.5) * cell, cy = top - 4;
+      ticks.appendChild(sv("text", { x: cx, y: cy, transform: "rotate(-60 " + cx + " " + cy + ")", "dominant-baseline": "central" }, name));
+    }
+    svg.appendChild(ticks);
+    svg.appendChild(sv("rect", { x: left, y: top, width: size, height: size, fill: "none", stroke: "#c4c9d3" }));
+    var hit = sv("rect", { "class": "al-hit", x: left, y: top, width: size, height: size, fill: "transparent" });
+    svg.appendChild(hit);
+    this.hover(hit, n, n, function (i2, j2) {
+      return "token " + (lo + i2) + " \u201c" + short(tokens[lo + i2], 30) + "\u201d after layer " + (l + 1) + " draws on input token " +
+        (lo + j2) + " \u201c" + short(tokens[lo + j2], 30) + "\u201d\nrollout " + val(i2, j2).toFixed(4);
+    });
+    return svg;
+  };
+
   /* ------------------------------------------------------------------ embedding view */
 
   /* Where a label may sit around its point (y grows downwards): the corners, then above,
@@ -1182,7 +1228,7 @@
 
   Report.prototype.fileName = function (ext) {
     var s = this.state, name = "attnlab-" + s.view;
-    if (s.view === "head" || s.view === "heatmap") name += "-layer" + (s.layer + 1);
+    if (s.view === "head" || s.view === "heatmap" || s.view === "rollout") name += "-layer" + (s.layer + 1);
     if (s.view === "heatmap") name += "-head" + s.head;
     if (s.view === "steps") name += "-head" + s.stepHead;
     if (this.span() < this.T && s.view !== "steps" && s.view !== "detectors") {
