@@ -159,6 +159,21 @@ def _lens_top(model, cache: Mapping[str, np.ndarray], k: int, chunk: int) -> tup
     return np.concatenate(ids, axis=-2), np.concatenate(probs, axis=-2)
 
 
+def _head_scores(cache: Mapping[str, np.ndarray], n_blocks: int, ids: np.ndarray, kind: str) -> np.ndarray:
+    """:func:`attnlab.inspect.detect_heads` of one sequence ``ids (T,)`` from maps already
+    cached (``blocks.{i}.attn.hook_pattern``), so the three kinds share one forward pass:
+    ``sum(A * P) / sum(A)`` per head, ``P`` the kind's detection pattern."""
+    from attnlab.inspect import detection_pattern
+
+    want = detection_pattern(ids, kind)  # (T, T)
+    scores = []
+    for i in range(n_blocks):
+        A = np.asarray(cache[f"blocks.{i}.attn.hook_pattern"], dtype=np.float64).reshape(1, -1, *want.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scores.append(np.einsum("bhqk,bqk->bh", A, want[None]) / A.sum(axis=(-2, -1)))
+    return np.stack(scores).mean(axis=1)  # (N, H)
+
+
 def decoder_inside(
     model,
     ids: np.ndarray,
@@ -181,14 +196,14 @@ def decoder_inside(
         encode: text -> ``(ids (T,), tokens)``, the backend's own tokenizer (needed with
             ``corrupt``).
         k: tokens kept per lens cell.
-        heads: compute the head detector scores (three more forward passes).
+        heads: compute the head detector scores (from the same forward pass as the lens).
         chunk: positions read through the unembedding at once.
 
     Returns:
         ``(lens, head_scores, patching)``: a :class:`Lens` (``(n + 1, T, k)``); a dict
-        ``kind -> (N, H)`` of :func:`attnlab.inspect.detect_heads` on ``ids`` for each
-        kind of :data:`attnlab.inspect.HEAD_KINDS` (None with ``heads=False``); a
-        :class:`Patching` (``(N, T)``) or None.
+        ``kind -> (N, H)``, the numbers of :func:`attnlab.inspect.detect_heads` on ``ids``
+        for each kind of :data:`attnlab.inspect.HEAD_KINDS`, read from one forward pass
+        (None with ``heads=False``); a :class:`Patching` (``(N, T)``) or None.
 
     Raises:
         ValueError: a corrupted text with a different number of tokens (the message gives
@@ -204,7 +219,7 @@ def decoder_inside(
     >>> lens.ids.shape, sorted(scores), scores["induction"].shape, patch.values.shape
     ((3, 5, 3), ['duplicate_token', 'induction', 'previous_token'], (2, 2), (2, 5))
     """
-    from attnlab.inspect import HEAD_KINDS, activation_patching, detect_heads
+    from attnlab.inspect import HEAD_KINDS, activation_patching
 
     ids = np.asarray(ids)
     if ids.ndim != 1:
@@ -230,15 +245,16 @@ def decoder_inside(
                     "position, so both need the same number of tokens")
         n_blocks = len(model.layers)
         names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.hook_resid_post" for i in range(n_blocks)]
-        logits, cache = model.run_with_cache(ids[None], names_filter=names)
+        maps = [f"blocks.{i}.attn.hook_pattern" for i in range(n_blocks)] if heads else []
+        logits, cache = model.run_with_cache(ids[None], names_filter=names + maps)
         top, probs = _lens_top(model, {n: np.asarray(cache[n]) for n in names}, k, chunk)
-        del cache
         top, probs = top[:, 0], probs[:, 0]  # (n + 1, T, k)
         lens = Lens(top.astype(np.int64), probs.astype(np.float64),
                     {int(i): str(name_of(int(i))) for i in np.unique(top)})
         scores = None
         if heads:
-            scores = {kind: detect_heads(model, ids[None], kind) for kind in HEAD_KINDS}
+            scores = {kind: _head_scores(cache, n_blocks, ids, kind) for kind in HEAD_KINDS}
+        del cache
         patching = None
         if patch_ids is not None:
             corrupted_logits = model(patch_ids[None])
