@@ -159,19 +159,21 @@ def _lens_top(model, cache: Mapping[str, np.ndarray], k: int, chunk: int) -> tup
     return np.concatenate(ids, axis=-2), np.concatenate(probs, axis=-2)
 
 
-def _head_scores(cache: Mapping[str, np.ndarray], n_blocks: int, ids: np.ndarray, kind: str) -> np.ndarray:
-    """:func:`attnlab.inspect.detect_heads` of one sequence ``ids (T,)`` from maps already
-    cached (``blocks.{i}.attn.hook_pattern``), so the three kinds share one forward pass:
-    ``sum(A * P) / sum(A)`` per head, ``P`` the kind's detection pattern."""
-    from attnlab.inspect import detection_pattern
+def _head_scores(cache: Mapping[str, np.ndarray], n_blocks: int, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """:func:`attnlab.inspect.detect_heads` of one sequence ``ids (T,)`` for every kind, from
+    maps already cached (``blocks.{i}.attn.hook_pattern``), so the kinds share one forward
+    pass: ``sum(A * P) / sum(A)`` per head, ``P`` the kind's detection pattern."""
+    from attnlab.inspect import HEAD_KINDS, detection_pattern
 
-    want = detection_pattern(ids, kind)  # (T, T)
-    scores = []
+    want = {kind: detection_pattern(ids, kind)[None] for kind in HEAD_KINDS}  # (1, T, T)
+    scores: dict[str, list] = {kind: [] for kind in HEAD_KINDS}
     for i in range(n_blocks):
-        A = np.asarray(cache[f"blocks.{i}.attn.hook_pattern"], dtype=np.float64).reshape(1, -1, *want.shape)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            scores.append(np.einsum("bhqk,bqk->bh", A, want[None]) / A.sum(axis=(-2, -1)))
-    return np.stack(scores).mean(axis=1)  # (N, H)
+        A = np.asarray(cache[f"blocks.{i}.attn.hook_pattern"], dtype=np.float64).reshape(1, -1, len(ids), len(ids))
+        total = A.sum(axis=(-2, -1))
+        for kind in HEAD_KINDS:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                scores[kind].append(np.einsum("bhqk,bqk->bh", A, want[kind]) / total)
+    return {kind: np.stack(v).mean(axis=1) for kind, v in scores.items()}  # (N, H) each
 
 
 def decoder_inside(
@@ -219,7 +221,7 @@ def decoder_inside(
     >>> lens.ids.shape, sorted(scores), scores["induction"].shape, patch.values.shape
     ((3, 5, 3), ['duplicate_token', 'induction', 'previous_token'], (2, 2), (2, 5))
     """
-    from attnlab.inspect import HEAD_KINDS, activation_patching
+    from attnlab.inspect import activation_patching
 
     ids = np.asarray(ids)
     if ids.ndim != 1:
@@ -253,7 +255,7 @@ def decoder_inside(
                     {int(i): str(name_of(int(i))) for i in np.unique(top)})
         scores = None
         if heads:
-            scores = {kind: _head_scores(cache, n_blocks, ids, kind) for kind in HEAD_KINDS}
+            scores = _head_scores(cache, n_blocks, ids)
         del cache
         patching = None
         if patch_ids is not None:
