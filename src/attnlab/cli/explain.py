@@ -138,6 +138,16 @@ def choose_model(args) -> str:
     return model or default_model()
 
 
+def patching_models() -> list[str]:
+    """The models that take a corrupted text (their callable has a ``corrupt`` option): the
+    decoders."""
+    import inspect
+
+    from attnlab.explain import MODELS
+
+    return sorted(name for name, f in MODELS.items() if "corrupt" in inspect.signature(f).parameters)
+
+
 def _not_available(model: str) -> str:
     return f"model {model} is not available: {_HINTS.get(model, 'install it')}"
 
@@ -173,8 +183,9 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
             raise CLIError(f"--model {model} needs --checkpoint PATH")
         options["path"] = checkpoint
     if corrupt is not None:
-        if model not in ("checkpoint", "gpt2"):
-            raise CLIError(f"--corrupt needs a decoder (--model gpt2 or checkpoint): model {model} "
+        patching = patching_models()
+        if model not in patching:
+            raise CLIError(f"--corrupt needs a decoder (--model {' or '.join(patching)}): model {model} "
                            "predicts no next token to patch")
         if not corrupt.strip():
             raise CLIError("--corrupt TEXT is empty: give the text with a word or two changed")
