@@ -94,3 +94,35 @@ def traced_explanation(*, heads: int = 1, causal: bool = False, seed: int = 0) -
         contextual=contextual,
         trace=Trace(steps),
     )
+
+
+def inside_explanation(
+    T: int, layers: int, heads: int, *, seed: int = 0, k: int = 3, patching: bool = True, causal: bool = True,
+    dim: int = 16, vocab: int = 50,
+) -> Explanation:
+    """A decoder-like explanation with what explain reads from inside: a logit lens (random
+    ids with probabilities, every third cell's top token the next token of the text), head
+    detector scores in [0, 1] and a patching result (blocks x tokens); causal maps."""
+    from attnlab.explain import Lens, Patching
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, T)
+    tokens = [f"w{i}" for i in ids]
+    e = random_explanation(0, layers, heads, tokens=tokens, dim=dim, seed=seed, model="decoder test model")
+    if causal:
+        logits = rng.standard_normal((layers, heads, T, T)) * 3
+        logits = np.where(np.tril(np.ones((T, T), bool)), logits, -np.inf)
+        e.attentions = softmax(logits, axis=-1)
+    top = rng.integers(0, vocab, (layers + 1, T, k))
+    right = np.zeros((layers + 1, T), bool)
+    right[:, :-1] = (np.arange(T - 1) % 3 == 0)[None]
+    top[..., 0] = np.where(right, np.append(ids[1:], 0)[None], top[..., 0])
+    probs = np.sort(rng.dirichlet(np.ones(k + 1), (layers + 1, T))[..., :k], axis=-1)[..., ::-1]
+    e.lens = Lens(top, probs, {i: f"w{i}" for i in range(vocab)})
+    e.head_scores = {kind: rng.uniform(0, 1, (layers, heads))
+                     for kind in ("previous_token", "duplicate_token", "induction")}
+    if patching:
+        bad = list(tokens)
+        bad[1] = "CHANGED"
+        e.patching = Patching(rng.uniform(-1, 3, (layers, T)), "corrupted text", bad, 3, "w3", 4, "w4", 2.5, -0.5)
+    return e

@@ -31,7 +31,7 @@ def _arrays(data: dict) -> dict[str, np.ndarray]:
     raw = zlib.decompress(base64.b64decode(data["blob"]))
     out = {}
     for name, ref in data["arrays"].items():
-        dtype = {"u8": np.uint8, "f32": np.float32}[ref["dtype"]]
+        dtype = {"u8": np.uint8, "u16": np.uint16, "u32": np.uint32, "f32": np.float32}[ref["dtype"]]
         n = int(np.prod(ref["shape"]))
         flat = np.frombuffer(raw, dtype=dtype, count=n, offset=ref["offset"])
         out[name] = flat.reshape(ref["shape"])
@@ -266,3 +266,48 @@ def test_long_texts_warn_and_are_drawn_a_window_at_a_time():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert _data(rep.render_html(random_explanation(rep.LONG_INPUT, 1, 1, dim=4)))["window"] is None
+
+
+# ---- the size target: fewer bits per attention weight when 8 would pass it -----------------------
+
+
+def test_a_report_that_would_be_too_large_gets_fewer_bits(monkeypatch):
+    monkeypatch.setattr(rep, "_SMALL_ATTENTION", 0)  # as for a long text, on a small one
+    e = random_explanation(160, 2, 3, sharpness=1.0)
+    full = rep.render_html(e)
+    assert _data(full)["levels"] == 255
+    limit = len(full.encode()) * 2 // 3
+    page = rep.render_html(e, max_bytes=limit)
+    data = _data(page)
+    levels = data["levels"]
+    assert len(page.encode()) <= limit and levels in rep.CODE_LEVELS and levels < 255
+    bits = levels.bit_length()
+    assert f"attention weights stored with {bits} bits (instead of 8)" in " ".join(data["notes"])
+    arr = _arrays(data)
+    assert arr["rowmax"].dtype == np.uint16  # in units of 1/65535
+    rowmax = arr["rowmax"] / 65535
+    np.testing.assert_allclose(rowmax, e.attentions.max(-1), atol=0.5 / 65535 + 1e-7, rtol=0)
+    back = arr["attn"] / levels * rowmax[..., None]
+    assert np.all(np.abs(back - e.attentions) <= rowmax[..., None] / (2 * levels) + 1e-4)
+    # the largest code range that fits is chosen: one more level would not have fitted
+    if levels != rep.CODE_LEVELS[0]:
+        bigger = rep.CODE_LEVELS[rep.CODE_LEVELS.index(levels) - 1]
+        monkeypatch.setattr(rep, "CODE_LEVELS", (bigger, bigger))
+        with pytest.warns(UserWarning, match="even with"):
+            assert len(rep.render_html(e, max_bytes=limit).encode()) > limit
+
+
+def test_a_report_that_cannot_fit_says_so(monkeypatch):
+    monkeypatch.setattr(rep, "_SMALL_ATTENTION", 0)
+    e = random_explanation(60, 1, 2)
+    with pytest.warns(UserWarning, match=r"the report is 0\.\d MB, more than 0\.01 MB, even with 2-bit attention"):
+        page = rep.render_html(e, max_bytes=10_000)
+    data = _data(page)
+    assert data["levels"] == 3
+    assert ("attention weights stored with 2 bits (instead of 8) relative to each row's maximum, the fewest offered "
+            "(the report is still more than 0.01 MB): each weight within 17% of its row's maximum") in data["notes"]
+
+
+def test_small_reports_keep_8_bits_and_float_row_maxima():
+    data = _data(rep.render_html(random_explanation(30, 2, 2), max_bytes=1000))
+    assert data["levels"] == 255 and data["arrays"]["rowmax"]["dtype"] == "f32"

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from attnlab.viz import html_report as rep
-from report_data import XSS_IMG, XSS_SCRIPT, random_explanation, traced_explanation
+from report_data import XSS_IMG, XSS_SCRIPT, inside_explanation, random_explanation, traced_explanation
 
 CHROMIUM = "/usr/bin/chromium"
 if not Path(CHROMIUM).exists():
@@ -469,4 +469,197 @@ def test_steps_show_whole_descriptions(session, tmp_path):
                                       "ts => ts.map(t => t.textContent)")
     assert len(lines) > 1 and " ".join(lines) == long
     assert "\u2026" not in page.inner_text(".al-stage")
+    session.check_clean()
+
+
+# ---- what explain reads from inside a decoder: the lens, the head detectors, patching -----------
+
+
+def _tip_at(page, selector, i, j, rows, cols):
+    box = page.locator(selector).bounding_box()
+    page.mouse.move(box["x"] + (j + 0.5) * box["width"] / cols, box["y"] + (i + 0.5) * box["height"] / rows)
+    return page.inner_text(".al-tip")
+
+
+def test_lens_detector_and_patching_views(session, tmp_path):
+    T, L, H = 10, 3, 4
+    e = inside_explanation(T, L, H)
+    page = session.open(rep.write_report(e, tmp_path / "inside.html"))
+    for view in ("lens", "detectors", "patching"):
+        assert not page.is_disabled(f'.al-tab[data-view="{view}"]')
+
+    # the lens: layers 0..n x positions, the top token in each cell; bold where it comes next
+    page.click('.al-tab[data-view="lens"]')
+    assert page.get_attribute(".attnlab-report", "data-view") == "lens"
+    cells = page.eval_on_selector_all(".al-lens-cell",
+                                      "ts => ts.map(t => [t.dataset.row, t.dataset.pos, t.textContent])")
+    assert len(cells) == (L + 1) * T
+    assert {(int(r), int(t)): w for r, t, w in cells} == {
+        (r, t): e.lens.strings[int(e.lens.ids[r, t, 0])] for r in range(L + 1) for t in range(T)}
+    bold = page.eval_on_selector_all(".al-lens-right", "ts => ts.map(t => [+t.dataset.row, +t.dataset.pos])")
+    want = [[r, t] for r in range(L + 1) for t in range(T - 1)
+            if e.lens.strings[int(e.lens.ids[r, t, 0])] == e.tokens[t + 1]]
+    assert sorted(bold) == sorted(want) and len(want) >= L + 1
+    tip = _tip_at(page, ".al-stage .al-hit", 2, 5, L + 1, T)
+    assert tip.startswith("layer 2 (the output of block 1)\nposition 5 \u201c" + e.tokens[5])
+    for k in range(3):
+        word, p = e.lens.strings[int(e.lens.ids[2, 5, k])], e.lens.probs[2, 5, k]
+        assert f"{k + 1}. \u201c{word}\u201d {p:.3f}" in tip
+    assert _tip_at(page, ".al-stage .al-hit", 0, 0, L + 1, T).startswith("layer 0 (the embeddings)")
+    session.shot("lens")
+    name, svg = session.download(".al-export-svg")
+    assert name == "attnlab-lens.svg" and ET.fromstring(svg).tag.endswith("svg")
+
+    # the head detectors: one blocks x heads map per kind; a click opens that head
+    page.click('.al-tab[data-view="detectors"]')
+    kinds = page.eval_on_selector_all(".al-detector", "gs => gs.map(g => g.dataset.kind)")
+    assert kinds == ["previous_token", "duplicate_token", "induction"]
+    hit = '.al-detector[data-kind="induction"] .al-hit'
+    tip = _tip_at(page, hit, 1, 3, L, H)
+    assert "block 1 head 3 (layer 2, head 3)" in tip
+    assert f"score {e.head_scores['induction'][1, 3]:.4f}" in tip
+    session.shot("detectors")
+    name, png = session.download(".al-export-png")
+    assert name == "attnlab-detectors.png" and _png_pixels(png)[..., :3].std() > 0.05
+    page.click(hit, position={"x": 3.5 * page.locator(hit).bounding_box()["width"] / H,
+                              "y": 1.5 * page.locator(hit).bounding_box()["height"] / L})
+    assert page.get_attribute(".attnlab-report", "data-view") == "head"
+    assert page.input_value(".al-layer") == "1"  # block 1 is layer 2 (the select's value is its index)
+    pressed = page.eval_on_selector_all(".al-chip", "cs => cs.map(c => c.ariaPressed)")
+    assert pressed == ["false", "false", "false", "true"]
+
+    # patching: blocks x positions, the metric under the pointer
+    page.click('.al-tab[data-view="patching"]')
+    text = page.inner_text(".al-stage")
+    assert "corrupted text: corrupted text" in text and f"{e.tokens[1]}/CHANGED" in text
+    assert "logit(\u201cw3\u201d) \u2212 logit(\u201cw4\u201d) at the last position" in text
+    tip = _tip_at(page, ".al-stage .al-hit", 2, 7, L, T)
+    v = e.patching.values[2, 7]
+    assert tip.startswith(f"block 2: the residual entering it (layer 2's output)\nposition 7 \u201c{e.tokens[7]}\u201d")
+    shown = float(re.search(r"metric (-?[\d.]+)", tip).group(1))
+    assert abs(shown - v) < 1e-3
+    assert f"({100 * (v + 0.5) / 3:.0f}% of the way to the clean run)" in tip
+    tip = _tip_at(page, ".al-stage .al-hit", 0, 1, L, T)
+    assert "(corrupted \u201cCHANGED\u201d)" in tip
+    session.shot("patching")
+    name, svg = session.download(".al-export-svg")
+    assert name == "attnlab-patching.svg" and ET.fromstring(svg).tag.endswith("svg")
+    session.check_clean()
+
+
+def test_new_views_are_off_without_their_data(session, tmp_path):
+    page = session.open(rep.write_report(random_explanation(5, 1, 2), tmp_path / "r.html"))
+    for view in ("lens", "detectors", "patching"):
+        assert page.is_disabled(f'.al-tab[data-view="{view}"]')
+    assert "decoders" in page.get_attribute('.al-tab[data-view="lens"]', "title")
+    assert "--corrupt" in page.get_attribute('.al-tab[data-view="patching"]', "title")
+    session.check_clean()
+    session.requests.clear()
+    e = inside_explanation(6, 1, 2, patching=False)
+    page = session.open(rep.write_report(e, tmp_path / "nopatch.html"))
+    assert page.is_disabled('.al-tab[data-view="patching"]') and not page.is_disabled('.al-tab[data-view="lens"]')
+    session.check_clean()
+
+
+def test_the_lens_shows_a_window_of_positions(session, tmp_path):
+    e = inside_explanation(150, 2, 2)
+    page = session.open(rep.write_report(e, tmp_path / "lens.html"))
+    page.click('.al-tab[data-view="lens"]')
+    assert page.locator(".al-lens-cell").count() == 3 * 64
+    assert page.inner_text(".al-win-info") == "0\u201363 of 150"
+    page.click(".al-win-next")
+    assert page.inner_text(".al-win-info") == "32\u201395 of 150"
+    first = page.eval_on_selector_all(".al-lens-cell", "ts => Math.min(...ts.map(t => +t.dataset.pos))")
+    assert first == 32
+    name, _ = session.download(".al-export-png")
+    assert name == "attnlab-lens-tokens32-95.png"
+    page.click('.al-tab[data-view="heatmap"]')  # the other views show every token again
+    assert page.locator(".al-win-info").count() == 0
+    page.click('.al-tab[data-view="patching"]')
+    assert page.locator(".al-win-info").count() == 0
+    session.check_clean()
+
+
+def test_1024_token_decoder_report(session, tmp_path, capsys):
+    """The scale case of a decoder: 1024 tokens, 4 blocks x 4 heads, causal maps, with the lens,
+    the head detectors and patching; prints the size and timings."""
+    e = inside_explanation(1024, 4, 4, vocab=50257)
+    path = rep.write_report(e, tmp_path / "decoder.html")
+    size = path.stat().st_size
+    assert size < 10_000_000
+    t0 = time.perf_counter()
+    page = session.open(path)
+    wall = time.perf_counter() - t0
+    times = {}
+    for view in ("lens", "detectors", "patching", "model", "heatmap", "head"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.locator(".al-stage svg").count() == 1
+        times[view] = float(page.get_attribute(".attnlab-report", "data-last-render-ms"))
+    session.check_clean()
+    with capsys.disabled():
+        print(f"\n1024-token decoder report (4x4, causal): {size / 1e6:.2f} MB, open-to-ready {wall * 1000:.0f} ms, "
+              f"views (ms): {json.dumps({k: round(v) for k, v in times.items()})}")
+
+
+def test_a_report_with_fewer_bits_reads_its_weights(session, tmp_path, monkeypatch):
+    monkeypatch.setattr(rep, "_SMALL_ATTENTION", 0)
+    e = random_explanation(150, 2, 2, sharpness=1.0)
+    limit = len(rep.render_html(e).encode()) * 4 // 5
+    page = session.open(rep.write_report(e, tmp_path / "small.html", max_bytes=limit))
+    foot = page.inner_text(".al-foot")
+    bits = int(re.search(r"stored with (\d) bits per value", foot).group(1))
+    assert bits < 8
+    levels = 2 ** bits - 1
+    page.click('.al-tab[data-view="heatmap"]')
+    page.click('.al-chip[data-head="1"]')
+    tip = _tip_at(page, ".al-stage .al-hit", 5, 3, 150, 150)
+    shown = float(re.search(r"weight ([\d.]+)", tip).group(1))
+    assert abs(shown - e.attentions[1, 1, 5, 3]) <= e.attentions[1, 1, 5].max() / (2 * levels) + 1e-4
+    page.click('.al-tab[data-view="model"]')
+    page.click('.al-tab[data-view="head"]')
+    assert page.locator(".al-lines path").count() > 0
+    session.check_clean()
+
+
+def test_hostile_strings_in_the_new_views_run_nothing(session, tmp_path):
+    e = inside_explanation(6, 1, 2)
+    e.lens.strings = {i: (XSS_IMG if i % 2 else XSS_SCRIPT) for i in e.lens.strings}
+    e.patching.corrupted_tokens[2] = XSS_IMG
+    e.patching.corrupted_text = XSS_SCRIPT
+    e.patching.clean_token = XSS_IMG
+    page = session.open(rep.write_report(e, tmp_path / "xss-inside.html"))
+    for view in ("lens", "detectors", "patching"):
+        page.click(f'.al-tab[data-view="{view}"]')
+        assert page.locator(".al-stage svg").count() == 1
+    text = page.inner_text(".al-stage")
+    assert "corrupted text: </script><script>alert(1)</script>" in text and "<img src=x on" in text
+    page.click('.al-tab[data-view="lens"]')
+    cells = page.inner_text(".al-stage")  # cut to 10 characters, shown as text
+    assert "<img src=\u2026" in cells and "</script>\u2026" in cells
+    assert page.evaluate("document.querySelectorAll('img').length") == 0
+    assert page.evaluate("document.querySelectorAll('[onerror]').length") == 0
+    session.check_clean()
+
+
+def test_rollout_view(session, tmp_path):
+    T, L = 12, 3
+    e = random_explanation(T, L, 2, seed=4)
+    a = e.attentions.mean(1) + np.eye(T)  # (L, T, T): heads averaged, the residual added
+    a /= a.sum(-1, keepdims=True)
+    rollout = [a[0]]
+    for i in range(1, L):
+        rollout.append(a[i] @ rollout[-1])
+    e.rollout = np.stack(rollout)
+    page = session.open(rep.write_report(e, tmp_path / "rollout.html"))
+    assert page.is_disabled('.al-tab[data-view="lens"]') and not page.is_disabled('.al-tab[data-view="rollout"]')
+    page.click('.al-tab[data-view="rollout"]')
+    page.eval_on_selector(".al-layer", "s => { s.value = '1'; s.dispatchEvent(new Event('change')); }")  # layer 2
+    assert "Attention rollout through layers 1\u20132" in page.inner_text(".al-stage")
+    tip = _tip_at(page, ".al-stage .al-hit", 6, 2, T, T)
+    assert tip.startswith("token 6 \u201ctok6\u201d after layer 2 draws on input token 2 \u201ctok2\u201d")
+    shown = float(re.search(r"rollout ([\d.]+)", tip).group(1))
+    assert abs(shown - e.rollout[1, 6, 2]) <= e.rollout[1, 6].max() / 510 + 1e-4
+    session.shot("rollout")
+    name, svg = session.download(".al-export-svg")
+    assert name == "attnlab-rollout-layer2.svg" and ET.fromstring(svg).tag.endswith("svg")
     session.check_clean()

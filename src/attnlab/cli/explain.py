@@ -7,8 +7,14 @@ chosen layer) and embeddings.png (static -> contextual vectors, PCA);
 --format json prints the whole explanation as one JSON document on stdout (messages go
 to stderr) and, with --out, also saves it as DIR/explanation.json.
 
+For decoders (--model gpt2 or checkpoint) it also looks inside: the logit lens (the
+likeliest next token read from the residual stream after each layer), the head detector
+scores (previous-token, duplicate-token and induction heads) and, with --corrupt TEXT,
+activation patching of the residual stream from the text into the corrupted text.
+
 Layers are numbered 1 to the number of layers (layer 0 is the embeddings, which have no
-attention); negative numbers count back from the last.
+attention); negative numbers count back from the last. Blocks, as in the hook names
+(blocks.0.hook_resid_pre, ...), count from 0: block i makes layer i + 1.
 """
 
 from __future__ import annotations
@@ -110,6 +116,12 @@ def register(sub) -> None:
                    "GPT-2 folder with config.json and model.safetensors (implies --model gpt2)")
     p.add_argument("--html", metavar="PATH", default=None,
                    help="also write the interactive HTML report to PATH")
+    p.add_argument("--corrupt", metavar="TEXT", default=None,
+                   help="decoders: a corrupted version of the text with the same number of tokens "
+                   "(e.g. one word changed); activation patching then replaces the residual "
+                   "entering each block at each position of the corrupted run by the text's and "
+                   "measures the logit difference between the two runs' predictions at the last "
+                   "position (one forward pass per block and position)")
     p.set_defaults(run=run)
 
 
@@ -130,6 +142,16 @@ def choose_model(args) -> str:
     return model or default_model()
 
 
+def patching_models() -> list[str]:
+    """The models that take a corrupted text (their callable has a ``corrupt`` option): the
+    decoders."""
+    import inspect
+
+    from attnlab.explain import MODELS
+
+    return sorted(name for name, f in MODELS.items() if "corrupt" in inspect.signature(f).parameters)
+
+
 def _not_available(model: str) -> str:
     return f"model {model} is not available: {_HINTS.get(model, 'install it')}"
 
@@ -137,7 +159,7 @@ def _not_available(model: str) -> str:
 def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | None,
             checkpoint: str | None = None, positions: bool = False, vocab: str | None = None,
             layer: int | None = None, head: int | None = None, trace: bool | None = None,
-            warn_stream=None):
+            warn_stream=None, corrupt: str | None = None):
     """Validate the options, run the model, return the Explanation (or raise CLIError)."""
     from attnlab.explain import explain
 
@@ -164,6 +186,14 @@ def compute(text: str, model: str, *, seed: int, dim: int | None, heads: int | N
         if checkpoint is None:
             raise CLIError(f"--model {model} needs --checkpoint PATH")
         options["path"] = checkpoint
+    if corrupt is not None:
+        patching = patching_models()
+        if model not in patching:
+            raise CLIError(f"--corrupt needs a decoder (--model {' or '.join(patching)}): model {model} "
+                           "predicts no next token to patch")
+        if not corrupt.strip():
+            raise CLIError("--corrupt TEXT is empty: give the text with a word or two changed")
+        options["corrupt"] = corrupt
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -190,6 +220,8 @@ def _flag_names(msg: str) -> str:
     for name in ("layer", "head"):
         if msg.startswith(f"{name} "):
             return f"--{msg}"
+    if msg.startswith("the corrupted text"):
+        return f"--corrupt: {msg}"
     return msg
 
 
@@ -254,8 +286,83 @@ def print_summary(expl, *, out=None) -> None:
     print(format_table(weights[:n, :n], labels[:n], labels[:n], decimals=2, color=color), file=out)
     if T > n:
         print(f"  (showing the first {n} of {T} tokens; --out draws them all)", file=out)
+    print_inside(expl, out=out, color=color)
     for note in expl.notes:
         print(f"note: {note}", file=out)
+
+
+#: The numbering, said once before the lens and the head scores.
+NUMBERING = ("layers count from 0 (the embeddings): layer k is the output of block k - 1; blocks count "
+             "from 0 as in the hook names (blocks.{i}.…)")
+
+
+def head_name(block: int, head: int) -> str:
+    """A head named so that nobody can misread it: by block (from 0, as in the hook names)
+    and by layer (from 1).
+
+    >>> head_name(0, 3)
+    'block 0 head 3 (layer 1)'
+    """
+    return f"block {block} head {head} (layer {block + 1})"
+
+
+def print_inside(expl, *, out=None, color: bool = False, top: int = 3) -> None:
+    """The logit lens at the last position, the best heads of each detector and the
+    patching result, for explanations that have them."""
+    import numpy as np
+
+    from attnlab.explain.inside import top_heads
+
+    out = out or sys.stdout
+    lens, scores, patching = (getattr(expl, name, None) for name in ("lens", "head_scores", "patching"))
+    if lens is None and scores is None and patching is None:
+        return
+    bold = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)
+    T = len(expl.tokens)
+    print("", file=out)
+    print(f"numbering: {NUMBERING}", file=out)
+    if lens is not None:
+        print("", file=out)
+        print(bold(f"logit lens at the last position (token {T - 1}, {expl.tokens[-1]!r}): the likeliest "
+                   "next token read after each layer"), file=out)
+        ids, probs = lens.ids[:, -1], lens.probs[:, -1]  # (n + 1, k)
+        for k in range(ids.shape[0]):
+            what = "  (the embeddings)" if k == 0 else "  (the model's prediction)" if k == ids.shape[0] - 1 else ""
+            others = ", ".join(f"{lens.strings[int(i)]!r} {p:.2f}"
+                               for i, p in zip(ids[k, 1:], probs[k, 1:], strict=True))
+            print(f"  layer {k:>2}  {lens.strings[int(ids[k, 0])]!r} p={probs[k, 0]:.2f}"
+                  + (f"   then {others}" if others else "") + what, file=out)
+    if scores is not None:
+        print("", file=out)
+        print(bold(f"head detectors: the {top} best heads of each kind (score 0..1: the share of the "
+                   "head's attention where that kind of head attends)"), file=out)
+        width = max(len(kind) for kind in scores)
+        for kind, s in scores.items():
+            best = ", ".join(f"{head_name(i, h)} {v:.2f}" for i, h, v in top_heads(s, top))
+            print(f"  {kind.ljust(width)}  {best}", file=out)
+    if patching is not None:
+        p = patching
+        print("", file=out)
+        print(bold(f"activation patching ({p.hook}) from the text into the corrupted text "
+                   f"{_short_text(p.corrupted_text, 80)}"), file=out)
+        print(f"  metric: logit({p.clean_token!r}) - logit({p.corrupted_token!r}) at the last position "
+              f"(the clean run's prediction against the corrupted run's): clean run {p.clean_value:.3f}, "
+              f"corrupted run {p.corrupted_value:.3f}", file=out)
+        print("  row: block i, the residual entering block i (layer i's output) replaced by the text's at "
+              "one position; column: that position's token (text/corrupted where they differ)", file=out)
+        values = np.asarray(p.values)
+        labels = _trim([t if c == t else f"{t}/{c}" for c, t in zip(p.corrupted_tokens, expl.tokens, strict=True)])
+        n = min(T, MAX_TABLE)
+        print(format_table(values[:, :n], [f"block {i}" for i in range(values.shape[0])], labels[:n],
+                           decimals=2, color=color), file=out)
+        if T > n:
+            print(f"  (showing the first {n} of {T} positions; --html draws them all)", file=out)
+        restored = p.restored()
+        if np.isfinite(restored).any():
+            i, t = np.unravel_index(int(np.nanargmax(restored)), restored.shape)
+            print(f"  the patch that restores most: block {i} at position {t} ({expl.tokens[t]!r}): "
+                  f"{values[i, t]:.3f}, {restored[i, t]:.0%} of the way from the corrupted run to the clean "
+                  "run", file=out)
 
 
 def print_steps(expl, head: int, *, out=None) -> None:
@@ -314,7 +421,7 @@ def explain_command(text: str, args, *, out_dir: str | None) -> int:
         heads=getattr(args, "heads", None), checkpoint=getattr(args, "checkpoint", None),
         positions=getattr(args, "positions", False), vocab=getattr(args, "vocab", None),
         layer=getattr(args, "layer", None), head=getattr(args, "head", None),
-        trace=True if steps else None,
+        trace=True if steps else None, corrupt=getattr(args, "corrupt", None),
     )
     if steps and expl.trace is None:
         raise CLIError(f"--steps: model {expl.model_name} recorded no step-by-step trace")

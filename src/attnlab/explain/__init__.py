@@ -1,13 +1,17 @@
 """What the ``explain`` views show, as data: :class:`Explanation`, :func:`explain` and the models.
 
 An :class:`Explanation` holds one text run through one model: its tokens, every attention
-map, the static and contextual token vectors, the step-by-step trace of one layer, and the
-layer and head to open on. The CLI prints it, :mod:`attnlab.viz` draws it, the HTML report
-embeds it, :meth:`Explanation.to_dict` is its JSON document.
+map, the static and contextual token vectors, the step-by-step trace of one layer, the
+layer and head to open on and, for decoders, what :mod:`attnlab.explain.inside` reads
+from inside: the logit lens, the head detector scores and activation patching. The CLI
+prints it, :mod:`attnlab.viz` draws it, the HTML report embeds it,
+:meth:`Explanation.to_dict` is its JSON document.
 
 Layers are numbered as everywhere in attnlab: layer 0 is the embeddings (no attention),
 layer ``k`` is the output of the ``k``-th transformer block (``1..n``), negative numbers
-count from the end. ``attentions[k - 1]`` holds layer ``k``'s maps.
+count from the end. ``attentions[k - 1]`` holds layer ``k``'s maps. The head detector
+scores and the patching result count blocks from 0, as the hook names do: block ``i``
+makes layer ``i + 1``.
 
 The models are callables in :data:`MODELS` (see :mod:`attnlab.explain.backends`); each
 takes the text, ``layer``, ``head`` and ``trace`` plus options of its own.
@@ -21,15 +25,19 @@ from datetime import UTC, datetime
 import numpy as np
 
 from attnlab.explain.backends import MODELS, checkpoint_model, gpt2_model, minilm_model, random_model
+from attnlab.explain.inside import Lens, Patching
 from attnlab.explain.words import WordComparison, compare_word
 
 __all__ = [
     "MODELS",
     "Explanation",
+    "Lens",
+    "Patching",
     "WordComparison",
     "checkpoint_model",
     "compare_word",
     "decode_array",
+    "encode_ids",
     "encode_weights",
     "explain",
     "gpt2_model",
@@ -41,7 +49,9 @@ FORMAT = "attnlab-explanation"
 # 2: layers numbered 1..n (0 = embeddings), "layers" and "model_name" added
 # 3: attentions as 1e-4 codes (base64 of zlib'd uint16), vectors and steps rounded to 4
 #    significant digits, steps only when asked, "unknown_tokens" added
-FORMAT_VERSION = 3
+# 4: "lens", "head_scores", "patching" (decoders) and "rollout" (encoders) added, null where
+#    the model has none
+FORMAT_VERSION = 4
 #: Attention weights are stored in units of this (what the views show: 4 decimals).
 WEIGHT_STEP = 1e-4
 #: Vectors and trace steps keep this many significant digits in the JSON document.
@@ -98,10 +108,31 @@ def encode_weights(attentions) -> dict:
             "data": base64.b64encode(zlib.compress(codes.tobytes(), 6)).decode("ascii")}
 
 
+def encode_ids(ids) -> dict:
+    """Non-negative integers (token ids) as the JSON document stores them: ``uint16`` when
+    they fit, else ``uint32`` (little-endian), zlib-compressed, base64.
+
+    >>> d = encode_ids(np.array([[3, 70000]]))
+    >>> d["shape"], d["dtype"], decode_array(d).tolist()
+    ([1, 2], 'uint32', [[3, 70000]])
+    """
+    import base64
+    import zlib
+
+    a = np.asarray(ids, dtype=np.int64)
+    if a.size and (a.min() < 0 or a.max() >= 1 << 32):
+        raise ValueError(f"ids must lie in [0, 2**32), got values in [{a.min()}, {a.max()}]")
+    dtype = "uint16" if not a.size or a.max() < 1 << 16 else "uint32"
+    data = a.astype("<u2" if dtype == "uint16" else "<u4").tobytes()
+    return {"shape": list(a.shape), "dtype": dtype, "encoding": "zlib+base64",
+            "data": base64.b64encode(zlib.compress(data, 6)).decode("ascii")}
+
+
 def decode_array(entry: dict) -> np.ndarray:
     """An array of the JSON document back as NumPy: ``{"shape", "values"}`` (nested lists,
-    ``null`` for -inf) or ``{"shape", "dtype", "scale", "encoding", "data"}`` (the
-    attention weights, see :func:`encode_weights`).
+    ``null`` for -inf), ``{"shape", "dtype", "scale", "encoding", "data"}`` (the
+    attention weights and the lens's probabilities, see :func:`encode_weights`) or the
+    same without ``scale`` (token ids, see :func:`encode_ids`; int64).
 
     >>> decode_array({"shape": [2], "values": [0.5, None]}).tolist()
     [0.5, -inf]
@@ -111,9 +142,12 @@ def decode_array(entry: dict) -> np.ndarray:
 
     shape = tuple(entry["shape"])
     if "data" in entry:
-        if entry.get("encoding") != "zlib+base64" or entry.get("dtype") != "uint16":
+        dtypes = {"uint16": "<u2"} if "scale" in entry else {"uint16": "<u2", "uint32": "<u4"}
+        if entry.get("encoding") != "zlib+base64" or entry.get("dtype") not in dtypes:
             raise ValueError(f"unknown array encoding {entry.get('encoding')!r} / dtype {entry.get('dtype')!r}")
-        codes = np.frombuffer(zlib.decompress(base64.b64decode(entry["data"])), dtype="<u2")
+        codes = np.frombuffer(zlib.decompress(base64.b64decode(entry["data"])), dtype=dtypes[entry["dtype"]])
+        if "scale" not in entry:
+            return codes.astype(np.int64).reshape(shape)
         return (codes.astype(np.float64) * float(entry["scale"])).reshape(shape)
     values = _nan_to_none(entry["values"])
     return np.array([-np.inf if v is None else v for v in np.ravel(np.array(values, dtype=object))],
@@ -141,6 +175,17 @@ class Explanation:
         head: the head to show first (``0..heads-1``).
         unknown: how many of the tokens are the model's unknown token (``[UNK]``,
             ``<unk>``): their vectors say nothing about the text they replaced.
+        lens: the logit lens (:class:`~attnlab.explain.inside.Lens`): the likeliest next
+            tokens at each position after each layer ``0..n``; None for encoders.
+        head_scores: :func:`attnlab.inspect.detect_heads` on the text's own ids, as
+            ``{"previous_token", "duplicate_token", "induction"} -> (n_layers, heads)``;
+            row ``i`` is block ``i`` (layer ``i + 1``). None for encoders.
+        patching: activation patching of ``resid_pre`` from this text into a corrupted
+            one (:class:`~attnlab.explain.inside.Patching`, ``(n_layers, T)``, row ``i``
+            the residual entering block ``i``), or None.
+        rollout: encoders: :func:`attnlab.inspect.attention_rollout` of the maps,
+            ``(n_layers, T, T)``; ``rollout[k - 1]`` is the rollout through layers
+            ``1..k`` (each row sums to 1). None for decoders.
     """
 
     text: str
@@ -156,6 +201,10 @@ class Explanation:
     layer: int | None = None
     head: int = 0
     unknown: int = 0
+    lens: Lens | None = None
+    head_scores: dict[str, np.ndarray] | None = None
+    patching: Patching | None = None
+    rollout: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.layer is None:
@@ -178,7 +227,7 @@ class Explanation:
         return np.asarray(self.attentions)[k - 1, h]
 
     def to_dict(self, *, steps: bool = False) -> dict:
-        """The JSON document (``"format": "attnlab-explanation"``, version 3), sized to its
+        """The JSON document (``"format": "attnlab-explanation"``, version 4), sized to its
         content and rounded to what the views show.
 
         ``attentions`` is stored once, as codes of ``WEIGHT_STEP`` (``1e-4``) units
@@ -189,6 +238,20 @@ class Explanation:
         which are the attention map already stored, as ``{"same_as": ["attentions",
         layer - 1, head]}`` instead of a second copy. Text that no file can hold (lone
         surrogates) is written as U+FFFD.
+
+        What a decoder shows from inside (``null`` when absent):
+
+        - ``lens``: ``{"shape": [n + 1, T, k], "ids", "probs", "token_ids",
+          "token_strings", "rows"}``: ``ids`` the likeliest tokens (:func:`encode_ids`),
+          ``probs`` their probabilities in ``WEIGHT_STEP`` units (:func:`encode_weights`),
+          ``token_strings[m]`` the string of ``token_ids[m]``; row ``k`` is layer ``k``.
+        - ``head_scores``: ``{kind: {"shape": [n, H], "values"}}`` rounded to 4 significant
+          digits; row ``i`` is block ``i`` (layer ``i + 1``).
+        - ``patching``: ``{"hook", "metric", "values" (n, T), "corrupted_text",
+          "corrupted_tokens", "clean_prediction", "corrupted_prediction", "clean_value",
+          "corrupted_value", "rows"}``; row ``i`` patches the residual entering block ``i``.
+        - ``rollout`` (encoders): ``(n_layers, T, T)`` in ``WEIGHT_STEP`` units
+          (:func:`encode_weights`); entry ``k - 1`` is the rollout through layers ``1..k``.
 
         >>> att = np.full((1, 1, 2, 2), 0.5)
         >>> e = Explanation("a b", ["a", "b"], "toy", att, np.eye(2), np.eye(2))
@@ -218,7 +281,39 @@ class Explanation:
             "static": _array(self.static),
             "contextual": _array(self.contextual),
             "trace": self._trace_dict() if steps and self.trace is not None else None,
+            "lens": self._lens_dict(),
+            "head_scores": (None if self.head_scores is None
+                            else {kind: _array(v) for kind, v in self.head_scores.items()}),
+            "patching": self._patching_dict(),
+            "rollout": None if self.rollout is None else encode_weights(self.rollout),
         }
+
+    def _lens_dict(self) -> dict | None:
+        from attnlab.viz.html_report import clean_text
+
+        lens = self.lens
+        if lens is None:
+            return None
+        used = sorted({int(i) for i in np.unique(lens.ids)})
+        return {"shape": list(np.shape(lens.ids)),
+                "rows": "layer 0 (the embeddings) to layer n (the output of block n - 1)",
+                "ids": encode_ids(lens.ids), "probs": encode_weights(lens.probs),
+                "token_ids": used, "token_strings": [clean_text(lens.strings[i]) for i in used]}
+
+    def _patching_dict(self) -> dict | None:
+        from attnlab.viz.html_report import clean_text
+
+        p = self.patching
+        if p is None:
+            return None
+        return {"hook": p.hook, "metric": clean_text(p.metric),
+                "rows": f"block i: the residual entering block i ({p.hook}), layer i's output",
+                "values": _array(p.values), "corrupted_text": clean_text(p.corrupted_text),
+                "corrupted_tokens": [clean_text(t) for t in p.corrupted_tokens],
+                "clean_prediction": {"id": int(p.clean_id), "token": clean_text(p.clean_token)},
+                "corrupted_prediction": {"id": int(p.corrupted_id), "token": clean_text(p.corrupted_token)},
+                "clean_value": float(round_significant(p.clean_value)),
+                "corrupted_value": float(round_significant(p.corrupted_value))}
 
     def _trace_dict(self) -> dict:
         from attnlab.viz.html_report import clean_text

@@ -167,12 +167,14 @@ def minilm_model(
     """``text`` through the pretrained all-MiniLM-L6-v2 (attnlab's NumPy BERT).
 
     ``static`` is the tokens' word-embedding rows (layer 0), ``contextual`` the output of
-    layer 6, ``attentions`` ``(6, 12, T, T)``. Needs the ``pretrained`` extra
-    (``ImportError`` without it).
+    layer 6, ``attentions`` ``(6, 12, T, T)``, ``rollout`` the attention rollout of those
+    maps (:func:`attnlab.inspect.attention_rollout`, ``(6, T, T)``). Needs the
+    ``pretrained`` extra (``ImportError`` without it).
     """
     import warnings
 
     from attnlab.explain import Explanation
+    from attnlab.inspect import attention_rollout
     from attnlab.models.bert import MINILM_NAME, minilm_available, shared_minilm
 
     if not minilm_available():
@@ -199,7 +201,10 @@ def minilm_model(
                      "most Chinese characters and emoji)")
     notes += [str(w.message) for w in caught]
     notes += _trace_note(trace, T)
+    maps = np.asarray(analysis.attentions)  # (N, H, T, T): each block's hook_pattern
+    rollout = attention_rollout(model, {f"blocks.{i}.attn.hook_pattern": maps[i][None] for i in range(len(maps))})
     return Explanation(
+        rollout=rollout[:, 0],
         unknown=n_unknown,
         text=text,
         tokens=analysis.tokens,
@@ -290,19 +295,23 @@ def checkpoint_model(
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
+    corrupt: str | None = None,
 ) -> Explanation:
     """A trained associative-recall model (a file from ``attnlab train``) on ``text``.
 
     ``text`` is a space-separated sequence of the task's tokens, e.g. ``"k1 v5 k2 v9 k1"``.
     The notes point out the induction pattern: in the last layer each repeated key
     attends to the value that followed its first occurrence (which the first layer has
-    tagged with that key), and the model predicts that value.
+    tagged with that key), and the model predicts that value. The logit lens and the head
+    detector scores are filled in, and with ``corrupt`` (a text of as many tokens)
+    activation patching (see :func:`attnlab.explain.inside.decoder_inside`).
 
     Raises:
         ValueError: unknown tokens, a text longer than the model's context, a bad file.
     """
     from attnlab.core import softmax
     from attnlab.explain import Explanation
+    from attnlab.explain.inside import decoder_inside
     from attnlab.train.checkpoint import load_checkpoint
 
     if path is None:
@@ -323,7 +332,12 @@ def checkpoint_model(
         tr = model.trace(ids, layer=k)
         tr.tokens = list(tokens)
     notes += _trace_note(trace, T)
+    lens, scores, patching = decoder_inside(model, np.asarray(ids), task.vocab, corrupt=corrupt,
+                                            encode=lambda s: (task.encode(s), s.split()))
     return Explanation(
+        lens=lens,
+        head_scores=scores,
+        patching=patching,
         text=text,
         tokens=tokens,
         model=(f"TinyTransformer ({c.n_layers} layers, {c.n_heads} heads, d_model {c.d_model}) "
@@ -346,6 +360,7 @@ def gpt2_model(
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
+    corrupt: str | None = None,
 ) -> Explanation:
     """A decoder folder or file on ``text``: GPT-2, Llama, Mistral, Qwen2 or Qwen3
     (``config.json``, the weights, optionally ``tokenizer.json``; or a ``.gguf`` file), as
@@ -366,7 +381,8 @@ def gpt2_model(
     if not family.decoder or family.name == "tiny":
         raise ValueError(f"{path} holds a {family.name} model; this view needs a decoder folder or .gguf file")
     return decoder_explanation(from_pretrained(path), text, layer=layer, head=head, trace=trace,
-                               source=Path(path).name, model_name="gpt2" if family.name == "gpt2" else family.name)
+                               source=Path(path).name, model_name="gpt2" if family.name == "gpt2" else family.name,
+                               corrupt=corrupt)
 
 
 def smollm2_model(
@@ -375,6 +391,7 @@ def smollm2_model(
     layer: int | None = None,
     head: int | None = None,
     trace: bool | None = None,
+    corrupt: str | None = None,
 ) -> Explanation:
     """The bundled SmolLM2-135M-Instruct (``make demo`` installs it) on ``text``, as is
     (no chat template): 30 blocks of 9 query heads over 3 key/value heads, rotary positions.
@@ -387,7 +404,7 @@ def smollm2_model(
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return decoder_explanation(load_smollm2(), text, layer=layer, head=head, trace=trace, source="",
-                               model_name="smollm2")
+                               model_name="smollm2", corrupt=corrupt)
 
 
 def _head_groups(num_heads: int, num_kv_heads: int) -> str:
@@ -401,6 +418,7 @@ def _head_groups(num_heads: int, num_kv_heads: int) -> str:
 
 def decoder_explanation(
     model, text: str, *, layer: int | None, head: int | None, trace: bool | None, source: str, model_name: str,
+    corrupt: str | None = None,
 ) -> Explanation:
     """Any causal decoder with a tokenizer (or token ids) on ``text``.
 
@@ -410,26 +428,38 @@ def decoder_explanation(
     (the embeddings), ``contextual`` the last block's output after the final norm. The
     notes give the predicted next token, how query heads share key/value heads (grouped
     query attention) and, for repeated tokens, whether some head (in any layer) shows the
-    induction pattern. Everything is read from the model's hook points in one run.
+    induction pattern. The logit lens and the head detector scores are filled in, and
+    with ``corrupt`` (a text of as many tokens) activation patching (see
+    :func:`attnlab.explain.inside.decoder_inside`). Everything is read from the model's
+    hook points.
+
+    Raises:
+        ValueError: a text longer than the context, ids that are not numbers or outside
+            the vocabulary (without a tokenizer), a corrupted text of a different length.
     """
     from attnlab.core import softmax
     from attnlab.explain import Explanation
+    from attnlab.explain.inside import decoder_inside
 
     c = model.config
     attn = model.layers[0].attn
     n_layers, n_heads = len(model.layers), attn.num_heads
     k, h = _place(layer, head, n_layers, n_heads)
     if model.tokenizer is not None:
-        ids, tokens = model.encode(text)
         vocab = [model.tokenizer.id_to_token(i) or str(i) for i in range(c.vocab_size)]
     else:
+        vocab = [str(i) for i in range(c.vocab_size)]
+
+    def encode(text: str) -> tuple[np.ndarray, list[str]]:
+        if model.tokenizer is not None:
+            return model.encode(text)
         words = text.split()
         if not words or not all(w.isdigit() for w in words):
             raise ValueError(f"{source or 'the model'} has no tokenizer.json: give the text as space-separated "
                              f"token ids in 0..{c.vocab_size - 1}, e.g. '1 2 3'")
-        ids = np.array([int(w) for w in words], dtype=np.int64)
-        tokens = words
-        vocab = [str(i) for i in range(c.vocab_size)]
+        return np.array([int(w) for w in words], dtype=np.int64), words
+
+    ids, tokens = encode(text)
     T = len(ids)
     if T > model.max_positions:
         raise ValueError(f"text has {T} tokens, but the model's context holds {model.max_positions}")
@@ -456,7 +486,11 @@ def decoder_explanation(
     heads = f"{n_heads} heads" if attn.num_kv_heads == n_heads else \
         f"{n_heads} query heads over {attn.num_kv_heads} key/value heads"
     where = f": {source}" if source else ""
+    lens, scores, patching = decoder_inside(model, np.asarray(ids), vocab, corrupt=corrupt, encode=encode)
     return Explanation(
+        lens=lens,
+        head_scores=scores,
+        patching=patching,
         text=text,
         tokens=tokens,
         model=(f"{model.name} ({n_layers} layers, {heads}, width {attn.embed_dim}, vocabulary "

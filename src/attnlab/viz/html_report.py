@@ -5,14 +5,18 @@
 view (tokens left and right, lines weighted by attention), the model view (a layers x heads
 grid of thumbnails), a heatmap with the value under the pointer, the step view of the
 trace of one attention call (X, Q, K, V, scores, weights, output with their shapes) and the
-static -> contextual embedding plot. Every view exports as PNG or SVG.
+static -> contextual embedding plot; for decoders also the logit lens (layers x positions,
+the likeliest next token in each cell, shaded by its probability), the head detector
+scores (a blocks x heads heatmap per kind) and, when the explanation has one, the
+activation-patching heatmap (blocks x positions). Every view exports as PNG or SVG.
 
 The file makes no network request of any kind: script and style are inlined, the numbers
 are embedded, and a Content-Security-Policy forbids every fetch except ``data:``/``blob:``
 images. It works from ``file://`` and offline.
 
 Numbers are stored compactly: every attention row is quantised to ``uint8`` relative to
-the row's maximum (so a value is exact to ``row max / 510``), the trace's arrays are
+the row's maximum (so a value is exact to ``row max / 510``; a report that would pass
+``MAX_BYTES``, 10 MB, gets fewer levels: 6, 5, 4, 3 or 2 bits), the trace's arrays are
 ``float32``, the whole binary block is zlib-compressed and base64-encoded; the browser
 inflates it with its built-in ``DecompressionStream``. The embedding plot's 2-D points are
 the first two principal components of the static and contextual vectors together,
@@ -60,6 +64,13 @@ _CSP = (
 )
 # Steps larger than this many values are left out of the step view (with a note).
 _MAX_STEP_VALUES = 1 << 20
+#: The report's size target in bytes: when 8-bit attention codes would make a larger file,
+#: the codes get fewer levels (see :data:`CODE_LEVELS`), and the report says so.
+MAX_BYTES = 10_000_000
+#: The attention code ranges tried in turn: 8, 6, 5, 4, 3 and 2 bits per weight.
+CODE_LEVELS = (255, 63, 31, 15, 7, 3)
+# Attention with fewer weights than this is never re-quantised to fit (one pass, 8 bits).
+_SMALL_ATTENTION = 1 << 22
 # Longer inputs are shown WINDOW tokens at a time (with a warning): drawing every token of a
 # 10,000-token text would freeze the page for many seconds.
 LONG_INPUT = 2000
@@ -110,7 +121,8 @@ def _json_for_script(obj: object) -> str:
 class _Blob:
     """Arrays packed one after the other (4-byte aligned), described by offset/dtype/shape."""
 
-    _CODES = {np.dtype(np.uint8): "u8", np.dtype(np.float32): "f32"}
+    _CODES = {np.dtype(np.uint8): "u8", np.dtype(np.uint16): "u16", np.dtype(np.uint32): "u32",
+              np.dtype(np.float32): "f32"}
 
     def __init__(self) -> None:
         self.parts: list[bytes] = []
@@ -177,15 +189,16 @@ def _check(explanation: object) -> tuple[list[str], np.ndarray]:
     return tokens, np.clip(att, 0.0, 1.0)
 
 
-def quantize_rows(att: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def quantize_rows(att: np.ndarray, levels: int = 255) -> tuple[np.ndarray, np.ndarray]:
     """Quantise attention rows to ``uint8`` relative to each row's maximum.
 
     Args:
         att: ``(..., L, S)`` weights in ``[0, 1]``.
+        levels: the largest code (255: 8 bits; 15: 4 bits).
 
     Returns:
         ``(codes, rowmax)``: ``(..., L, S)`` uint8 and ``(..., L)`` float32, with
-        ``att ~= codes / 255 * rowmax[..., None]`` to within ``rowmax / 510``.
+        ``att ~= codes / levels * rowmax[..., None]`` to within ``rowmax / (2 levels)``.
 
     >>> a = np.array([[0.7, 0.2, 0.1], [0.0, 0.0, 0.0]])
     >>> codes, rowmax = quantize_rows(a)
@@ -195,8 +208,35 @@ def quantize_rows(att: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     att = np.asarray(att, dtype=np.float32)
     rowmax = att.max(axis=-1)
     safe = np.where(rowmax > 0, rowmax, 1.0)[..., None]
-    codes = np.rint(att / safe * 255.0).clip(0, 255).astype(np.uint8)
+    codes = np.rint(att / safe * float(levels)).clip(0, levels).astype(np.uint8)
     return codes, rowmax.astype(np.float32)
+
+
+def _sampled_size(att: np.ndarray, levels: int) -> float:
+    """The base64 size of ``att``'s codes at ``levels``, estimated from 32 of its maps."""
+    maps = att.reshape(-1, *att.shape[-2:])
+    pick = np.unique(np.linspace(0, len(maps) - 1, min(len(maps), 32)).astype(int))
+    codes, _ = quantize_rows(maps[pick], levels)
+    return len(zlib.compress(codes.tobytes(), 6)) * len(maps) / len(pick) * 4 / 3
+
+
+def _pack(data: dict, att: np.ndarray, levels: int, pending: dict) -> None:
+    """Fill ``data["arrays"]``, ``data["blob"]`` and ``data["levels"]``: the attention codes
+    at ``levels``, the row maxima and the ``pending`` arrays in one compressed block."""
+    blob = _Blob()
+    codes, rowmax = quantize_rows(att, levels)
+    if att.size > _SMALL_ATTENTION:  # row maxima in units of 1/65535 (floats hardly compress)
+        rowmax = np.rint(rowmax.astype(np.float64) * 65535).astype(np.uint16)
+    arrays = {"attn": blob.add(codes), "rowmax": blob.add(rowmax)}
+    del codes
+    for key, a in pending.items():
+        arrays[key] = blob.add(a)
+    data.update(levels=int(levels), arrays=arrays, blob=blob.encode())
+
+
+def _page_size(data: dict) -> int:
+    """Bytes of the whole page that :func:`render_html` makes of ``data``."""
+    return len(_page(data).encode("utf-8"))
 
 
 def pca_2d(static: np.ndarray, contextual: np.ndarray) -> dict:
@@ -290,14 +330,12 @@ def trace_steps(trace: object) -> list[dict]:
     return steps
 
 
-def _payload(explanation: object) -> dict:
+def _payload(explanation: object, max_bytes: int | None = None) -> dict:
     tokens, att = _check(explanation)
     T = len(tokens)
     static = _check_2d(explanation.static, "static", T)
     contextual = _check_2d(explanation.contextual, "contextual", T)
-    blob = _Blob()
-    codes, rowmax = quantize_rows(att)
-    arrays = {"attn": blob.add(codes), "rowmax": blob.add(rowmax)}
+    pending: dict[str, np.ndarray] = {}  # arrays for the compressed block, after the attention
     notes = [clean_text(n) for n in (getattr(explanation, "notes", None) or [])]
     window = None
     if T > LONG_INPUT:
@@ -316,15 +354,16 @@ def _payload(explanation: object) -> dict:
             notes.append(f"step view: {step['name']} {tuple(values.shape)} is too large to embed")
             continue
         key = f"step{i}"
-        arrays[key] = blob.add(values.astype(np.float32))  # -inf (masked scores) survives
+        pending[key] = values.astype(np.float32)  # -inf (masked scores) survives
         step["array"] = key
         steps.append(step)
 
     layers, heads = att.shape[:2]
+    inside = _inside(explanation, pending, tokens, int(layers), int(heads))
     # The view opens on the explanation's layer (numbered 1..n; index layer - 1) and head.
     layer = getattr(explanation, "layer", None) or layers
     head = getattr(explanation, "head", None) or 0
-    return {
+    data = {
         "format": 1,
         "model": clean_text(explanation.model),
         "text": clean_text(explanation.text),
@@ -340,9 +379,111 @@ def _payload(explanation: object) -> dict:
         "window": window,
         "embedding": pca_2d(static, contextual),
         "steps": steps,
-        "arrays": arrays,
-        "blob": blob.encode(),
+        **inside,
+        "levels": 255,
+        "arrays": {},
+        "blob": "",
     }
+    limit = MAX_BYTES if max_bytes is None else int(max_bytes)
+    levels = [255]
+    if att.size > _SMALL_ATTENTION:  # start at the first code range the estimate says fits
+        levels = list(CODE_LEVELS)
+        _pack(data, np.zeros((1, 1, 1, 1), np.float32), 255, pending)
+        room = limit - _page_size(data) - int(np.prod(att.shape[:-1])) * 2 * 4 / 3  # row maxima
+        fits = [lv for lv in levels if _sampled_size(att, lv) <= room]
+        levels = levels[levels.index(fits[0]):] if fits else levels[-1:]
+    for lv in levels:  # then check the real size, with fewer levels while it is too large
+        _pack(data, att, lv, pending)
+        if _page_size(data) <= limit:
+            break
+    if data["levels"] == levels[0] and levels[0] != CODE_LEVELS[0] and _page_size(data) <= limit:
+        # the estimate skipped the range above: it may fit after all (the estimate is a sample's)
+        chosen = dict(data)
+        _pack(data, att, CODE_LEVELS[CODE_LEVELS.index(levels[0]) - 1], pending)
+        if _page_size(data) > limit:
+            data.update(chosen)
+    fits = _page_size(data) <= limit
+    if data["levels"] != 255:
+        bits = int(data["levels"]).bit_length()
+        why = f"to keep the report under {limit / 1e6:g} MB" if fits else f"the fewest offered (the report is " \
+              f"still more than {limit / 1e6:g} MB)"
+        notes.append(f"attention weights stored with {bits} bits (instead of 8) relative to each row's maximum, "
+                     f"{why}: each weight within {50 / data['levels']:.2g}% of its row's maximum")
+    if att.size > _SMALL_ATTENTION and not fits:
+        warnings.warn(f"the report is {_page_size(data) / 1e6:.1f} MB, more than {limit / 1e6:.3g} MB, even with "
+                      f"{int(data['levels']).bit_length()}-bit attention codes", UserWarning, stacklevel=3)
+    return data
+
+
+def _finite(a: np.ndarray, name: str) -> np.ndarray:
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"explanation.{name} must be a real number array, got dtype {a.dtype}")
+    a = a.astype(np.float64)
+    if not np.isfinite(a).all():
+        raise ValueError(f"explanation.{name} contains NaN or infinity")
+    return a
+
+
+def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, heads: int) -> dict:
+    """The logit lens, the head detector scores and the patching result (each None when the
+    explanation has none), checked against the maps' shape; big arrays go to ``pending``."""
+    T = len(tokens)
+    out: dict = {"lens": None, "detectors": None, "patching": None, "rollout": False}
+    rollout = getattr(explanation, "rollout", None)
+    if rollout is not None:
+        r = np.asarray(rollout)
+        if r.shape != (layers, T, T):
+            raise ValueError(f"explanation.rollout has shape {r.shape}, but should be ({layers}, {T}, {T})")
+        codes, rowmax = quantize_rows(np.clip(_finite(r, "rollout"), 0.0, 1.0))
+        pending["roll"], pending["roll_max"] = codes, rowmax
+        out["rollout"] = True
+    lens = getattr(explanation, "lens", None)
+    if lens is not None:
+        ids, probs = np.asarray(lens.ids), np.asarray(lens.probs)
+        if ids.ndim != 3 or ids.shape[:2] != (layers + 1, T) or ids.shape[2] < 1 or probs.shape != ids.shape:
+            raise ValueError(f"explanation.lens has ids {ids.shape} and probs {probs.shape}, but both should be "
+                             f"({layers + 1}, {T}, k): layers 0..{layers} by tokens")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"explanation.lens.ids must be integer token ids, got dtype {ids.dtype}")
+        probs = _finite(probs, "lens.probs")
+        used, index = np.unique(ids, return_inverse=True)
+        try:
+            strings = [clean_text(lens.strings[int(i)]) for i in used]
+        except KeyError as exc:
+            raise ValueError(f"explanation.lens.strings has no string for token id {exc.args[0]}") from None
+        index = index.reshape(ids.shape).astype(np.uint16 if len(used) <= 1 << 16 else np.uint32)
+        pending["lens_index"] = index
+        pending["lens_p"] = np.clip(probs, 0.0, 1.0).astype(np.float32)
+        out["lens"] = {"k": int(ids.shape[2]), "strings": strings}
+    scores = getattr(explanation, "head_scores", None)
+    if scores is not None:
+        kinds = {}
+        for kind, v in scores.items():
+            v = np.asarray(v)
+            if v.shape != (layers, heads):
+                raise ValueError(f"explanation.head_scores[{kind!r}] has shape {v.shape}, but should be "
+                                 f"({layers}, {heads}): blocks by heads")
+            v = _finite(v, f"head_scores[{kind!r}]")
+            kinds[clean_text(kind)] = np.round(v, 4).tolist()
+        out["detectors"] = kinds
+    patching = getattr(explanation, "patching", None)
+    if patching is not None:
+        values = np.asarray(patching.values)
+        if values.shape != (layers, T):
+            raise ValueError(f"explanation.patching.values has shape {values.shape}, but should be "
+                             f"({layers}, {T}): blocks by tokens")
+        corrupted = [clean_text(t) for t in patching.corrupted_tokens]
+        if len(corrupted) != T:
+            raise ValueError(f"explanation.patching.corrupted_tokens has {len(corrupted)} tokens, but the text "
+                             f"has {T}")
+        pending["patch"] = _finite(values, "patching.values").astype(np.float32)
+        out["patching"] = {
+            "hook": clean_text(patching.hook), "metric": clean_text(patching.metric),
+            "corrupted_text": clean_text(patching.corrupted_text), "corrupted_tokens": corrupted,
+            "clean_token": clean_text(patching.clean_token), "corrupted_token": clean_text(patching.corrupted_token),
+            "clean_value": float(patching.clean_value), "corrupted_value": float(patching.corrupted_value),
+        }
+    return out
 
 
 def _header(data: dict) -> str:
@@ -363,7 +504,7 @@ def _header(data: dict) -> str:
     )
 
 
-def render_html(explanation: object, *, inline: bool = False) -> str:
+def render_html(explanation: object, *, inline: bool = False, max_bytes: int | None = None) -> str:
     """The report of ``explanation`` as HTML.
 
     Args:
@@ -372,6 +513,9 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
             ``contextual`` ``(T, D')``, optional ``trace``.
         inline: give a fragment for a Jupyter output cell (no ``<html>``, no ids; several
             reports can share one page) instead of a whole page.
+        max_bytes: the size to stay under (default :data:`MAX_BYTES`, 10 MB): when 8-bit
+            attention codes would pass it, the codes get fewer levels (6, 5, 4, 3 or 2
+            bits, the first that fits; a note says which).
 
     Returns:
         The HTML text. It loads nothing from the network.
@@ -382,7 +526,8 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
             outside ``[0, 1]``.
 
     Warns:
-        UserWarning: more than ``LONG_INPUT`` tokens: the page shows ``WINDOW`` at a time.
+        UserWarning: more than ``LONG_INPUT`` tokens: the page shows ``WINDOW`` at a time;
+        a page larger than ``max_bytes`` even with 2-bit attention codes.
 
     >>> from attnlab.explain import Explanation
     >>> rng = np.random.default_rng(0)
@@ -393,7 +538,11 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
     >>> page.startswith("<!DOCTYPE html>"), "<b>" in page, "&lt;b&gt;" in page
     (True, False, True)
     """
-    data = _payload(explanation)
+    return _page(_payload(explanation, max_bytes), inline=inline)
+
+
+def _page(data: dict, *, inline: bool = False) -> str:
+    """The HTML of the report's ``data`` (see :func:`render_html`)."""
     css = _asset("report.css")
     js = _asset("report.js")
     body = (
@@ -419,7 +568,7 @@ def render_html(explanation: object, *, inline: bool = False) -> str:
     )
 
 
-def write_report(explanation: object, path: str | os.PathLike) -> Path:
+def write_report(explanation: object, path: str | os.PathLike, *, max_bytes: int | None = None) -> Path:
     """Write the report of ``explanation`` to ``path`` as one self-contained HTML file.
 
     The file is written next to ``path`` under a temporary name and moved into place, so a
@@ -428,6 +577,7 @@ def write_report(explanation: object, path: str | os.PathLike) -> Path:
     Args:
         explanation: an :class:`~attnlab.explain.Explanation` (see :func:`render_html`).
         path: where to write, usually ``something.html``; the folder must exist.
+        max_bytes: the size to stay under (see :func:`render_html`).
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
@@ -445,5 +595,5 @@ def write_report(explanation: object, path: str | os.PathLike) -> Path:
     ...     p.name, "<script src" in p.read_text(encoding="utf-8")
     ('r.html', False)
     """
-    page = render_html(explanation).encode("utf-8")
+    page = render_html(explanation, max_bytes=max_bytes).encode("utf-8")
     return atomic_write(path, lambda tmp: tmp.write_bytes(page))

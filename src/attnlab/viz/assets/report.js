@@ -16,8 +16,20 @@
   var FONT = 'system-ui, -apple-system, "Segoe UI", Roboto, "Helvetica Neue", Arial, sans-serif';
   var VIEWS = [
     ["head", "Head view"], ["model", "Model view"], ["heatmap", "Heatmap"],
-    ["steps", "Steps"], ["embedding", "Embeddings"]
+    ["steps", "Steps"], ["embedding", "Embeddings"], ["lens", "Logit lens"],
+    ["detectors", "Head detectors"], ["patching", "Patching"], ["rollout", "Rollout"]
   ];
+  // Why a tab is off when the explanation has no data for it.
+  var MISSING = {
+    steps: "no step-by-step trace in this explanation (attnlab explain --steps records one)",
+    lens: "only decoders have a logit lens (attnlab explain --model gpt2 or checkpoint)",
+    detectors: "only decoders get head detector scores (attnlab explain --model gpt2 or checkpoint)",
+    patching: "no activation patching in this explanation (attnlab explain --corrupt TEXT records one)",
+    rollout: "attention rollout is drawn for encoders (attnlab explain --model minilm)"
+  };
+  var KIND_NAMES = { previous_token: "previous-token heads", duplicate_token: "duplicate-token heads",
+    induction: "induction heads" };
+  var LENS_WINDOW = 64;  // positions the lens view shows at a time
 
   function headColor(h) {
     return h < PALETTE.length ? PALETTE[h] : "hsl(" + ((h * 137.5) % 360).toFixed(0) + ",60%,42%)";
@@ -130,7 +142,8 @@
     var out = {};
     Object.keys(refs).forEach(function (k) {
       var r = refs[k], n = r.shape.reduce(function (a, b) { return a * b; }, 1);
-      out[k] = r.dtype === "u8" ? new Uint8Array(buf, r.offset, n) : new Float32Array(buf, r.offset, n);
+      out[k] = r.dtype === "u8" ? new Uint8Array(buf, r.offset, n) : r.dtype === "u16" ? new Uint16Array(buf, r.offset, n) :
+        r.dtype === "u32" ? new Uint32Array(buf, r.offset, n) : new Float32Array(buf, r.offset, n);
     });
     return out;
   }
@@ -164,6 +177,8 @@
     this.root = root; this.app = app; this.data = data;
     this.T = data.T; this.L = data.layers; this.H = data.heads; this.tokens = data.tokens;
     this.codes = arrays.attn; this.rowmax = arrays.rowmax; this.arrays = arrays;
+    if (data.arrays.rowmax.dtype === "u16") this.rowmax = Float32Array.from(arrays.rowmax, function (v) { return v / 65535; });
+    this.levels = data.levels || 255;  // the largest attention code (255: 8 bits)
     this.thumbs = {};
     var stepHeads = {};
     data.steps.forEach(function (s) { if (s.head !== null) stepHeads[s.head] = true; });
@@ -192,9 +207,11 @@
     this.tabButtons = {};
     VIEWS.forEach(function (v) {
       var b = el("button", { "class": "al-tab", role: "tab", type: "button", "data-view": v[0] }, v[1]);
-      if (v[0] === "steps" && !data.steps.length) {
+      var has = { steps: data.steps.length > 0, lens: !!data.lens, detectors: !!data.detectors, patching: !!data.patching,
+        rollout: !!data.rollout };
+      if (v[0] in has && !has[v[0]]) {
         b.disabled = true;
-        b.title = "no step-by-step trace in this explanation (attnlab explain --steps records one)";
+        b.title = MISSING[v[0]];
       }
       b.addEventListener("click", function () { self.set({ view: v[0] }); });
       self.tabButtons[v[0]] = b;
@@ -205,9 +222,10 @@
     this.hint = el("p", { "class": "al-hint" });
     this.stage = el("div", { "class": "al-stage" });
     this.tip = el("div", { "class": "al-tip", role: "status" });
+    var bits = Math.round(Math.log2(this.levels + 1));
     this.foot = el("p", { "class": "al-foot" },
-      "Attention weights are stored with 8 bits per value relative to each row's maximum " +
-      "(error at most 0.2% of that maximum). The file makes no network request.");
+      "Attention weights are stored with " + bits + " bits per value relative to each row's maximum " +
+      "(error at most " + +(50 / this.levels).toPrecision(2) + "% of that maximum). The file makes no network request.");
     app.appendChild(this.controls);
     app.appendChild(this.hint);
     app.appendChild(this.stage);
@@ -218,13 +236,18 @@
 
   Report.prototype.value = function (l, h, i, j) {
     var r = (l * this.H + h) * this.T + i;
-    return this.codes[r * this.T + j] * this.rowmax[r] / 255;
+    return this.codes[r * this.T + j] * this.rowmax[r] / this.levels;
+  };
+
+  /* How many tokens the current view shows at a time (the lens view fewer: text in each cell). */
+  Report.prototype.span = function () {
+    return this.state.view === "lens" ? Math.min(this.W, LENS_WINDOW) : this.W;
   };
 
   /* The tokens shown: [lo, hi). */
   Report.prototype.win = function () {
-    var lo = clamp(this.state.lo, 0, Math.max(0, this.T - this.W));
-    return [lo, lo + this.W];
+    var n = this.span(), lo = clamp(this.state.lo, 0, Math.max(0, this.T - n));
+    return [lo, lo + n];
   };
 
   Report.prototype.set = function (patch) {
@@ -242,6 +265,10 @@
     else if (s.view === "model") svg = this.modelView();
     else if (s.view === "heatmap") svg = this.heatmapView();
     else if (s.view === "steps") svg = this.stepsView();
+    else if (s.view === "lens") svg = this.lensView();
+    else if (s.view === "detectors") svg = this.detectorsView();
+    else if (s.view === "patching") svg = this.patchingView();
+    else if (s.view === "rollout") svg = this.rolloutView();
     else svg = this.embeddingView();
     svg.setAttribute("xmlns", NS);
     svg.classList.add("al-view");
@@ -261,11 +288,15 @@
       model: "Every layer and head at a glance (each thumbnail scaled to its own maximum). Click one to open it in the head view.",
       heatmap: "Rows: queries, columns: keys. Point at a cell for its weight. Click a colour to pick the head.",
       steps: "One attention call step by step, as the model computed it. Point at a cell for its value. Click a colour to pick the head.",
-      embedding: "Token vectors before attention (hollow) and after (filled), projected on their first two principal components. Point at a token for its name."
+      embedding: "Token vectors before attention (hollow) and after (filled), projected on their first two principal components. Point at a token for its name.",
+      lens: "The likeliest next token at each position, read from the residual stream after each layer (through the final norm and the unembedding); darker = more probable, bold = the token that does come next. Point at a cell for the top tokens.",
+      detectors: "How much each head attends like a previous-token, duplicate-token or induction head (0 to 1), on this text. Rows: blocks, counted from 0 as in the hook names (block i makes layer i + 1). Click a cell to open that head.",
+      rollout: "Attention rollout (Abnar & Zuidema): how much each token's vector after the chosen layer draws on each input token, through every layer up to it (heads averaged, the residual counted as attention to itself). Rows: tokens after the layer, columns: input tokens.",
+      patching: "Each cell: the metric when the corrupted text runs with one residual vector (entering block i, at one position) taken from the clean text. Red: it restores the clean prediction, white: no effect. Point at a cell for its value."
     };
     this.hint.textContent = hints[s.view];
 
-    if (s.view === "head" || s.view === "heatmap") {
+    if (s.view === "head" || s.view === "heatmap" || s.view === "rollout") {
       var lab = el("label", null, "Layer ");
       var sel = el("select", { "class": "al-layer", "aria-label": "layer" });
       for (var l = 0; l < this.L; l++) {
@@ -328,8 +359,8 @@
       gl.appendChild(gs);
       c.appendChild(gl);
     }
-    if (this.W < this.T && s.view !== "steps") {
-      var w = this.win(), T = this.T, W = this.W, step = Math.max(1, Math.floor(W / 2));
+    if (this.span() < this.T && s.view !== "steps" && s.view !== "detectors") {
+      var w = this.win(), T = this.T, W = this.span(), step = Math.max(1, Math.floor(W / 2));
       var wl = el("label", null, "Tokens ");
       var prev = el("button", { type: "button", "class": "al-btn al-win-prev", "aria-label": "earlier tokens" }, "\u25c0");
       var start = el("input", { type: "number", "class": "al-win-start", min: "0", max: String(T - W), step: String(step),
@@ -472,7 +503,7 @@
     if (only && only.side === 1) { j0 = only.idx; j1 = j0 + 1; }
     var i, j, w, lv;
     for (i = i0; i < i1; i++) {
-      var sc = rowmax[base + i] * gain / 255, off = (base + i) * T;
+      var sc = rowmax[base + i] * gain / this.levels, off = (base + i) * T;
       for (j = j0; j < j1; j++) {
         w = codes[off + j] * sc;
         if (w < min) continue;
@@ -486,7 +517,7 @@
     var parts = [];
     for (lv = 0; lv < LEVELS; lv++) parts.push([]);
     for (i = i0; i < i1; i++) {
-      var sc2 = rowmax[base + i] * gain / 255, off2 = (base + i) * T, y1 = ys(i).toFixed(1);
+      var sc2 = rowmax[base + i] * gain / this.levels, off2 = (base + i) * T, y1 = ys(i).toFixed(1);
       for (j = j0; j < j1; j++) {
         w = codes[off2 + j] * sc2;
         if (w < min) continue;
@@ -517,7 +548,7 @@
     for (var a = 0; a < n; a++) {
       var ia = lo + Math.floor(a * m / n), ib = lo + Math.max(Math.floor(a * m / n) + 1, Math.floor((a + 1) * m / n));
       for (var i = ia; i < ib; i++) {
-        var sc = rowmax[base + i] / 255, off = (base + i) * T;
+        var sc = rowmax[base + i] / this.levels, off = (base + i) * T;
         for (var b = 0; b < n; b++) {
           var ja = lo + Math.floor(b * m / n), jb = lo + Math.max(Math.floor(b * m / n) + 1, Math.floor((b + 1) * m / n));
           var best = 0;
@@ -733,6 +764,269 @@
     });
   };
 
+  /* ------------------------------------------------------------------ logit lens view */
+
+  /* Layers 0..n (rows) x the window's positions (columns): the likeliest next token in each
+     cell, shaded by its probability. */
+  Report.prototype.lensView = function () {
+    var self = this, tokens = this.tokens, lens = this.data.lens, K = lens.k, R = this.L + 1, T = this.T;
+    var index = this.arrays.lens_index, probs = this.arrays.lens_p;
+    var w = this.win(), lo = w[0], n = w[1] - w[0];
+    var at = function (r, t, k) { return (r * T + t) * K + (k || 0); };
+    var word = function (r, t, k) { return lens.strings[index[at(r, t, k)]]; };
+    var fs = 11, longest = 3;
+    for (var r = 0; r < R; r++) for (var t = lo; t < lo + n; t++) longest = Math.max(longest, Math.min(10, show(word(r, t)).length));
+    for (t = lo; t < lo + n; t++) longest = Math.max(longest, Math.min(10, show(tokens[t]).length));
+    var cw = clamp(longest * fs * 0.62 + 10, 34, 84), ch = 22;
+    var left = 150, top = 76, size = [n * cw, R * ch];
+    var title = "Logit lens: the likeliest next token after each layer (layer 0 = the embeddings, layer k = the output of block k \u2212 1)" +
+      (n < T ? ", tokens " + lo + "\u2013" + (lo + n - 1) + " of " + T : "");
+    var W = Math.max(420, left + size[0] + 70, textWidth(title, 12) + 24), Hh = top + size[1] + 40;
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, title));
+    svg.appendChild(sv("text", { x: 8, y: 32, "font-size": 11, fill: "#5b6475" },
+      "bold: the token that does come next in the text; the last row is the model's own prediction"));
+    svg.appendChild(sv("image", { x: left, y: top, width: size[0], height: size[1], preserveAspectRatio: "none",
+      "image-rendering": "pixelated", style: "image-rendering:pixelated",
+      href: matrixImage(R, n, SEQ, function (i, j) { return Math.round(clamp(probs[at(i, lo + j)], 0, 1) * 255); }) }));
+    var head = sv("g", { "font-size": fs, "text-anchor": "middle" });
+    for (var j = 0; j < n; j++) {
+      var cx = left + (j + 0.5) * cw;
+      head.appendChild(sv("text", { x: cx, y: top - 22, fill: "#8a93a3", "font-size": 9.5 }, String(lo + j)));
+      head.appendChild(sv("text", { "class": "al-lens-input", x: cx, y: top - 8, fill: "#1d2330" }, short(tokens[lo + j], 10)));
+    }
+    svg.appendChild(head);
+    var rows = sv("g", { "font-size": fs, fill: "#5b6475", "text-anchor": "end" });
+    for (r = 0; r < R; r++) {
+      var name = "layer " + r + (r === 0 ? " (embeddings)" : r === R - 1 ? " (output)" : "");
+      rows.appendChild(sv("text", { x: left - 6, y: top + (r + 0.5) * ch, "dominant-baseline": "central" }, name));
+    }
+    svg.appendChild(rows);
+    var cells = sv("g", { "class": "al-lens-cells", "font-size": fs, "text-anchor": "middle", "pointer-events": "none" });
+    for (r = 0; r < R; r++) {
+      for (j = 0; j < n; j++) {
+        var t2 = lo + j, p = probs[at(r, t2)], lv = Math.round(clamp(p, 0, 1) * 255) * 3;
+        var dark = (SEQ[lv] * 0.3 + SEQ[lv + 1] * 0.59 + SEQ[lv + 2] * 0.11) < 120;
+        var right = t2 + 1 < T && word(r, t2) === tokens[t2 + 1];
+        var attrs = { "class": "al-lens-cell", x: left + (j + 0.5) * cw, y: top + (r + 0.5) * ch, "dominant-baseline": "central",
+          fill: dark ? "#fff" : "#1d2330", "data-row": String(r), "data-pos": String(t2) };
+        if (right) { attrs["font-weight"] = 700; attrs["class"] += " al-lens-right"; }
+        cells.appendChild(sv("text", attrs, short(word(r, t2), 10)));
+      }
+    }
+    svg.appendChild(cells);
+    svg.appendChild(sv("rect", { x: left, y: top, width: size[0], height: size[1], fill: "none", stroke: "#c4c9d3" }));
+    svg.appendChild(sv("text", { x: left, y: top + size[1] + 18, "font-size": 11, fill: "#5b6475" },
+      "shade: probability of the cell's token, white 0 to dark blue 1"));
+    var mark = sv("rect", { width: cw, height: ch, fill: "none", stroke: "#e6550d", "stroke-width": 1.5,
+      visibility: "hidden", "pointer-events": "none" });
+    var hit = sv("rect", { "class": "al-hit", x: left, y: top, width: size[0], height: size[1], fill: "transparent" });
+    svg.appendChild(hit);
+    svg.appendChild(mark);
+    this.hover(hit, R, n, function (i, j) {
+      var t3 = lo + j, lines = [];
+      for (var k = 0; k < K; k++) lines.push((k + 1) + ". \u201c" + short(word(i, t3, k), 30) + "\u201d " + probs[at(i, t3, k)].toFixed(3));
+      var where = i === 0 ? "layer 0 (the embeddings)" : "layer " + i + " (the output of block " + (i - 1) + ")";
+      var next = t3 + 1 < T ? ", next in the text \u201c" + short(tokens[t3 + 1], 24) + "\u201d" : "";
+      return where + "\nposition " + t3 + " \u201c" + short(tokens[t3], 24) + "\u201d" + next + "\n" + lines.join("\n");
+    }, function (i, j) {
+      if (i < 0) { mark.setAttribute("visibility", "hidden"); return; }
+      mark.setAttribute("x", left + j * cw); mark.setAttribute("y", top + i * ch);
+      mark.setAttribute("visibility", "visible");
+    });
+    return svg;
+  };
+
+  /* ------------------------------------------------------------------ head detector view */
+
+  /* One blocks x heads heatmap per kind of head; a click opens that head in the head view. */
+  Report.prototype.detectorsView = function () {
+    var self = this, kinds = Object.keys(this.data.detectors), L = this.L, H = this.H;
+    var cell = clamp(Math.floor(300 / Math.max(L, H)), 12, 36), label = 62, gap = 34, pw = label + H * cell;
+    var perRow = Math.max(1, Math.floor(1100 / (pw + gap)));
+    var top = 50, ph = 44 + L * cell + 12;
+    var nRows = Math.ceil(kinds.length / perRow);
+    var W = Math.max(420, 20 + Math.min(kinds.length, perRow) * (pw + gap)), Hh = top + nRows * (ph + 16) + 10;
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 10, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
+      "Head detector scores on this text (0 to 1; white 0, dark blue 1)"));
+    svg.appendChild(sv("text", { x: 10, y: 32, "font-size": 11, fill: "#5b6475" },
+      "rows: blocks counted from 0 as in the hook names (block i makes layer i + 1); columns: heads"));
+    kinds.forEach(function (kind, k) {
+      var scores = self.data.detectors[kind];
+      var x0 = 10 + (k % perRow) * (pw + gap), y0 = top + Math.floor(k / perRow) * (ph + 16);
+      var g = sv("g", { "class": "al-detector", "data-kind": kind });
+      g.appendChild(sv("text", { x: x0, y: y0 + 12, "font-size": 12, "font-weight": 600, fill: "#1d2330" },
+        KIND_NAMES[kind] || kind));
+      var mx = x0 + label, my = y0 + 40;
+      g.appendChild(sv("image", { x: mx, y: my, width: H * cell, height: L * cell, preserveAspectRatio: "none",
+        "image-rendering": "pixelated", style: "image-rendering:pixelated",
+        href: matrixImage(L, H, SEQ, function (i, j) {
+          var v = scores[i][j];
+          return v === null ? -1 : Math.round(clamp(v, 0, 1) * 255);
+        }) }));
+      for (var h = 0; h < H; h++) {
+        if (cell < 16 && h % Math.ceil(16 / cell)) continue;
+        g.appendChild(sv("text", { x: mx + (h + 0.5) * cell, y: my - 5, "text-anchor": "middle", "font-size": 10,
+          fill: headColor(h), "font-weight": 600 }, String(h)));
+      }
+      for (var i = 0; i < L; i++) {
+        if (cell < 14 && i % Math.ceil(14 / cell)) continue;
+        g.appendChild(sv("text", { x: mx - 5, y: my + (i + 0.5) * cell, "text-anchor": "end", "dominant-baseline": "central",
+          "font-size": 10, fill: "#5b6475" }, "block " + i));
+      }
+      if (cell >= 28) {
+        var vals = sv("g", { "font-size": 9, "text-anchor": "middle", "pointer-events": "none" });
+        for (i = 0; i < L; i++) for (h = 0; h < H; h++) {
+          var v = scores[i][h];
+          vals.appendChild(sv("text", { x: mx + (h + 0.5) * cell, y: my + (i + 0.5) * cell, "dominant-baseline": "central",
+            fill: v !== null && v > 0.55 ? "#fff" : "#1d2330" }, v === null ? "\u2013" : v.toFixed(2)));
+        }
+        g.appendChild(vals);
+      }
+      g.appendChild(sv("rect", { x: mx, y: my, width: H * cell, height: L * cell, fill: "none", stroke: "#c4c9d3" }));
+      var hit = sv("rect", { "class": "al-hit", x: mx, y: my, width: H * cell, height: L * cell, fill: "transparent",
+        style: "cursor:pointer" });
+      g.appendChild(hit);
+      var cellOf = function (ev) {
+        var b = hit.getBoundingClientRect();
+        return [clamp(Math.floor((ev.clientY - b.top) / b.height * L), 0, L - 1),
+          clamp(Math.floor((ev.clientX - b.left) / b.width * H), 0, H - 1)];
+      };
+      self.hover(hit, L, H, function (i2, h2) {
+        var v2 = scores[i2][h2];
+        return (KIND_NAMES[kind] || kind) + "\nblock " + i2 + " head " + h2 + " (layer " + (i2 + 1) + ", head " + h2 + ")\nscore " +
+          (v2 === null ? "none" : v2.toFixed(4)) + "\nclick to open it in the head view";
+      });
+      hit.addEventListener("click", function (ev) {
+        var c = cellOf(ev);
+        self.set({ view: "head", layer: c[0], head: c[1], heads: self.state.heads.map(function (_, q) { return q === c[1]; }) });
+      });
+      svg.appendChild(g);
+    });
+    return svg;
+  };
+
+  /* ------------------------------------------------------------------ patching view */
+
+  /* Blocks (rows) x the window's positions (columns): the metric after each patch, shaded by
+     how far it moves the corrupted run towards the clean one (white: not at all, red: fully). */
+  Report.prototype.patchingView = function () {
+    var self = this, P = this.data.patching, tokens = this.tokens, bad = P.corrupted_tokens, vals = this.arrays.patch;
+    var L = this.L, T = this.T, w = this.win(), lo = w[0], n = w[1] - w[0];
+    var span = P.clean_value - P.corrupted_value, mxAbs = 0;
+    for (var k = 0; k < vals.length; k++) mxAbs = Math.max(mxAbs, Math.abs(vals[k]));
+    // restored share: 0 = the corrupted run, 1 = the clean run; without a span, the raw values
+    var level = span !== 0 ? function (v) { return (v - P.corrupted_value) / span; }
+      : function (v) { return mxAbs > 0 ? v / mxAbs : 0; };
+    var cw = clamp(640 / n, 1, 30), ch = clamp(Math.floor(320 / L), 8, 30);
+    var labels = cw >= 9, step = labels ? 1 : Math.ceil(10 / cw), fs = clamp(Math.floor(cw) - 2, 9, 12);
+    var longest = 0;
+    for (var t = lo; t < lo + n; t++) longest = Math.max(longest, Math.min(16, show(tokens[t]).length + (tokens[t] !== bad[t] ? show(bad[t]).length + 1 : 0)));
+    var lab = clamp(longest * fs * 0.62 + (labels ? 10 : 34), 40, 150);
+    var left = 70, top = 64 + lab, size = [n * cw, L * ch], barW = 14;
+    var lines = ["Activation patching (" + P.hook + "): the residual entering block i at one position, from the clean text into the corrupted one" +
+      (n < T ? ", tokens " + lo + "\u2013" + (lo + n - 1) + " of " + T : ""),
+      "metric: logit(\u201c" + short(P.clean_token, 20) + "\u201d) \u2212 logit(\u201c" + short(P.corrupted_token, 20) +
+      "\u201d) at the last position (the clean run's prediction against the corrupted run's): clean run " + fmt(P.clean_value) +
+      ", corrupted run " + fmt(P.corrupted_value),
+      "corrupted text: " + short(P.corrupted_text, 140)];
+    var W = Math.max(560, left + size[0] + 150, textWidth(lines[0], 12) + 24, textWidth(lines[1], 11) + 24,
+      textWidth(lines[2], 11) + 24), Hh = top + size[1] + 24;
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, lines[0]));
+    svg.appendChild(sv("text", { x: 8, y: 32, "font-size": 11, fill: "#5b6475" }, lines[1]));
+    svg.appendChild(sv("text", { "class": "al-corrupted", x: 8, y: 47, "font-size": 11, fill: "#5b6475" }, lines[2]));
+    svg.appendChild(sv("image", { x: left, y: top, width: size[0], height: size[1], preserveAspectRatio: "none",
+      "image-rendering": "pixelated", style: "image-rendering:pixelated",
+      href: matrixImage(L, n, DIV, function (i, j) { return Math.round((clamp(level(vals[i * T + lo + j]), -1, 1) + 1) / 2 * 255); }) }));
+    var ticks = sv("g", { "font-size": fs });
+    for (var j = 0; j < n; j += step) {
+      var tt = lo + j, diff = tokens[tt] !== bad[tt];
+      var name = (labels ? "" : tt + " ") + short(tokens[tt], labels ? 10 : 8) + (diff ? "/" + short(bad[tt], labels ? 10 : 6) : "");
+      var cx = left + (j + 0.5) * cw, cy = top - 4;
+      ticks.appendChild(sv("text", { x: cx, y: cy, transform: "rotate(-60 " + cx + " " + cy + ")", "dominant-baseline": "central",
+        fill: diff ? "#c2410c" : "#1d2330", "font-weight": diff ? 700 : 400 }, name));
+    }
+    svg.appendChild(ticks);
+    var rows = sv("g", { "font-size": 10.5, fill: "#5b6475", "text-anchor": "end" });
+    for (var i = 0; i < L; i++) {
+      if (ch < 12 && i % Math.ceil(12 / ch)) continue;
+      rows.appendChild(sv("text", { x: left - 6, y: top + (i + 0.5) * ch, "dominant-baseline": "central" }, "block " + i));
+    }
+    svg.appendChild(rows);
+    svg.appendChild(sv("rect", { x: left, y: top, width: size[0], height: size[1], fill: "none", stroke: "#c4c9d3" }));
+    var bx = left + size[0] + 18, bh = Math.max(60, Math.min(size[1], 200));
+    svg.appendChild(sv("image", { x: bx, y: top, width: barW, height: bh, preserveAspectRatio: "none",
+      href: matrixImage(64, 1, DIV, function (q) { return Math.round((63 - q) / 63 * 255); }) }));
+    svg.appendChild(sv("rect", { x: bx, y: top, width: barW, height: bh, fill: "none", stroke: "#c4c9d3" }));
+    var bar = sv("g", { "font-size": 10.5, fill: "#5b6475" });
+    var ends = span !== 0 ? ["1: the clean run", "0: the corrupted run", "\u22121"] : [fmt(mxAbs), "0", fmt(-mxAbs)];
+    bar.appendChild(sv("text", { x: bx + barW + 4, y: top + 4, "dominant-baseline": "hanging" }, ends[0]));
+    bar.appendChild(sv("text", { x: bx + barW + 4, y: top + bh / 2, "dominant-baseline": "central" }, ends[1]));
+    bar.appendChild(sv("text", { x: bx + barW + 4, y: top + bh }, ends[2]));
+    svg.appendChild(bar);
+    var mark = sv("rect", { width: cw, height: ch, fill: "none", stroke: "#1d2330", "stroke-width": 1.5,
+      visibility: "hidden", "pointer-events": "none" });
+    var hit = sv("rect", { "class": "al-hit", x: left, y: top, width: size[0], height: size[1], fill: "transparent" });
+    svg.appendChild(hit);
+    svg.appendChild(mark);
+    this.hover(hit, L, n, function (i2, j2) {
+      var t2 = lo + j2, v = vals[i2 * T + t2];
+      var who = "position " + t2 + " \u201c" + short(tokens[t2], 24) + "\u201d" +
+        (tokens[t2] !== bad[t2] ? " (corrupted \u201c" + short(bad[t2], 24) + "\u201d)" : "");
+      return "block " + i2 + ": the residual entering it (layer " + i2 + "'s output)\n" + who + "\nmetric " + fmt(v) +
+        (span !== 0 ? " (" + (100 * level(v)).toFixed(0) + "% of the way to the clean run)" : "");
+    }, function (i2, j2) {
+      if (i2 < 0) { mark.setAttribute("visibility", "hidden"); return; }
+      mark.setAttribute("x", left + j2 * cw); mark.setAttribute("y", top + i2 * ch);
+      mark.setAttribute("visibility", "visible");
+    });
+    return svg;
+  };
+
+  /* ------------------------------------------------------------------ rollout view */
+
+  /* The rollout through layers 1..l + 1 as a tokens x tokens heatmap of the window. */
+  Report.prototype.rolloutView = function () {
+    var self = this, tokens = this.tokens, l = this.state.layer, T = this.T;
+    var codes = this.arrays.roll, rmax = this.arrays.roll_max;
+    var w = this.win(), lo = w[0], n = w[1] - w[0];
+    var val = function (i, j) { var r = l * T + lo + i; return codes[r * T + lo + j] * rmax[r] / 255; };
+    var cell = clamp(640 / n, 1, 30), size = cell * n, labels = cell >= 9, step = labels ? 1 : Math.ceil(10 / cell);
+    var fs = clamp(Math.floor(cell) - 2, 9, 12), longest = 0;
+    for (var t = lo; t < lo + n; t++) longest = Math.max(longest, Math.min(14, show(tokens[t]).length));
+    var lab = clamp(longest * fs * 0.62 + (labels ? 10 : 34), 40, 140);
+    var left = lab + 8, top = lab + 30;
+    var title = "Attention rollout through layers 1\u2013" + (l + 1) + " (rows: tokens after layer " + (l + 1) +
+      ", columns: input tokens)" + (n < T ? ", tokens " + lo + "\u2013" + (lo + n - 1) + " of " + T : "");
+    var W = Math.max(380, left + size + 80, textWidth(title, 12) + 20), Hh = top + size + 16;
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, title));
+    var mx = 0;
+    for (var i = 0; i < n; i++) for (var j = 0; j < n; j++) mx = Math.max(mx, val(i, j));
+    var inv = mx > 0 ? 255 / mx : 0;
+    svg.appendChild(sv("image", { x: left, y: top, width: size, height: size, preserveAspectRatio: "none",
+      "image-rendering": "pixelated", style: "image-rendering:pixelated",
+      href: matrixImage(n, n, SEQ, function (a, b) { return Math.round(val(a, b) * inv); }) }));
+    var ticks = sv("g", { "font-size": fs, fill: "#1d2330" });
+    for (i = 0; i < n; i += step) {
+      var name = labels ? short(tokens[lo + i], 14) : (lo + i) + " " + short(tokens[lo + i], 8);
+      ticks.appendChild(sv("text", { x: left - 4, y: top + (i + 0.5) * cell, "text-anchor": "end", "dominant-baseline": "central" }, name));
+      var cx = left + (i + 0.5) * cell, cy = top - 4;
+      ticks.appendChild(sv("text", { x: cx, y: cy, transform: "rotate(-60 " + cx + " " + cy + ")", "dominant-baseline": "central" }, name));
+    }
+    svg.appendChild(ticks);
+    svg.appendChild(sv("rect", { x: left, y: top, width: size, height: size, fill: "none", stroke: "#c4c9d3" }));
+    var hit = sv("rect", { "class": "al-hit", x: left, y: top, width: size, height: size, fill: "transparent" });
+    svg.appendChild(hit);
+    this.hover(hit, n, n, function (i2, j2) {
+      return "token " + (lo + i2) + " \u201c" + short(tokens[lo + i2], 30) + "\u201d after layer " + (l + 1) + " draws on input token " +
+        (lo + j2) + " \u201c" + short(tokens[lo + j2], 30) + "\u201d\nrollout " + val(i2, j2).toFixed(4);
+    });
+    return svg;
+  };
+
   /* ------------------------------------------------------------------ embedding view */
 
   /* Where a label may sit around its point (y grows downwards): the corners, then above,
@@ -934,10 +1228,12 @@
 
   Report.prototype.fileName = function (ext) {
     var s = this.state, name = "attnlab-" + s.view;
-    if (s.view === "head" || s.view === "heatmap") name += "-layer" + (s.layer + 1);
+    if (s.view === "head" || s.view === "heatmap" || s.view === "rollout") name += "-layer" + (s.layer + 1);
     if (s.view === "heatmap") name += "-head" + s.head;
     if (s.view === "steps") name += "-head" + s.stepHead;
-    if (this.W < this.T && s.view !== "steps") { var w = this.win(); name += "-tokens" + w[0] + "-" + (w[1] - 1); }
+    if (this.span() < this.T && s.view !== "steps" && s.view !== "detectors") {
+      var w = this.win(); name += "-tokens" + w[0] + "-" + (w[1] - 1);
+    }
     return name + "." + ext;
   };
 
