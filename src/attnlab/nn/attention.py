@@ -37,6 +37,7 @@ from attnlab.core import (
 )
 from attnlab.core._namespace import add_, as_dtype, device, fill_forbidden, is_bool, is_floating, namespace
 from attnlab.core._reduce import row_sum
+from attnlab.core.masks import sliding_window_mask
 from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
@@ -236,15 +237,6 @@ class KVCache:
         self._value[:, :, self.length : self.length + n, :] = value
         self.length += n
         return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
-
-
-def _window_causal_mask(L: int, S: int, window: int | None, like) -> np.ndarray:
-    """Causal ``(L, S)`` mask aligned bottom-right (the ``L`` queries are the last ``L`` of
-    ``S`` positions), keeping only the ``window`` most recent keys when given."""
-    mask = causal_mask(L, S, align="bottom-right", like=like)
-    if window is not None:
-        mask &= np.arange(S)[None, :] > np.arange(L)[:, None] + (S - L) - window
-    return mask
 
 
 def _weights_times_values(weights, value):
@@ -617,7 +609,8 @@ class Attention(Module):
         window = self.sliding_window if causal else None
         causal_flag = causal and am is None and kpm is None and not past and window is None and S_all == L
         if causal and not causal_flag:
-            c = _window_causal_mask(L, S_all, window, q)
+            c = (causal_mask(L, S_all, align="bottom-right", like=q) if window is None
+                 else sliding_window_mask(L, S_all, window=window, align="bottom-right", like=q))
             am = c if am is None else (am & c if is_bool(am) else am + mask_to_bias(c, self.dtype))
         if positions is not None:
             positions = np.asarray(positions)
