@@ -134,10 +134,9 @@ def _bert_from_torch(module, rng) -> BertEncoder:
 
 
 def _is_bert_model(module) -> bool:
-    """A ``transformers`` ``BertModel`` (transformers is imported only for its modules)."""
-    if not type(module).__module__.startswith("transformers."):
-        return False
-    return isinstance(module, _transformers().BertModel)
+    """A ``transformers`` ``BertModel``, as the model registry names the family's classes."""
+    family = _registry_family(module)
+    return family is not None and family.name == "bert" and type(module).__name__ == "BertModel"
 
 
 # ---- GPT-2: attnlab's GPT2 <-> transformers' GPT2LMHeadModel -----------------------------
@@ -186,11 +185,9 @@ def _gpt2_from_torch(module, rng) -> GPT2:
 
 
 def _is_gpt2_model(module) -> bool:
-    """A ``transformers`` ``GPT2LMHeadModel`` or ``GPT2Model``."""
-    if not type(module).__module__.startswith("transformers."):
-        return False
-    t = _transformers()
-    return isinstance(module, t.GPT2LMHeadModel | t.GPT2Model)
+    """A ``transformers`` ``GPT2LMHeadModel`` or ``GPT2Model`` (the registry's ``gpt2`` classes)."""
+    family = _registry_family(module)
+    return family is not None and family.name == "gpt2"
 
 
 def _mha_config(mha) -> dict:
