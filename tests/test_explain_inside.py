@@ -262,8 +262,8 @@ def test_cli_corrupted_text_of_another_length_is_one_line_naming_both(gpt2_folde
 def test_cli_corrupt_needs_a_decoder(capsys):
     assert main(["explain", "the cat sat", "--model", "random", "--corrupt", "the dog sat"]) == 2
     err = capsys.readouterr().err
-    assert err == ("attnlab explain: error: --corrupt needs a decoder (--model checkpoint or gpt2 or smollm2): model random "
-                   "predicts no next token to patch\n")
+    assert err == ("attnlab explain: error: --corrupt needs a decoder (--model checkpoint or gpt2 or smollm2): "
+                   "model random predicts no next token to patch\n")
     assert main(["explain", "the cat sat", "--model", "random", "--corrupt", "  "]) == 2
 
 

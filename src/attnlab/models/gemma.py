@@ -37,7 +37,7 @@ import numpy as np
 from attnlab._validation import float_dtype, generator
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.files import CheckpointError
-from attnlab.models.llama import _ACTIVATIONS, Llama, LlamaConfig
+from attnlab.models.llama import _ACTIVATIONS, Llama, LlamaConfig, check_family
 from attnlab.models.registry import FAMILIES as _REGISTRY
 from attnlab.nn import init
 from attnlab.nn.attention import Attention
@@ -134,20 +134,7 @@ class GemmaConfig(LlamaConfig):
                 ones listed), bidirectional attention, an unsupported ``rope_scaling`` type,
                 a missing or bad field.
         """
-        kind = data.get("model_type")
-        archs = data.get("architectures") or []
-        if kind not in FAMILIES:
-            supported = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
-            raise CheckpointError(f"{where}: model_type {kind!r} (architectures {archs}) is not supported; "
-                                  f"supported: {supported}")
-        bad = [a for a in archs if a != FAMILIES[kind]]
-        if bad:
-            raise CheckpointError(f"{where}: architectures {bad} is not supported; for model_type {kind!r} "
-                                  f"attnlab reads {FAMILIES[kind]}")
-        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if data.get(n) is None]
-        if missing:
-            raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
+        kind = check_family(data, where, FAMILIES)
         if data.get("use_bidirectional_attention"):
             raise CheckpointError(f"{where}: use_bidirectional_attention is not supported (a causal decoder only)")
         n = data["num_hidden_layers"]

@@ -59,6 +59,31 @@ _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_t
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def check_family(data: Mapping, where: object, families: Mapping[str, str]) -> str:
+    """The ``model_type`` of a ``config.json`` dict, checked: one of ``families``
+    (``model_type -> architecture``), its ``architectures`` that family's, and the fields
+    every decoder config needs present.
+
+    Raises:
+        CheckpointError: naming ``where``, the value and the supported families.
+    """
+    kind = data.get("model_type")
+    archs = data.get("architectures") or []
+    if kind not in families:
+        supported = ", ".join(f"{k} ({v})" for k, v in families.items())
+        raise CheckpointError(f"{where}: model_type {kind!r} (architectures {archs}) is not supported; "
+                              f"supported: {supported}")
+    bad = [a for a in archs if a != families[kind]]
+    if bad:
+        raise CheckpointError(f"{where}: architectures {bad} is not supported; for model_type {kind!r} "
+                              f"attnlab reads {families[kind]}")
+    missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if data.get(n) is None]
+    if missing:
+        raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
+    return kind
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """The architecture of a Llama-family model (the fields of ``config.json``).
@@ -182,20 +207,7 @@ class LlamaConfig:
             CheckpointError: an unsupported ``model_type``/``architectures`` (the supported
                 ones listed), an unsupported ``rope_scaling`` type, a missing or bad field.
         """
-        kind = data.get("model_type")
-        archs = data.get("architectures") or []
-        if kind not in FAMILIES:
-            supported = ", ".join(f"{k} ({v})" for k, v in FAMILIES.items())
-            raise CheckpointError(f"{where}: model_type {kind!r} (architectures {archs}) is not supported; "
-                                  f"supported: {supported}")
-        bad = [a for a in archs if a != FAMILIES[kind]]
-        if bad:
-            raise CheckpointError(f"{where}: architectures {bad} is not supported; for model_type {kind!r} "
-                                  f"attnlab reads {FAMILIES[kind]}")
-        missing = [n for n in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if data.get(n) is None]
-        if missing:
-            raise CheckpointError(f"{where}: missing field(s) {', '.join(missing)}")
+        kind = check_family(data, where, FAMILIES)
         n = data["num_hidden_layers"]
         bias = bool(data.get("attention_bias", False))
         qkv_bias, out_bias = {"qwen2": (True, False), "mistral": (False, False)}.get(kind, (bias, bias))
