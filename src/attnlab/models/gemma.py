@@ -304,12 +304,6 @@ class Gemma(Llama):
             self.load_state_dict(self._mapped(weights, "weights", dtype), assign=True)
         self.eval()
 
-    def __repr__(self) -> str:
-        c = self.config
-        return (f"Gemma({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
-                f"heads={c.num_attention_heads}, kv_heads={c.kv_heads}, hidden_size={c.hidden_size}, "
-                f"vocab_size={c.vocab_size}, dtype={self.dtype})")
-
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids) * self.embed_scale)
 

@@ -381,7 +381,7 @@ class Llama(CausalLM):
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"Llama({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
+        return (f"{type(self).__name__}({self.name!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
                 f"heads={c.num_attention_heads}, kv_heads={c.kv_heads}, hidden_size={c.hidden_size}, "
                 f"vocab_size={c.vocab_size}, dtype={self.dtype})")
 
