@@ -27,11 +27,11 @@ Needs the ``test`` extra (torch, transformers). Not a test: nothing here asserts
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 import time
 import warnings
+
+from _setup import machine_load, pin_threads
 
 
 def parse_args(argv=None):
@@ -68,20 +68,10 @@ def cpu_description() -> str:
     return f"{model}; flags: {' '.join(flags) or 'unknown'}"
 
 
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.2f} (1 min), {five:.2f} (5 min)"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if "numpy" in sys.modules:
-        print("warning: numpy was imported before the thread count was set", file=sys.stderr)
-    load_before = load()
+    threads = pin_threads(args.threads)
+    load_before = machine_load()
 
     import numpy as np
     import torch
@@ -151,7 +141,7 @@ def main(argv=None) -> int:
           f"weights), greedy, {args.prompt}-token prompt + {n} new tokens, batch 1")
     print(f"cpu      {cpu_description()}")
     print(f"threads  {threads} (BLAS, attnlab's pool, torch); numpy {np.__version__}, torch {torch.__version__}")
-    print(f"load     before {load_before}; after {load()}  (the machine is shared: ratios come from runs "
+    print(f"load     before {load_before}; after {machine_load()}  (the machine is shared: ratios come from runs "
           "taken in turns)")
     print(f"median of {args.repeat} runs each, taken in turns:")
     rows = [("new tokens/s (whole generate call)", n / times["ours"], n / times["theirs"]),

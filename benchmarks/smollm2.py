@@ -19,10 +19,10 @@ nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 import warnings
+
+from _setup import machine_load, pin_threads
 
 
 def parse_args(argv=None):
@@ -34,20 +34,10 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def load() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.2f} (1 min), {five:.2f} (5 min)"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    threads = args.threads or len(os.sched_getaffinity(0))
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(threads)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if "numpy" in sys.modules:
-        print("warning: numpy was imported before the thread count was set", file=sys.stderr)
-    load_before = load()
+    threads = pin_threads(args.threads)
+    load_before = machine_load()
 
     import resource
 
@@ -130,7 +120,7 @@ def main(argv=None) -> int:
     print(f"SmolLM2-135M-Instruct (Q4_1 GGUF; 30 layers, 9 query heads over 3 key/value heads), greedy, "
           f"{P}-token prompt + {n} new tokens, batch 1")
     print(f"threads  {threads}; numpy {np.__version__}, torch {torch.__version__}")
-    print(f"load     before {load_before}; after {load()}  (a shared machine: compare runs taken in turns)")
+    print(f"load     before {load_before}; after {machine_load()}  (a shared machine: compare runs taken in turns)")
     print(f"median of {args.repeat} runs each, taken in turns:")
     cols = [("attnlab", "ours", "prefill_ours"), ("transformers", "theirs", "prefill_theirs")]
     if llama is not None:

@@ -305,3 +305,57 @@ def run_case(name: str, dtype, to_library=None, *, convert=None):
         convert(layer)
     out = call(layer, to_library or (lambda arr: arr), dtype)
     return out if isinstance(out, tuple) else (out,)
+
+
+# ---- the same intervention in attnlab and in TransformerLens (an oracle) -------------------
+
+
+def assert_head_ablation_matches(model, bridge, ids: np.ndarray, layers, heads, atol: float = 1e-5) -> None:
+    """Zero-ablating head ``h`` of block ``i`` (``hook_z``) gives the same logits in attnlab
+    and in a TransformerLens bridge, for every ``i`` in ``layers`` and ``h`` in ``heads``."""
+    import torch
+
+    clean = model(ids)
+    for layer in layers:
+        name = f"blocks.{layer}.attn.hook_z"
+        for head in heads:
+            def ours(z, _name, h=head):
+                z = z.copy()
+                z[:, :, h] = 0
+                return z
+
+            def theirs(z, hook, h=head):
+                z = z.clone()
+                z[:, :, h] = 0
+                return z
+
+            a = model.run_with_hooks(ids, fwd_hooks=[(name, ours)])
+            b = bridge.run_with_hooks(torch.tensor(ids), fwd_hooks=[(name, theirs)]).detach().numpy()
+            np.testing.assert_allclose(a, b, atol=atol, err_msg=f"block {layer} head {head}")
+            assert not np.allclose(a, clean, atol=1e-6)  # the ablation did something
+
+
+def assert_resid_pre_patching_matches(model, bridge, clean: np.ndarray, corrupted: np.ndarray,
+                                      atol: float = 1e-5) -> None:
+    """Patching ``blocks.{i}.hook_resid_pre`` at each (block, position) from the clean run
+    into the corrupted one gives the same logits in attnlab and in TransformerLens."""
+    import torch
+
+    _, ours_clean = model.run_with_cache(clean)
+    _, tl_clean = bridge.run_with_cache(torch.tensor(clean))
+    for layer in range(len(model.layers)):
+        name = f"blocks.{layer}.hook_resid_pre"
+        for pos in range(clean.shape[-1]):
+            def ours(x, _name, p=pos, name=name):
+                x = x.copy()
+                x[:, p] = ours_clean[name][:, p]
+                return x
+
+            def theirs(x, hook, p=pos, name=name):
+                x = x.clone()
+                x[:, p] = tl_clean[name][:, p]
+                return x
+
+            a = model.run_with_hooks(corrupted, fwd_hooks=[(name, ours)])
+            b = bridge.run_with_hooks(torch.tensor(corrupted), fwd_hooks=[(name, theirs)]).detach().numpy()
+            np.testing.assert_allclose(a, b, atol=atol, err_msg=f"block {layer} position {pos}")

@@ -11,6 +11,7 @@ import pytest
 from attnlab.models import GPT2, GPT2Config, TinyTransformer, TinyTransformerConfig
 from attnlab.nn import ActivationCache, Attention, MultiheadAttention
 from attnlab.nn.hooks import hook_points
+from helpers import assert_head_ablation_matches, assert_resid_pre_patching_matches
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -225,48 +226,12 @@ def test_every_shared_hook_agrees_with_transformer_lens(gpt2_pair):
 
 def test_zero_ablating_each_head_matches_transformer_lens(gpt2_pair):
     model, bridge, ids = gpt2_pair
-    n_layer, n_head = model.config.n_layer, model.config.n_head
-    for layer in range(n_layer):
-        for head in range(n_head):
-            name = f"blocks.{layer}.attn.hook_z"
-
-            def ours(z, _name, h=head):
-                z = z.copy()
-                z[:, :, h] = 0
-                return z
-
-            def theirs(z, hook, h=head):
-                z = z.clone()
-                z[:, :, h] = 0
-                return z
-
-            a = model.run_with_hooks(ids, fwd_hooks=[(name, ours)])
-            b = _to_np(bridge.run_with_hooks(torch.tensor(ids), fwd_hooks=[(name, theirs)]))
-            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"block {layer} head {head}")
-            assert not np.allclose(a, model(ids), atol=1e-6)  # the ablation did something
+    assert_head_ablation_matches(model, bridge, ids, range(model.config.n_layer), range(model.config.n_head))
 
 
 def test_patching_resid_pre_at_each_block_and_position_matches_transformer_lens(gpt2_pair):
     model, bridge, ids = gpt2_pair
-    clean, corrupted = ids[:1], ids[1:]
-    _, clean_cache = model.run_with_cache(clean)
-    _, tl_clean = bridge.run_with_cache(torch.tensor(clean))
-    for layer in range(model.config.n_layer):
-        name = f"blocks.{layer}.hook_resid_pre"
-        for pos in range(ids.shape[1]):
-            def ours(x, _name, p=pos, name=name):
-                x = x.copy()
-                x[:, p] = clean_cache[name][:, p]
-                return x
-
-            def theirs(x, hook, p=pos, name=name):
-                x = x.clone()
-                x[:, p] = tl_clean[name][:, p]
-                return x
-
-            a = model.run_with_hooks(corrupted, fwd_hooks=[(name, ours)])
-            b = _to_np(bridge.run_with_hooks(torch.tensor(corrupted), fwd_hooks=[(name, theirs)]))
-            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"block {layer} position {pos}")
+    assert_resid_pre_patching_matches(model, bridge, ids[:1], ids[1:])
 
 
 def test_tiny_transformer_and_bert_have_the_same_names():

@@ -15,6 +15,7 @@ pytest.importorskip("transformer_lens")
 pytest.importorskip("tokenizers")
 
 from attnlab.models.llama import Llama  # noqa: E402
+from helpers import assert_head_ablation_matches, assert_resid_pre_patching_matches  # noqa: E402
 
 SHAPES = [
     dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2),
@@ -80,38 +81,5 @@ def test_every_shared_hook_agrees_with_transformer_lens(llama_pair):
 def test_zero_ablating_a_head_and_patching_resid_pre_match_transformer_lens(llama_pair):
     model, bridge, ids = llama_pair
     H = model.layers[0].attn.num_heads
-    for layer in range(len(model.layers)):
-        for head in (0, H - 1):
-            def ours(z, _n, h=head):
-                z = z.copy()
-                z[:, :, h] = 0
-                return z
-
-            def theirs(z, hook, h=head):
-                z = z.clone()
-                z[:, :, h] = 0
-                return z
-
-            name = f"blocks.{layer}.attn.hook_z"
-            a = model.run_with_hooks(ids, fwd_hooks=[(name, ours)])
-            b = _np(bridge.run_with_hooks(torch.tensor(ids), fwd_hooks=[(name, theirs)]))
-            np.testing.assert_allclose(a, b, atol=1e-5)
-    clean, corrupted = ids[:1], ids[1:]
-    _, ours_clean = model.run_with_cache(clean)
-    _, tl_clean = bridge.run_with_cache(torch.tensor(clean))
-    for layer in range(len(model.layers)):
-        name = f"blocks.{layer}.hook_resid_pre"
-        for pos in range(ids.shape[1]):
-            def ours(x, _n, p=pos, name=name):
-                x = x.copy()
-                x[:, p] = ours_clean[name][:, p]
-                return x
-
-            def theirs(x, hook, p=pos, name=name):
-                x = x.clone()
-                x[:, p] = tl_clean[name][:, p]
-                return x
-
-            a = model.run_with_hooks(corrupted, fwd_hooks=[(name, ours)])
-            b = _np(bridge.run_with_hooks(torch.tensor(corrupted), fwd_hooks=[(name, theirs)]))
-            np.testing.assert_allclose(a, b, atol=1e-5, err_msg=f"block {layer} position {pos}")
+    assert_head_ablation_matches(model, bridge, ids, range(len(model.layers)), (0, H - 1))
+    assert_resid_pre_patching_matches(model, bridge, ids[:1], ids[1:])

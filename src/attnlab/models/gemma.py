@@ -259,15 +259,8 @@ class Gemma(Llama):
     def __init__(self, config: GemmaConfig, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
                  chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
                  name: str | None = None, attention_fn=None) -> None:
-        Module.__init__(self)
-        if not isinstance(config, GemmaConfig):
-            raise TypeError(f"config must be a GemmaConfig, got {type(config).__name__}")
-        c = config
+        c = self._start(config, tokenizer, chat_template, name)
         dtype = float_dtype(dtype)
-        object.__setattr__(self, "config", c)
-        object.__setattr__(self, "tokenizer", tokenizer)
-        object.__setattr__(self, "chat_template", chat_template)
-        object.__setattr__(self, "name", name or f"{FAMILIES[c.model_type][:-11]} ({c.num_hidden_layers} layers)")
         # transformers keeps sqrt(D) in a float32 buffer and casts it to the embedding's dtype
         object.__setattr__(self, "embed_scale", np.float32(math.sqrt(c.hidden_size)).astype(dtype))
         rng = generator(rng)

@@ -336,18 +336,24 @@ class Llama(CausalLM):
     config_class = LlamaConfig
     name_map = staticmethod(llama_name_map)
 
+    def _start(self, config, tokenizer, chat_template, name):
+        """What every arrangement of this module sets first: the checked config (an
+        instance of :attr:`config_class`), the tokenizer, the chat template and the name."""
+        Module.__init__(self)
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"config must be a {self.config_class.__name__}, got {type(config).__name__}")
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "tokenizer", tokenizer)
+        object.__setattr__(self, "chat_template", chat_template)
+        label = config._families()[config.model_type][:-11]  # "LlamaForCausalLM" -> "Llama"
+        object.__setattr__(self, "name", name or f"{label} ({config.num_hidden_layers} layers)")
+        return config
+
     def __init__(self, config: LlamaConfig, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
                  chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
                  name: str | None = None, attention_fn=None) -> None:
-        super().__init__()
-        if not isinstance(config, LlamaConfig):
-            raise TypeError(f"config must be a LlamaConfig, got {type(config).__name__}")
-        c = config
+        c = self._start(config, tokenizer, chat_template, name)
         dtype = float_dtype(dtype)
-        object.__setattr__(self, "config", c)
-        object.__setattr__(self, "tokenizer", tokenizer)
-        object.__setattr__(self, "chat_template", chat_template)
-        object.__setattr__(self, "name", name or f"{FAMILIES[c.model_type][:-11]} ({c.num_hidden_layers} layers)")
         rng = generator(rng)
         D, H, Hkv, Dh = c.hidden_size, c.num_attention_heads, c.kv_heads, c.head_size
         rope = c.rope
