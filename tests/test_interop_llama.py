@@ -286,9 +286,9 @@ def test_ddp_two_processes_match_one_process(kind, tmp_path, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    import torch._dynamo  # noqa: F401  (imported once here, then the workers fork)
+    import torch._dynamo  # noqa: F401  (imported once in this process)
 
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    method = "spawn"  # not fork: a child forked after the suite's thread pools can inherit a held lock
     mp.start_processes(ddp_worker, args=(kind, f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=WORLD,
                        start_method=method)
 

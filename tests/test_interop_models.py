@@ -252,11 +252,11 @@ def test_ddp_two_processes_match_one_process(tmp_path, monkeypatch):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # gloo talks over 127.0.0.1 only
-    # DistributedDataParallel imports torch._dynamo (seconds): once here, then fork the workers
-    # (as torch's own MultiProcessTestCase does); spawn where fork does not exist.
+    # The workers are spawned: a fork after the suite's thread pools (BLAS, attnlab's, torch's)
+    # can hand a child a lock another thread held, and the child then waits forever.
     import torch._dynamo  # noqa: F401
 
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    method = "spawn"  # not fork: a child forked after the suite's thread pools can inherit a held lock
     mp.start_processes(ddp_worker, args=(f"tcp://127.0.0.1:{port}", str(tmp_path)), nprocs=WORLD, start_method=method)
 
     module = to_torch(make_model(seed=8))
