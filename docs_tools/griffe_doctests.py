@@ -4,12 +4,22 @@ docstrings become ``pycon`` code blocks.
 attnlab's docstrings put their doctest example after the Google-style sections, without an
 ``Examples:`` header (the test suite runs them with ``--doctest-modules``). Markdown would
 read the ``>>>`` lines as nested block quotes; this extension fences each run of doctest
-lines (from a ``>>>`` line to the next blank line) so the site shows them as code.
+lines (from a ``>>>`` line to the next blank line) so the site shows them as code. Sphinx
+roles (``:func:`~attnlab.trace` ``), which some docstrings use, become inline code.
 """
 
 from __future__ import annotations
 
+import re
+
 import griffe
+
+_ROLE = re.compile(r":(?:class|func|meth|attr|mod|data|exc|obj):`(~?)([\w.]+)(?:\(\))?`")
+
+
+def plain_roles(text: str) -> str:
+    """``:func:`~a.b.c` `` -> `` `c` ``, ``:class:`a.B` `` -> `` `a.B` ``."""
+    return _ROLE.sub(lambda m: f"`{m.group(2).rsplit('.', 1)[-1] if m.group(1) else m.group(2)}`", text)
 
 
 def fence_doctests(text: str) -> str:
@@ -33,8 +43,8 @@ def fence_doctests(text: str) -> str:
 
 
 class DoctestFences(griffe.Extension):
-    """Fence the doctest examples of every docstring griffe loads."""
+    """Fence the doctest examples of every docstring griffe loads; roles become code."""
 
     def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
-        if obj.docstring is not None and ">>>" in obj.docstring.value:
-            obj.docstring.value = fence_doctests(obj.docstring.value)
+        if obj.docstring is not None:
+            obj.docstring.value = plain_roles(fence_doctests(obj.docstring.value))
