@@ -10,10 +10,13 @@ How a page's code blocks run (the rules docs/index.md's contributors follow):
 - A block whose first line starts with ``>>>`` is a doctest: its outputs are checked, with
   the README's option flags (NORMALIZE_WHITESPACE, ELLIPSIS, NUMBER).
 - Any other block is executed as a script. markdown-exec blocks
-  (```` ```python exec="on" session="PAGE" source="above" ````) run twice: once when the site
-  is built (their output goes into the page) and once here. They must run in the docs install
-  (``make docs``: NumPy, matplotlib, safetensors, tokenizers, gguf, jinja2, MiniLM, SmolLM2;
-  never torch), as the build runs them.
+  (```` ```python exec="on" session="PAGE" source="above" ````) run when the site is built
+  (their output goes into the page; the build is strict, so one that raises fails it, naming
+  the page). They must run in the docs install (``make docs``: NumPy, matplotlib,
+  safetensors, tokenizers, gguf, jinja2, MiniLM, SmolLM2; never torch), as the build runs
+  them. A page made only of such blocks is checked by the build alone; on a page that mixes
+  them with other Python blocks, they run here again, in order, to give the others their
+  names.
 - A page whose blocks need more than the docs install says so in its front matter,
   ``needs: [torch, transformers]`` (import names), and in its text; the page is skipped,
   naming what is missing, where those packages are not installed.
@@ -128,12 +131,17 @@ def run_block(block: dict, namespace: dict, page: str) -> None:
 
 
 @pytest.mark.parametrize("page", PAGES)
-def test_page_examples_run(page, tmp_path, monkeypatch):
-    """Every Python block of the page runs, top to bottom, in one namespace."""
+def test_page_examples_run(page, tmp_path, monkeypatch, request):
+    """Every Python block of the page runs, top to bottom, in one namespace. A page whose
+    blocks are all markdown-exec blocks ran them in the site's build (the ``site`` fixture,
+    strict: a block that raises fails it), so they are not run a second time."""
     missing = missing_for(page)
     if missing:
         pytest.skip(f"docs/{page}'s examples need {', '.join(missing)}")
     blocks = [b for b in code_blocks((DOCS / page).read_text(encoding="utf-8")) if runnable(b)]
+    if blocks and all(b["attrs"].get("exec") == "on" for b in blocks):
+        request.getfixturevalue("site")
+        return
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("MPLBACKEND", "Agg")
     namespace: dict = {"__name__": "docs_" + re.sub(r"\W", "_", page)}
