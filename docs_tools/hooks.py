@@ -15,7 +15,8 @@ _page: str | None = None
 
 class _NamePage(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        if _page and record.name.startswith("mkdocs.plugins.markdown_exec") and not getattr(record, "_attnlab_page", False):
+        ours = record.name.startswith("mkdocs.plugins.markdown_exec")
+        if _page and ours and not getattr(record, "_attnlab_page", False):
             record.msg = f"Doc file '{_page}': {record.msg}"
             record._attnlab_page = True
         return True

@@ -179,7 +179,8 @@ def test_code_blocks_are_read_as_written():
 
 # ---- the build -------------------------------------------------------------------------------
 def _mkdocs_or_skip():
-    missing = [m for m in ("mkdocs", "material", "mkdocstrings", "markdown_exec") if importlib.util.find_spec(m) is None]
+    tools = ("mkdocs", "material", "mkdocstrings", "markdown_exec")
+    missing = [m for m in tools if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"the site's build needs {', '.join(missing)} (pip install -e '.[docs]')")
 
@@ -288,7 +289,7 @@ def description(site: Path, uri: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", " ".join(re.findall(r"<p>(.*?)</p>", body, re.S)))).strip()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _page_html(path: Path) -> str:
     return path.read_text(encoding="utf-8")
 
@@ -420,7 +421,8 @@ def test_every_page_in_chromium(site, served, tmp_path):
         browser.close()
 
     print(f"\nbrowser: {figures['pages']} pages opened, {figures['requests']} requests, "
-          f"{figures['images']} images, {figures['links']} internal links checked; search 'rotary': {len(found)} results")
+          f"{figures['images']} images, {figures['links']} internal links checked; "
+          f"search 'rotary': {len(found)} results")
     assert figures["pages"] == len(PAGES)
     assert not outside, f"requests that leave the machine: {outside[:10]}"
     assert not errors, errors[:10]
