@@ -5,7 +5,8 @@ attnlab's docstrings put their doctest example after the Google-style sections, 
 ``Examples:`` header (the test suite runs them with ``--doctest-modules``). Markdown would
 read the ``>>>`` lines as nested block quotes; this extension fences each run of doctest
 lines (from a ``>>>`` line to the next blank line) so the site shows them as code. Sphinx
-roles (``:func:`~attnlab.trace` ``), which some docstrings use, become inline code.
+roles (``:func:`~attnlab.trace` ``), which some docstrings use, become inline code, and a
+paragraph that ends in reStructuredText's ``::`` before an indented block ends in ``:``.
 """
 
 from __future__ import annotations
@@ -47,4 +48,5 @@ class DoctestFences(griffe.Extension):
 
     def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
         if obj.docstring is not None:
-            obj.docstring.value = plain_roles(fence_doctests(obj.docstring.value))
+            text = plain_roles(fence_doctests(obj.docstring.value))
+            obj.docstring.value = re.sub(r"(?<=\S)::$", ":", text, flags=re.M)

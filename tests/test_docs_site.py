@@ -251,7 +251,7 @@ def test_a_broken_page_fails_the_build_and_is_named(tmp_path):
 
 # ---- the reference -----------------------------------------------------------------------------
 def inventory(site: Path) -> dict[str, str]:
-    """objects.inv (Sphinx's format, version 2): name -> page#anchor of the Python objects."""
+    """objects.inv (Sphinx's format, version 2): name -> (role, page#anchor) of the Python objects."""
     data = (site / "objects.inv").read_bytes()
     header_end = 0
     for _ in range(4):
@@ -261,8 +261,23 @@ def inventory(site: Path) -> dict[str, str]:
         m = re.match(r"(\S+)\s+(py:\w+)\s+-?\d+\s+(\S+)\s+(.*)", line)
         if m:
             uri = m.group(3)
-            entries[m.group(1)] = uri[:-1] + m.group(1) if uri.endswith("$") else uri
+            entries[m.group(1)] = (m.group(2), uri[:-1] + m.group(1) if uri.endswith("$") else uri)
     return entries
+
+
+def role(obj) -> str:
+    """The inventory role an object's entry must have (a function documented as a module of
+    the same name is the wrong entry)."""
+    import inspect
+    import types
+
+    if isinstance(obj, types.ModuleType):
+        return "py:module"
+    if inspect.isclass(obj):
+        return "py:class"
+    if callable(obj):
+        return "py:function"
+    return "py:data"
 
 
 def resolve(path: str):
@@ -299,19 +314,20 @@ def test_reference_covers_the_public_api(site):
     has a reference entry (an object of objects.inv that is the same Python object) with a
     description, and the reference's examples show as code."""
     entries = inventory(site)
-    documented: dict[int, str] = {}
-    for name, uri in entries.items():
+    documented: dict[tuple[int, str], str] = {}  # (id of the object, role) -> page#anchor
+    for name, (kind, uri) in entries.items():
         if uri.startswith("reference/"):
             try:
-                documented.setdefault(id(resolve(name)), uri)
+                documented.setdefault((id(resolve(name)), kind), uri)
             except (ImportError, AttributeError):
                 pass
     missing, empty = [], []
     for module_name in REFERENCE_MODULES:
         module = importlib.import_module(module_name)
         for name in module.__all__:
-            uri = entries.get(f"{module_name}.{name}") or documented.get(id(getattr(module, name)))
-            if uri is None or not uri.startswith("reference/"):
+            obj = getattr(module, name)
+            uri = documented.get((id(obj), role(obj)))
+            if uri is None:
                 missing.append(f"{module_name}.{name}")
             elif len(description(site, uri)) < 20:
                 empty.append(f"{module_name}.{name} ({uri})")
