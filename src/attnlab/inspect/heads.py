@@ -17,6 +17,8 @@ from attnlab.nn.module import Module
 __all__ = ["HEAD_KINDS", "attention_rollout", "detect_heads", "detection_pattern"]
 
 HEAD_KINDS = ("previous_token", "duplicate_token", "induction")
+"""The kinds of head ``detect_heads`` scores: attending to the previous token, to earlier
+copies of the same token, and to the token after an earlier copy (induction)."""
 
 
 def detection_pattern(ids: np.ndarray, kind: str) -> np.ndarray:

@@ -17,7 +17,11 @@ from attnlab.nn.module import Module
 __all__ = ["ABLATIONS", "PATCH_HOOKS", "ablate_heads", "activation_patching"]
 
 ABLATIONS = ("zero", "mean")
+"""What ``ablate_heads`` can replace a head's output (``hook_z``) with: zeros, or its mean
+over the batch and positions."""
 PATCH_HOOKS = {"resid_pre": RESID_PRE, "attn_out": ATTN_OUT, "mlp_out": MLP_OUT, "z": Z}
+"""The activations ``activation_patching`` can patch, by short name: the hook point (in each
+block, counted from 0) that each names."""
 
 
 def _choice(value: object, name: str, choices) -> str:

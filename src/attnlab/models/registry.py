@@ -97,6 +97,10 @@ FAMILIES: dict[str, Family] = {
                files="an attnlab checkpoint (.npz, written by attnlab train)"),
     )
 }
+"""Every family attnlab runs, by name (``"bert"``, ``"gpt2"``, ``"llama"``, ``"mistral"``,
+``"qwen2"``, ``"qwen3"``, ``"gemma2"``, ``"gemma3"``, ``"tiny"``): its module, classes, the
+``model_type`` and architectures it recognises and its weight-name map. A new family adds one
+entry."""
 
 
 def supported() -> str:

@@ -527,7 +527,7 @@ def render_html(explanation: object, *, inline: bool = False, max_bytes: int | N
 
     Warns:
         UserWarning: more than ``LONG_INPUT`` tokens: the page shows ``WINDOW`` at a time;
-        a page larger than ``max_bytes`` even with 2-bit attention codes.
+            a page larger than ``max_bytes`` even with 2-bit attention codes.
 
     >>> from attnlab.explain import Explanation
     >>> rng = np.random.default_rng(0)
