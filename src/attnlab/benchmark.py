@@ -366,8 +366,8 @@ def back_to_back_medians(
 # loses a core to them (measured: the blockwise kernel 131 ms right after a 2-thread SGEMM,
 # 103 ms after a pause). Every implementation starts from an idle machine instead.
 SETTLE_SECONDS = 0.25
-# The quick run's pause: just past OpenBLAS's spin.
-QUICK_SETTLE_SECONDS = 0.12
+# The quick run's pause: about OpenBLAS's spin (2**28 cycles: 0.08 to 0.11 s at 2.5 to 3.5 GHz).
+QUICK_SETTLE_SECONDS = 0.1
 
 
 def interleaved_medians(

@@ -99,17 +99,17 @@ def register(sub) -> None:
                    help="tokens of the single-head peak-memory run (fresh process); 0 skips it "
                         "(default 0; --full: 65536)")
     p.add_argument("--layer-tokens", type=int, default=None,
-                   help="tokens of the MultiheadAttention rows; 0 skips them (default 1024; --full: 4096)")
+                   help="tokens of the MultiheadAttention rows; 0 skips them (default 512; --full: 4096)")
     p.add_argument("--prefill-tokens", type=int, default=None,
                    help="prompt tokens of the GPT-2 and SmolLM2 prefill rows; 0 skips them "
-                        "(default 128; --full: 1024 for GPT-2, 512 for SmolLM2)")
+                        "(default 64; --full: 1024 for GPT-2, 512 for SmolLM2)")
     p.add_argument("--minilm-texts", type=int, default=None,
-                   help="sentences of the MiniLM encode row; 0 skips it (default 64; --full: 256)")
+                   help="sentences of the MiniLM encode row; 0 skips it (default 32; --full: 256)")
     p.add_argument("--train-steps", type=int, default=None,
                    help="training steps per timed call of the training row; 0 skips it "
-                        "(default 5; --full: 20)")
+                        "(default 3; --full: 20)")
     p.add_argument("--new-tokens", type=int, default=None,
-                   help="new tokens of the decode rows; 0 skips them (default 16; --full: 64)")
+                   help="new tokens of the decode rows; 0 skips them (default 8; --full: 64)")
     p.set_defaults(run=run)
 
 
@@ -266,12 +266,12 @@ class _Settings:
         self.passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
         self.naive_max = pick(args.naive_max, 0, 4096)
         self.memory_tokens = pick(args.memory_tokens, 0, 65536)
-        self.layer_tokens = pick(args.layer_tokens, 1024, 4096)
-        self.gpt2_tokens = pick(args.prefill_tokens, 128, 1024)
-        self.smollm2_tokens = pick(args.prefill_tokens, 128, 512)
-        self.minilm_texts = pick(args.minilm_texts, 64, 256)
-        self.train_steps = pick(args.train_steps, 5, 20)
-        self.new_tokens = pick(args.new_tokens, 16, 64)
+        self.layer_tokens = pick(args.layer_tokens, 512, 4096)
+        self.gpt2_tokens = pick(args.prefill_tokens, 64, 1024)
+        self.smollm2_tokens = pick(args.prefill_tokens, 64, 512)
+        self.minilm_texts = pick(args.minilm_texts, 32, 256)
+        self.train_steps = pick(args.train_steps, 3, 20)
+        self.new_tokens = pick(args.new_tokens, 8, 64)
         for flag, value in (("--naive-max", self.naive_max), ("--memory-tokens", self.memory_tokens),
                             ("--layer-tokens", self.layer_tokens), ("--prefill-tokens", self.gpt2_tokens),
                             ("--minilm-texts", self.minilm_texts), ("--train-steps", self.train_steps),
@@ -407,9 +407,11 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
     print(f"== layers and models: attnlab vs torch / transformers, {s.threads} thread(s) ==")
     if rows:
         print(format_layer_rows(rows))
-        print("attnlab/other: attnlab's time over the other side's (for rates: the other's rate over "
-              "attnlab's), below 1 when attnlab is faster. GPT-2 small: random weights drawn by transformers, "
-              "the same in attnlab (interop.from_torch).")
+        note = ("attnlab/other: attnlab's time over the other side's (for rates: the other's rate over "
+                "attnlab's), below 1 when attnlab is faster.")
+        if any(r.name.startswith("GPT-2") for r in rows):
+            note += " GPT-2 small: random weights drawn by transformers, the same in attnlab (interop.from_torch)."
+        print(note)
     else:
         print("(every row skipped by its option)")
     sys.stdout.flush()
@@ -446,7 +448,7 @@ def run(args) -> int:
     _header(s, torch)
 
     def progress(msg: str) -> None:
-        print(f"  ... {msg}", file=sys.stderr, flush=True)
+        print(f"  ... [{time.perf_counter() - started:5.1f} s] {msg}", file=sys.stderr, flush=True)
 
     models = bm.Models(gguf_in_transformers=s.full)
     if "sdpa" in s.sections:
