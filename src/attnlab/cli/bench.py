@@ -133,12 +133,13 @@ def faster(ratio: float | None, other: str = "torch") -> str:
     return f"attnlab by {1 / ratio:.2f}x" if ratio < 1 else f"{other} by {ratio:.2f}x"
 
 
-def _table(head: list[str], lines: list[list[str]], *, left: int = 1) -> str:
-    """Columns right-aligned, except the first ``left`` (names), which are left-aligned."""
+def _table(head: list[str], lines: list[list[str]], *, notes: bool = False) -> str:
+    """Columns right-aligned, except the first (names) and, with ``notes``, the last."""
     widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
+    left = {0, len(head) - 1} if notes else {0}
 
     def line(cells):
-        return "  ".join(c.ljust(w) if j < left else c.rjust(w)
+        return "  ".join(c.ljust(w) if j in left else c.rjust(w)
                          for j, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
 
     return "\n".join([line(head), *(line(c) for c in lines)])
@@ -207,7 +208,7 @@ def format_layer_rows(rows) -> str:
             cells.append(_fmt(r.ratio(back_to_back=True), ".2f"))
         cells += [faster(ratio, r.torch_name), r.note]
         lines.append(cells)
-    return _table(head, lines, left=1)
+    return _table(head, lines, notes=True)
 
 
 def format_decode_rows(rows) -> str:
@@ -215,7 +216,7 @@ def format_decode_rows(rows) -> str:
     head = ["decoder", "tok/s", "weights MiB", "limit tok/s", "share of limit", "note"]
     lines = [[r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(None if r.weight_bytes is None else r.weight_bytes / 2**20, ".0f"),
               _fmt(r.limit, ".1f"), _pct(r.share, 1.0), r.note] for r in rows]
-    return _table(head, lines)
+    return _table(head, lines, notes=True)
 
 
 def _load() -> str:
@@ -411,6 +412,8 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
                 "attnlab's), below 1 when attnlab is faster.")
         if any(r.name.startswith("GPT-2") for r in rows):
             note += " GPT-2 small: random weights drawn by transformers, the same in attnlab (interop.from_torch)."
+        if any(r.name.startswith("SmolLM2") and r.seconds for r in rows):
+            note += f" SmolLM2 in transformers: {models.smollm2_source()}."
         print(note)
     else:
         print("(every row skipped by its option)")
@@ -433,6 +436,8 @@ def _decode_section(s: _Settings, bm, models, progress) -> None:
         print(f"read bandwidth ({s.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s; the limit is the tokens/s "
               "that reading every weight once per new token allows")
     print(format_decode_rows(rows))
+    print(f"transformers' SmolLM2: {models.smollm2_source()}. Every rate is after a "
+          f"{bm.DECODE_PROMPT_TOKENS}-token prompt, its time taken out.")
     sys.stdout.flush()
 
 
