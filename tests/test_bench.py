@@ -241,3 +241,14 @@ def test_faster_names_the_other_side():
     assert faster(0.5, "transformers") == "attnlab by 2.00x"
     assert faster(3.0, "sentence-transformers") == "sentence-transformers by 3.00x"
     assert faster(None) == "-"
+
+
+def test_turns_pause_less_after_torch_and_can_skip_the_warm_up(monkeypatch):
+    pauses, calls = [], []
+    monkeypatch.setattr(bm.time, "sleep", pauses.append)
+    fns = {"attnlab": lambda: calls.append("a"), "torch": lambda: calls.append("t")}
+    times = bm.interleaved_medians(fns, 2, settle=0.1, settle_after=bm._settle_after(0.02), warmup=False)
+    assert pauses == [0.1, 0.1, 0.02, 0.1] and calls == ["a", "t", "a", "t"]
+    assert set(times) == {"attnlab", "torch"}
+    bm.interleaved_medians(fns, 1, settle=0.1)
+    assert calls[4:] == ["a", "t", "a", "t"] and pauses[4:] == [0.1, 0.1]  # warm-up calls, then timed ones

@@ -282,6 +282,7 @@ def run_sdpa(
     passes: Sequence[str] = ("fwd", "fwd+bwd"),
     naive_max: int = 0,
     settle: float | None = None,
+    settle_after_torch: float | None = None,
     back_to_back: bool = True,
     sgemm_turns: bool = True,
     progress: Callable[[str], None] | None = None,
@@ -295,6 +296,7 @@ def run_sdpa(
         passes: ``"fwd"`` and/or ``"fwd+bwd"``.
         naive_max: largest ``L`` for the naive NumPy path (0: never).
         settle: the pause before each settled call (``None``: :data:`SETTLE_SECONDS`).
+        settle_after_torch: the pause after a torch call, if shorter (``None``: ``settle``).
         back_to_back: also time blocks of consecutive calls (``Row.back_to_back``).
         sgemm_turns: time a ``SGEMM_N``-cubed float32 matmul in the same turns
             (``seconds["sgemm"]``, the row's ceiling).
@@ -336,7 +338,8 @@ def run_sdpa(
                 fns["torch"] = _torch_fn(torch, shape, q, k, v, g, p)
             say(f"SDPA {shape.name} {shape.describe()} {'causal' if shape.causal else 'not causal'} {p}")
             with blas_threads(threads):
-                row.seconds.update(interleaved_medians(fns, repeats, settle=settle))
+                row.seconds.update(interleaved_medians(fns, repeats, settle=settle,
+                                                       settle_after=_settle_after(settle_after_torch)))
                 if back_to_back:
                     row.back_to_back.update(back_to_back_medians(fns, repeats))
             for impl in IMPLS:
@@ -367,28 +370,47 @@ def back_to_back_medians(
 # loses a core to them (measured: the blockwise kernel 131 ms right after a 2-thread SGEMM,
 # 103 ms after a pause). Every implementation starts from an idle machine instead.
 SETTLE_SECONDS = 0.25
-# The quick run's pause: about OpenBLAS's spin (2**28 cycles: 0.08 to 0.11 s at 2.5 to 3.5 GHz).
+# The quick run's pause: about OpenBLAS's spin (2**28 cycles: 0.08 to 0.11 s at 2.5 to 3.5 GHz)...
 QUICK_SETTLE_SECONDS = 0.1
+# ...and after a torch call: torch's OpenMP threads (GNU OpenMP, MKL on them) spin for about
+# 300000 iterations when OMP_WAIT_POLICY is unset, well under a millisecond.
+QUICK_SETTLE_AFTER_TORCH = 0.02
+TORCH_SIDES = ("torch", "torch prefill", "transformers", "transformers prefill")
+
+
+def _settle_after(torch_pause: float | None) -> dict[str, float] | None:
+    return None if torch_pause is None else dict.fromkeys(TORCH_SIDES, torch_pause)
 
 
 def interleaved_medians(
-    fns: dict[str, Callable[[], object]], repeats: int, *, settle: float = SETTLE_SECONDS
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    settle: float = SETTLE_SECONDS,
+    settle_after: dict[str, float] | None = None,
+    warmup: bool = True,
 ) -> dict[str, float]:
     """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
 
     Taking turns spreads a busy machine's noise over all of them alike, so the ratios
-    stay fair even when the absolute times wobble. One untimed warm-up call each first,
-    and a ``settle`` pause before every timed call (see :data:`SETTLE_SECONDS`).
+    stay fair even when the absolute times wobble. One untimed warm-up call each first
+    (unless ``warmup`` is False: the caller has just called them), and a pause before
+    every timed call: ``settle_after[name]`` after a call of ``name``, else ``settle``
+    (see :data:`SETTLE_SECONDS`).
     """
-    for fn in fns.values():
-        fn()
+    if warmup:
+        for fn in fns.values():
+            fn()
+    after = settle_after or {}
     times: dict[str, list[float]] = {name: [] for name in fns}
+    last = None
     for _ in range(repeats):
         for name, fn in fns.items():
-            time.sleep(settle)
+            time.sleep(after.get(last, settle))
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+            last = name
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -565,10 +587,21 @@ class Models:
             "attnlab's weights through interop.to_torch"
 
 
+@dataclass
+class _Plan:
+    """What a layer row times: the functions by side; ``warm``: both were just called (no
+    warm-up needed); ``post``: what to do with the row after the timing."""
+
+    fns: dict[str, Callable[[], object]]
+    warm: bool = False
+    post: Callable[[LayerRow], None] | None = None
+
+
 def _timed(row: LayerRow, fns: dict[str, Callable[[], object]], *, threads: int, repeats: int,
-           settle: float, back_to_back: bool) -> None:
+           settle: float, settle_after_torch: float | None, back_to_back: bool, warmup: bool) -> None:
     with blas_threads(threads):
-        row.seconds = interleaved_medians(fns, repeats, settle=settle)
+        row.seconds = interleaved_medians(fns, repeats, settle=settle, warmup=warmup,
+                                          settle_after=_settle_after(settle_after_torch))
         if back_to_back:
             row.back_to_back = back_to_back_medians(fns, repeats)
 
@@ -584,6 +617,7 @@ def layer_rows(
     train_steps: int = 5,
     decode_tokens: int = 16,
     settle: float | None = None,
+    settle_after_torch: float | None = None,
     back_to_back: bool = True,
     models: Models | None = None,
     progress: Callable[[str], None] | None = None,
@@ -618,21 +652,21 @@ def layer_rows(
     torch = _torch()
     models = models or Models()
     rows: list[LayerRow] = []
-    timing = {"threads": threads, "repeats": repeats, "settle": settle, "back_to_back": back_to_back}
+    timing = {"threads": threads, "repeats": repeats, "settle": settle, "settle_after_torch": settle_after_torch,
+              "back_to_back": back_to_back}
 
     def add(name: str, make: Callable[[LayerRow], dict | None], **kw) -> None:
         row = LayerRow(name, **kw)
         if torch is None:
             row.note = "skipped: torch is not installed"
         else:
-            made = make(row)  # the functions to time (and what to do after), or None
-            if made is not None:
-                fns, post = made if isinstance(made, tuple) else (made, None)
+            plan = make(row)
+            if plan is not None:
                 say(name)
                 _set_threads(torch, threads)
-                _timed(row, fns, **timing)
-                if post is not None:
-                    post(row)
+                _timed(row, plan.fns, warmup=not plan.warm, **timing)
+                if plan.post is not None:
+                    plan.post(row)
         rows.append(row)
 
     if mha_tokens:
@@ -658,7 +692,7 @@ def layer_rows(
     return rows
 
 
-def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> dict[str, Callable[[], object]]:
+def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:
     import attnlab
 
     E, H = 512, 8
@@ -681,7 +715,7 @@ def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> dict[str, Callab
             with torch.no_grad():
                 return theirs(tx, tx, tx, need_weights=False)
 
-        return {"attnlab": lambda: ours(x, x, x, need_weights=False), "torch": run_torch}
+        return _Plan({"attnlab": lambda: ours(x, x, x, need_weights=False), "torch": run_torch}, warm=True)
 
     tx = tx.clone().requires_grad_(True)
 
@@ -695,14 +729,14 @@ def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> dict[str, Callab
         tx.grad = None
         theirs(tx, tx, tx, need_weights=False)[0].backward(tg)
 
-    return {"attnlab": ours_both, "torch": theirs_both}
+    return _Plan({"attnlab": ours_both, "torch": theirs_both})
 
 
 def _prompt(vocab_size: int, tokens: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab_size, size=(1, tokens))
 
 
-def _prefill_fns(torch, ours, theirs, prompt: np.ndarray, row: LayerRow) -> dict[str, Callable[[], object]]:
+def _prefill_fns(torch, ours, theirs, prompt: np.ndarray, row: LayerRow) -> _Plan:
     tp = torch.from_numpy(prompt)
 
     def run_ours():
@@ -714,7 +748,7 @@ def _prefill_fns(torch, ours, theirs, prompt: np.ndarray, row: LayerRow) -> dict
 
     diff = np.abs(run_ours()[:, -1] - run_theirs()[:, -1].numpy()).max()
     row.note = f"max |last logits difference| {diff:.1e}"
-    return {"attnlab": run_ours, "torch": run_theirs}
+    return _Plan({"attnlab": run_ours, "torch": run_theirs}, warm=True)
 
 
 def _gpt2_prefill_fns(torch, models: Models, tokens: int, row: LayerRow):
@@ -773,7 +807,7 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
         with torch.inference_mode():
             return theirs.encode(texts, batch_size=32, show_progress_bar=False)
 
-    return {"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}
+    return _Plan({"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}, warm=True)
 
 
 def _train_fns(torch, steps: int, row: LayerRow):
@@ -816,7 +850,7 @@ def _train_fns(torch, steps: int, row: LayerRow):
             torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
             t_opt.step()
 
-    return {"attnlab": ours, "torch": theirs}
+    return _Plan({"attnlab": ours, "torch": theirs})
 
 
 DECODE_PROMPT_TOKENS = 32
@@ -873,7 +907,7 @@ def _gpt2_decode_fns(torch, models: Models, new: int, row: LayerRow):
         row.note = (f"greedy after a {DECODE_PROMPT_TOKENS}-token prompt (its time taken out); "
                     f"same tokens: {'yes' if same else 'no'}")
 
-    return fns, post
+    return _Plan(fns, post=post)
 
 
 # ---- decode against the memory-bandwidth limit --------------------------------------------------
@@ -956,6 +990,7 @@ def decode_rows(
     repeats: int,
     new_tokens: int = 16,
     settle: float | None = None,
+    settle_after_torch: float | None = None,
     models: Models | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[float | None, list[DecodeRow]] | None:
@@ -1035,7 +1070,7 @@ def decode_rows(
         fns[key], fns[f"{key} prefill"] = gen, prefill
     say(f"decode, {new} new tokens")
     with blas_threads(threads):
-        times = interleaved_medians(fns, repeats, settle=settle)
+        times = interleaved_medians(fns, repeats, settle=settle, settle_after=_settle_after(settle_after_torch))
     for key in pairs:
         rows[key].tokens_per_s = new / decode_seconds(times[key], times[f"{key} prefill"])
         rows[key].bandwidth = bandwidth

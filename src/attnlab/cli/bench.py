@@ -286,6 +286,7 @@ class _Settings:
                            f"after a {bm.DECODE_PROMPT_TOKENS}-token prompt), got {self.new_tokens}")
         self.back_to_back = args.back_to_back or full
         self.settle = bm.SETTLE_SECONDS if full else bm.QUICK_SETTLE_SECONDS
+        self.settle_after_torch = None if full else bm.QUICK_SETTLE_AFTER_TORCH
         self._check_memory(bm)
 
     def _check_memory(self, bm) -> None:
@@ -326,6 +327,8 @@ def _header(s: _Settings, torch) -> None:
     print(f"attnlab bench: {mode}; float32; {s.threads} thread(s) for attnlab, torch and BLAS alike; "
           f"sections {','.join(s.sections)}")
     timing = f"median of {s.repeats} runs taken in turns, a {s.settle:.2f} s settle pause before each"
+    if s.settle_after_torch is not None:
+        timing += f" ({s.settle_after_torch:.2f} s after a torch call, whose threads stop spinning sooner)"
     if s.back_to_back:
         timing += "; also back to back"
     print(f"timing: {timing}")
@@ -361,7 +364,8 @@ def _sdpa_section(s: _Settings, bm, progress) -> None:
     sys.stdout.flush()
     shapes = bm.sdpa_shapes(s.sizes, groups=s.shapes)
     rows = bm.run_sdpa(shapes, repeats=s.repeats, threads=s.threads, passes=s.passes, naive_max=s.naive_max,
-                       settle=s.settle, back_to_back=s.back_to_back, sgemm_turns=s.full, progress=progress)
+                       settle=s.settle, settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back,
+                       sgemm_turns=s.full, progress=progress)
     print(format_rows(rows, sgemm=sgemm))
     print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster"
           + (" (settled, then back to back)" if s.back_to_back else "")
@@ -403,7 +407,8 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
     rows = bm.layer_rows(threads=s.threads, repeats=s.repeats, mha_tokens=s.layer_tokens,
                          gpt2_tokens=s.gpt2_tokens, smollm2_tokens=s.smollm2_tokens, minilm_texts=s.minilm_texts,
                          train_steps=s.train_steps, decode_tokens=s.new_tokens, settle=s.settle,
-                         back_to_back=s.back_to_back, models=models, progress=progress)
+                         settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back, models=models,
+                         progress=progress)
     print()
     print(f"== layers and models: attnlab vs torch / transformers, {s.threads} thread(s) ==")
     if rows:
@@ -427,7 +432,7 @@ def _decode_section(s: _Settings, bm, models, progress) -> None:
         print("(skipped: --new-tokens 0)")
         return
     result = bm.decode_rows(threads=s.threads, repeats=s.repeats, new_tokens=s.new_tokens, settle=s.settle,
-                            models=models, progress=progress)
+                            settle_after_torch=s.settle_after_torch, models=models, progress=progress)
     if result is None:
         print(f"decode section: needs {bm.DECODE_MODULE}")
         return
@@ -453,7 +458,8 @@ def run(args) -> int:
     _header(s, torch)
 
     def progress(msg: str) -> None:
-        print(f"  ... [{time.perf_counter() - started:5.1f} s] {msg}", file=sys.stderr, flush=True)
+        print(f"  ... [{time.perf_counter() - started:5.1f} s, cpu {time.process_time():5.1f} s] {msg}",
+              file=sys.stderr, flush=True)
 
     models = bm.Models(gguf_in_transformers=s.full)
     if "sdpa" in s.sections:
@@ -468,5 +474,6 @@ def run(args) -> int:
     total = process_seconds()
     took = f"{total:.1f} s from process start (imports and model loads included)" if total is not None else \
         f"{time.perf_counter() - started:.1f} s"
-    print(f"bench took {took}; load average before {load_before}, after {_load()}")
+    print(f"bench took {took}, {time.process_time():.1f} s of CPU time; load average before {load_before}, "
+          f"after {_load()}")
     return 0
