@@ -172,7 +172,8 @@ def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
     assert bandwidth == 1e10
     assert [r.name.split()[0] for r in rows] == ["attnlab", "attnlab", "transformers", "llama.cpp"]
     for r in rows[:3]:
-        assert r.tokens_per_s is not None and r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 1e10, rel=1e-12)
+        assert r.tokens_per_s is not None
+        assert r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 1e10, rel=1e-12)
     assert rows[1].weight_bytes == 1000 and rows[0].weight_bytes == rows[2].weight_bytes == 4000
     assert rows[0].note == "same tokens as transformers: yes"
     assert rows[3].tokens_per_s is None and "llama_cpp" in rows[3].note

@@ -674,8 +674,8 @@ def layer_rows(
             add(f"MultiheadAttention(512, 8) {p}, L={mha_tokens}",
                 lambda row, p=p: _mha_fns(torch, mha_tokens, p, row))
     if gpt2_tokens:
-        add(f"GPT-2 small prefill, {gpt2_tokens} tokens", lambda row: _gpt2_prefill_fns(torch, models, gpt2_tokens, row),
-            torch_name="transformers")
+        add(f"GPT-2 small prefill, {gpt2_tokens} tokens",
+            lambda row: _gpt2_prefill_fns(torch, models, gpt2_tokens, row), torch_name="transformers")
     if smollm2_tokens:
         add(f"SmolLM2-135M prefill, {smollm2_tokens} tokens",
             lambda row: _smollm2_prefill_fns(torch, models, smollm2_tokens, row), torch_name="transformers")

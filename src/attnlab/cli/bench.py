@@ -214,7 +214,8 @@ def format_layer_rows(rows) -> str:
 def format_decode_rows(rows) -> str:
     """The decode table (plain text)."""
     head = ["decoder", "tok/s", "weights MiB", "limit tok/s", "share of limit", "note"]
-    lines = [[r.name, _fmt(r.tokens_per_s, ".1f"), _fmt(None if r.weight_bytes is None else r.weight_bytes / 2**20, ".0f"),
+    lines = [[r.name, _fmt(r.tokens_per_s, ".1f"),
+              _fmt(None if r.weight_bytes is None else r.weight_bytes / 2**20, ".0f"),
               _fmt(r.limit, ".1f"), _pct(r.share, 1.0), r.note] for r in rows]
     return _table(head, lines, notes=True)
 
