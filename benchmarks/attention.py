@@ -1,7 +1,8 @@
-"""Attention benchmark: naive NumPy vs attnlab vs torch SDPA, the full table.
+"""Attention benchmark: ``attnlab bench --full`` (SDPA at model shapes and L up to 8192, layers,
+decoding; attnlab against torch and transformers, the naive NumPy path too).
 
 Run ``python benchmarks/attention.py`` (or ``make bench``); extra arguments go to
-``attnlab bench`` (e.g. ``--sizes 1024,4096 --repeats 7 --threads 2``). Prints; never a test.
+``attnlab bench`` (e.g. ``--sections sdpa --sizes 1024,4096 --repeats 7 --threads 2``). Prints; never a test.
 """
 
 import sys

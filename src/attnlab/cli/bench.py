@@ -1,92 +1,148 @@
-"""attnlab bench: time naive NumPy attention, attnlab's blockwise kernel and torch SDPA.
+"""attnlab bench: attnlab against torch where models really run, in about a minute.
 
-fp32, B=1, H=8, E=64, L = S, causal and not, forward and forward+backward, side by side
-in one run with the same thread count. Each cell is timed twice, the implementations
-taking turns: the median of --repeats calls each made after a settle pause (idle thread
-pools), and the median of calls made back to back (warm thread pools). Printed: the CPU
-(model, avx2/avx512f, caches) and attnlab's tile sizes, the times, GFLOP/s, attnlab's time
-over torch's in both timings (below 1: attnlab is faster; the "faster" column names the
-winner of the settled timing and by how much) and the share of the SGEMM rate (a 2048^3
-float32 matmul that takes the same turns). Then two layer-level rows:
-MultiheadAttention(need_weights=False) forward against torch.nn.MultiheadAttention, and
-MiniLM's encode against sentence-transformers (skipped with a note when the model package
-is missing), and the peak memory (RSS, in a fresh process) of a single-head forward pass
-over --memory-tokens tokens.
+Three sections, each side by side in one run at the same thread count, the two sides
+taking turns (the median of --repeats calls each, made after a settle pause; --full also
+times calls made back to back):
 
-The default is a quick run (L up to 2048); --full runs L up to 8192 and a 65536-token
-memory run (many minutes on 2 cores).
+  sdpa    attnlab's scaled_dot_product_attention against torch's, forward and
+          forward+backward, at the shapes real models use: MiniLM-like and BERT-base-like
+          batches (B=32, H=12, L=128, E=32 and 64), SmolLM2's prefill (9 query heads over 3
+          key/value heads, L=512, causal), GPT-2 small's context (H=12, L=1024, causal), and
+          B=1, H=8, E=64 at each of --sizes, causal and not. GFLOP/s and the share of a
+          float32 matmul's rate (SGEMM) on this CPU.
+  layers  MultiheadAttention forward and forward+backward against torch's; GPT-2 small's
+          and SmolLM2's prefill against transformers (the same weights); MiniLM's encode
+          against sentence-transformers; a TinyTransformer training step against its torch
+          twin (steps/s); GPT-2 small's decoding with the key/value cache against
+          transformers' generate (new tokens/s).
+  decode  SmolLM2's decoding (attnlab float32 and quantized, transformers, llama.cpp where
+          llama_cpp imports) against the memory-bandwidth limit.
+
+The default is a quick run (about a minute on 2 cores, model loads included). --full adds
+L up to 8192, longer prompts, SmolLM2 read from its GGUF file by transformers itself, the
+naive NumPy path, the back-to-back timing, a matmul ceiling timed in turns with every row
+and a 65536-token peak-memory run (many minutes). Ratios are attnlab's time over the other
+side's: below 1, attnlab is faster.
 """
 
 from __future__ import annotations
 
-from attnlab._threads import have_threadpoolctl
+import argparse
+import os
+import sys
+import time
+
+from attnlab._threads import available_cpus, have_threadpoolctl
 from attnlab.cli._common import CLIError
 
-IMPLS = ("naive", "attnlab", "torch")
+SECTIONS = ("sdpa", "layers", "decode")
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    parts = [s.strip() for s in text.split(",")]
+    if not any(parts):
+        raise CLIError(f"{flag} needs at least one value, got {text!r}")
+    try:
+        values = [int(s) for s in parts if s]
+    except ValueError:
+        raise CLIError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if min(values) < 1:
+        raise CLIError(f"{flag} must be positive integers, got {text!r}")
+    return values
 
 
 def _sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise CLIError(f"--sizes must be comma-separated integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise CLIError(f"--sizes must be positive integers, got {text!r}")
-    return sizes
+    return _int_list(text, "--sizes")
+
+
+def _names(text: str, flag: str, allowed) -> list[str]:
+    names = [s.strip().lower() for s in text.split(",") if s.strip()]
+    if not names:
+        raise CLIError(f"{flag} needs at least one of {','.join(allowed)}, got {text!r}")
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise CLIError(f"{flag}: unknown {unknown[0]!r}; choose from {','.join(allowed)}")
+    return [n for n in allowed if n in names]  # in the table's order, once each
 
 
 def register(sub) -> None:
+    from attnlab.benchmark import SHAPE_GROUPS
+
     p = sub.add_parser(
         "bench",
-        help="benchmark attention: naive NumPy vs attnlab vs torch",
+        help="benchmark attention, layers and decoding: attnlab vs torch",
         description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--full", action="store_true",
-                   help="sizes 512..8192 and a 65536-token memory run")
+                   help="the long run: L up to 8192, longer prompts, back-to-back timing, the naive "
+                        "path, a 65536-token memory run (many minutes)")
+    p.add_argument("--sections", type=str, default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run (default {','.join(SECTIONS)})")
+    p.add_argument("--shapes", type=str, default=",".join(SHAPE_GROUPS),
+                   help=f"SDPA shapes to run, of {','.join(SHAPE_GROUPS)} (default all)")
     p.add_argument("--sizes", type=str, default=None,
-                   help="comma-separated L = S values (default 512,1024,2048; --full: "
-                        "512,1024,2048,4096,8192)")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, median kept "
-                   "(default 5)")
+                   help="comma-separated L = S of the B=1, H=8, E=64 sweep (default 64,256,1024; "
+                        "--full: 64,128,256,512,1024,2048,4096,8192)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed runs per cell, median kept (default 3; --full: 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch, attnlab and BLAS alike (default: all usable CPUs)")
-    p.add_argument("--naive-max", type=int, default=4096,
-                   help="largest L for the naive path, which needs O(H*L*S) memory "
-                        "(default 4096)")
     p.add_argument("--passes", choices=["fwd", "fwd+bwd", "both"], default="both",
-                   help="forward, forward+backward, or both (default)")
+                   help="SDPA forward, forward+backward, or both (default)")
+    p.add_argument("--naive-max", type=int, default=None,
+                   help="largest L for the naive NumPy path, which needs O(H*L*S) memory; 0 leaves "
+                        "it out (default 0; --full: 4096)")
+    p.add_argument("--back-to-back", action="store_true",
+                   help="also time calls made back to back (warm thread pools; on with --full)")
     p.add_argument("--memory-tokens", type=int, default=None,
-                   help="tokens of the single-head peak-memory run; 0 skips it "
-                        "(default 16384; --full: 65536)")
-    p.add_argument("--layer-tokens", type=int, default=4096,
-                   help="tokens of the MultiheadAttention row; 0 skips it (default 4096)")
-    p.add_argument("--minilm-texts", type=int, default=256,
-                   help="sentences of the MiniLM encode row; 0 skips it (default 256)")
+                   help="tokens of the single-head peak-memory run (fresh process); 0 skips it "
+                        "(default 0; --full: 65536)")
+    p.add_argument("--layer-tokens", type=int, default=None,
+                   help="tokens of the MultiheadAttention rows; 0 skips them (default 512; --full: 4096)")
+    p.add_argument("--prefill-tokens", type=int, default=None,
+                   help="prompt tokens of the GPT-2 and SmolLM2 prefill rows; 0 skips them "
+                        "(default 64; --full: 1024 for GPT-2, 512 for SmolLM2)")
+    p.add_argument("--minilm-texts", type=int, default=None,
+                   help="sentences of the MiniLM encode row; 0 skips it (default 32; --full: 256)")
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="training steps per timed call of the training row; 0 skips it "
+                        "(default 3; --full: 20)")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="new tokens of the decode rows; 0 skips them (default 8; --full: 64)")
     p.set_defaults(run=run)
 
 
+# ---- formatting --------------------------------------------------------------------------------
 def _fmt(x, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
 
-def faster(ratio: float | None) -> str:
-    """Which side a time ratio (attnlab / torch) favours, in words.
+def faster(ratio: float | None, other: str = "torch") -> str:
+    """Which side a time ratio (attnlab / other) favours, in words.
 
     >>> faster(0.8), faster(1.25), faster(1.0)
     ('attnlab by 1.25x', 'torch by 1.25x', 'even')
+    >>> faster(2.0, "transformers")
+    'transformers by 2.00x'
     """
     if ratio is None:
         return "-"
     if abs(ratio - 1) < 0.005:
         return "even"
-    return f"attnlab by {1 / ratio:.2f}x" if ratio < 1 else f"torch by {ratio:.2f}x"
+    return f"attnlab by {1 / ratio:.2f}x" if ratio < 1 else f"{other} by {ratio:.2f}x"
 
 
-def _table(head: list[str], lines: list[list[str]]) -> str:
+def _table(head: list[str], lines: list[list[str]], *, notes: bool = False) -> str:
+    """Columns right-aligned, except the first (names) and, with ``notes``, the last."""
     widths = [max(len(h), *(len(c[j]) for c in lines)) for j, h in enumerate(head)]
-    out = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
-    out += ["  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)) for cells in lines]
-    return "\n".join(out)
+    left = {0, len(head) - 1} if notes else {0}
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if j in left else c.rjust(w)
+                         for j, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+    return "\n".join([line(head), *(line(c) for c in lines)])
 
 
 def _pct(part, whole) -> str:
@@ -95,144 +151,330 @@ def _pct(part, whole) -> str:
     return _fmt(100 * part / whole, ".0f") + "%"
 
 
-def format_rows(rows) -> str:
-    """The side-by-side table (plain text)."""
-    head = ["L=S", "causal", "pass"]
-    head += [f"{i} ms" for i in IMPLS] + ["attnlab GF/s", "torch GF/s"]
-    head += ["attnlab/torch", "back-to-back", "faster", "SGEMM GF/s", "attnlab %SGEMM",
-             "torch %SGEMM"]
+def _ms(seconds) -> str:
+    return _fmt(None if seconds is None else 1e3 * seconds, ".1f")
+
+
+def format_rows(rows, *, sgemm: float | None = None) -> str:
+    """The SDPA table (plain text). ``sgemm``: the ceiling (GFLOP/s) of rows that timed no
+    matmul in their turns."""
+    naive = any(r.seconds.get("naive") is not None for r in rows)
+    b2b = any(r.back_to_back for r in rows)
+    turns = any(r.seconds.get("sgemm") is not None for r in rows)
+    head = ["shape", "B,H,L,E", "causal", "pass", "kernel"]
+    head += (["naive ms"] if naive else []) + ["attnlab ms", "torch ms", "attnlab GF/s", "torch GF/s",
+                                               "attnlab/torch"]
+    head += (["back-to-back"] if b2b else []) + ["faster"]
+    head += (["SGEMM GF/s"] if turns else []) + ["attnlab %SGEMM", "torch %SGEMM"]
     lines = []
     for r in rows:
-        cells = [str(r.L), "yes" if r.causal else "no", r.passes]
-        cells += [_fmt(None if r.seconds.get(i) is None else 1e3 * r.seconds[i], ".1f")
-                  for i in IMPLS]
+        s = r.shape
+        heads = f"{s.Hq}/{s.H}" if s.gqa else str(s.Hq)
+        cells = [s.name, f"{s.B},{heads},{s.L},{s.E}", "yes" if s.causal else "no", r.passes, r.kernel or "-"]
+        cells += ([_ms(r.seconds.get("naive"))] if naive else [])
+        cells += [_ms(r.seconds.get("attnlab")), _ms(r.seconds.get("torch"))]
         cells += [_fmt(r.gflops(i), ".0f") for i in ("attnlab", "torch")]
         ratio = r.ratio("attnlab")
-        cells += [_fmt(ratio, ".2f"), _fmt(r.ratio("attnlab", back_to_back=True), ".2f"),
-                  faster(ratio)]
-        ceiling = r.gflops("sgemm")
-        cells += [_fmt(ceiling, ".0f"), _pct(r.gflops("attnlab"), ceiling),
-                  _pct(r.gflops("torch"), ceiling)]
+        cells.append(_fmt(ratio, ".2f"))
+        if b2b:
+            cells.append(_fmt(r.ratio("attnlab", back_to_back=True), ".2f"))
+        cells.append(faster(ratio))
+        ceiling = r.gflops("sgemm") if turns else sgemm
+        if turns:
+            cells.append(_fmt(ceiling, ".0f"))
+        cells += [_pct(r.gflops("attnlab"), ceiling), _pct(r.gflops("torch"), ceiling)]
         lines.append(cells)
     return _table(head, lines)
 
 
+def _amount(row, impl: str) -> str:
+    if row.seconds.get(impl) is None:
+        return "-"
+    if row.per_call:
+        return f"{row.rate(impl):.1f} {row.unit}"
+    return f"{1e3 * row.seconds[impl]:.1f} ms"
+
+
 def format_layer_rows(rows) -> str:
-    """The layer-level table (plain text)."""
-    head = ["layer", "attnlab ms", "torch ms", "attnlab/torch", "back-to-back", "faster", "note"]
+    """The layer table (plain text)."""
+    b2b = any(r.back_to_back for r in rows)
+    head = ["layer", "attnlab", "other", "other is", "attnlab/other"]
+    head += (["back-to-back"] if b2b else []) + ["faster", "note"]
     lines = []
     for r in rows:
-        ms = [_fmt(None if r.seconds.get(i) is None else 1e3 * r.seconds[i], ".1f")
-              for i in ("attnlab", "torch")]
         ratio = r.ratio()
-        lines.append([r.name, *ms, _fmt(ratio, ".2f"), _fmt(r.ratio(back_to_back=True), ".2f"),
-                      faster(ratio), r.note])
-    return _table(head, lines)
+        cells = [r.name, _amount(r, "attnlab"), _amount(r, "torch"), r.torch_name, _fmt(ratio, ".2f")]
+        if b2b:
+            cells.append(_fmt(r.ratio(back_to_back=True), ".2f"))
+        cells += [faster(ratio, r.torch_name), r.note]
+        lines.append(cells)
+    return _table(head, lines, notes=True)
+
+
+def format_decode_rows(rows) -> str:
+    """The decode table (plain text)."""
+    head = ["decoder", "tok/s", "weights MiB", "limit tok/s", "share of limit", "note"]
+    lines = [[r.name, _fmt(r.tokens_per_s, ".1f"),
+              _fmt(None if r.weight_bytes is None else r.weight_bytes / 2**20, ".0f"),
+              _fmt(r.limit, ".1f"), _pct(r.share, 1.0), r.note] for r in rows]
+    return _table(head, lines, notes=True)
 
 
 def _load() -> str:
-    import os
-
     try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
     except OSError:
         return "unknown"
 
 
-def run(args) -> int:
+def process_seconds() -> float | None:
+    """How long this process has run (Linux: from /proc), imports included; None if unknown."""
+    try:
+        with open("/proc/self/stat") as fh:
+            start_ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as fh:
+            up = float(fh.read().split()[0])
+        return up - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+# ---- the command -------------------------------------------------------------------------------
+class _Settings:
+    """The options with the quick or --full defaults filled in, checked."""
+
+    def __init__(self, args) -> None:
+        from attnlab import benchmark as bm
+
+        full = args.full
+        self.full = full
+        self.sections = _names(args.sections, "--sections", SECTIONS)
+        self.shapes = _names(args.shapes, "--shapes", bm.SHAPE_GROUPS)
+        self.sizes = _sizes(args.sizes) if args.sizes is not None else list(bm.FULL_SIZES if full else bm.QUICK_SIZES)
+
+        def pick(value, quick, long):
+            return (long if full else quick) if value is None else value
+
+        self.repeats = pick(args.repeats, 3, 5)
+        if self.repeats < 1:
+            raise CLIError(f"--repeats must be >= 1, got {self.repeats}")
+        cpus = available_cpus()
+        if args.threads is not None and args.threads < 1:
+            raise CLIError(f"--threads must be >= 1, got {args.threads}")
+        if args.threads is not None and args.threads > cpus:
+            raise CLIError(f"--threads {args.threads} is more than the {cpus} usable CPU(s); timings with more "
+                           "threads than cores measure the operating system's scheduler")
+        self.threads = args.threads or cpus
+        self.passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
+        self.naive_max = pick(args.naive_max, 0, 4096)
+        self.memory_tokens = pick(args.memory_tokens, 0, 65536)
+        self.layer_tokens = pick(args.layer_tokens, 512, 4096)
+        self.gpt2_tokens = pick(args.prefill_tokens, 64, 1024)
+        self.smollm2_tokens = pick(args.prefill_tokens, 64, 512)
+        self.minilm_texts = pick(args.minilm_texts, 32, 256)
+        self.train_steps = pick(args.train_steps, 3, 20)
+        self.new_tokens = pick(args.new_tokens, 8, 64)
+        for flag, value in (("--naive-max", self.naive_max), ("--memory-tokens", self.memory_tokens),
+                            ("--layer-tokens", self.layer_tokens), ("--prefill-tokens", self.gpt2_tokens),
+                            ("--minilm-texts", self.minilm_texts), ("--train-steps", self.train_steps),
+                            ("--new-tokens", self.new_tokens)):
+            if value < 0:
+                raise CLIError(f"{flag} must be >= 0, got {value}")
+        if self.gpt2_tokens > 1024 and args.prefill_tokens is not None:
+            raise CLIError(f"--prefill-tokens must be at most 1024 (GPT-2's context), got {self.gpt2_tokens}")
+        if self.new_tokens > 1024 - bm.DECODE_PROMPT_TOKENS:
+            raise CLIError(f"--new-tokens must be at most {1024 - bm.DECODE_PROMPT_TOKENS} (GPT-2's context "
+                           f"after a {bm.DECODE_PROMPT_TOKENS}-token prompt), got {self.new_tokens}")
+        self.back_to_back = args.back_to_back or full
+        self.settle = bm.SETTLE_SECONDS if full else bm.QUICK_SETTLE_SECONDS
+        self.settle_after_torch = None if full else bm.QUICK_SETTLE_AFTER_TORCH
+        self._check_memory(bm)
+
+    def _check_memory(self, bm) -> None:
+        """Refuse sizes whose arrays cannot fit in the memory available now."""
+        free = bm.available_memory()
+        if free is None:
+            return
+        gib = 2**30
+        if "sdpa" in self.sections:
+            for shape in bm.sdpa_shapes(self.sizes, groups=self.shapes):
+                for p in self.passes:
+                    need = shape.nbytes(p, naive=shape.L <= self.naive_max)
+                    if need > free:
+                        flag = "--sizes" if shape.name == "H=8 sweep" else "--shapes"
+                        what = f"L={shape.L}" if flag == "--sizes" else shape.name
+                        raise CLIError(f"{flag}: {what} needs about {need / gib:.1f} GiB for {p}, but only "
+                                       f"{free / gib:.1f} GiB of memory is available")
+            if self.memory_tokens:
+                need = 6 * self.memory_tokens * bm.HEAD_DIM * 4 + 2**28  # q, k, v, out, tiles, Python
+                if need > free:
+                    raise CLIError(f"--memory-tokens {self.memory_tokens} needs about {need / gib:.1f} GiB, but "
+                                   f"only {free / gib:.1f} GiB of memory is available")
+        if "layers" in self.sections and self.layer_tokens:
+            need = 40 * self.layer_tokens * 512 * 4  # activations and gradients of both sides
+            if need > free:
+                raise CLIError(f"--layer-tokens {self.layer_tokens} needs about {need / gib:.1f} GiB, but only "
+                               f"{free / gib:.1f} GiB of memory is available")
+
+
+def _header(s: _Settings, torch) -> None:
     import platform
-    import sys
 
     import numpy as np
 
-    from attnlab import benchmark as bm
     from attnlab._cpu import cpu_info
-    from attnlab.core import blockwise as bw
 
-    sizes = _sizes(args.sizes) if args.sizes else list(bm.FULL_SIZES if args.full else bm.QUICK_SIZES)
-    if args.repeats < 1:
-        raise CLIError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.threads is not None and args.threads < 1:
-        raise CLIError(f"--threads must be >= 1, got {args.threads}")
-    mem_tokens = args.memory_tokens
-    if mem_tokens is None:
-        mem_tokens = 65536 if args.full else 16384
-    if mem_tokens < 0:
-        raise CLIError(f"--memory-tokens must be >= 0, got {mem_tokens}")
-    for flag, value in (("--layer-tokens", args.layer_tokens), ("--minilm-texts", args.minilm_texts)):
-        if value < 0:
-            raise CLIError(f"{flag} must be >= 0, got {value}")
-    passes = ("fwd", "fwd+bwd") if args.passes == "both" else (args.passes,)
-    threads = args.threads or bw.get_num_threads()
-
-    torch = bm._torch()
-    print(f"attnlab bench: fp32, B={bm.BATCH}, H={bm.HEADS}, E={bm.HEAD_DIM}, L=S in {sizes}, "
-          f"{threads} thread(s), median of {args.repeats} runs taken in turns")
+    mode = "full run" if s.full else "quick run (--full for the long one)"
+    print(f"attnlab bench: {mode}; float32; {s.threads} thread(s) for attnlab, torch and BLAS alike; "
+          f"sections {','.join(s.sections)}")
+    timing = f"median of {s.repeats} runs taken in turns, a {s.settle:.2f} s settle pause before each"
+    if s.settle_after_torch is not None:
+        timing += f" ({s.settle_after_torch:.2f} s after a torch call, whose threads stop spinning sooner)"
+    if s.back_to_back:
+        timing += "; also back to back"
+    print(f"timing: {timing}")
     print(f"CPU: {cpu_info().describe()}; load average {_load()}")
-    tuning = bw.tuning()
-    if bw.fused_available() and tuning.fused is not False:
-        from importlib.metadata import version
+    try:
+        from attnlab.core import blockwise as bw
 
-        passes_note = (f"compiled (numba {version('numba')}) from {tuning.fused_min_scores} "
-                       "scores per call, NumPy below")
-    else:
-        passes_note = "NumPy (numba not installed or turned off)"
-    print(f"attnlab tiles: {tuning.source}; element-wise pass: {passes_note}")
+        tuning = bw.tuning()
+        if bw.fused_available() and tuning.fused is not False:
+            from importlib.metadata import version
+
+            passes_note = (f"compiled (numba {version('numba')}) from {tuning.fused_min_scores} "
+                           "scores per call, NumPy below")
+        else:
+            passes_note = "NumPy (numba not installed or turned off)"
+        print(f"attnlab tiles: {tuning.source}; element-wise pass: {passes_note}")
+    except (ImportError, AttributeError):
+        pass
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
           f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}")
-    sgemm = bm.sgemm_gflops(threads)
-    print(f"SGEMM (2048^3 float32 matmul, {threads} thread(s)): best of 10 now {sgemm:.0f} "
-          f"GFLOP/s; each row's ceiling is the median of SGEMM runs taken in turns with it")
     sys.stdout.flush()
 
-    def progress(msg: str) -> None:
-        print(f"  ... {msg}", file=sys.stderr, flush=True)
 
-    rows = bm.run_benchmark(
-        sizes, repeats=args.repeats, threads=threads, naive_max=args.naive_max,
-        passes=passes, progress=progress,
-    )
+def _sdpa_section(s: _Settings, bm, progress) -> None:
+    n = 2048 if s.full else 1024
+    sgemm = bm.sgemm_gflops(s.threads, n=n, repeats=10 if s.full else 3)
+    how = ("each row's ceiling is the median of 2048^3 matmuls taken in turns with it" if s.full
+           else "the ceiling of every row")
     print()
-    print(format_rows(rows))
-    print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster; first "
-          "with a settle pause before every call, then back to back.")
+    print(f"== SDPA: attnlab.scaled_dot_product_attention vs torch's, {s.threads} thread(s) ==")
+    print(f"SGEMM ({n}^3 float32 matmul): best of {10 if s.full else 3} {sgemm:.0f} GFLOP/s; {how}")
+    sys.stdout.flush()
+    shapes = bm.sdpa_shapes(s.sizes, groups=s.shapes)
+    rows = bm.run_sdpa(shapes, repeats=s.repeats, threads=s.threads, passes=s.passes, naive_max=s.naive_max,
+                       settle=s.settle, settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back,
+                       sgemm_turns=s.full, progress=progress)
+    print(format_rows(rows, sgemm=sgemm))
+    print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster"
+          + (" (settled, then back to back)" if s.back_to_back else "")
+          + "; kernel: the one attnlab's dispatcher picked. GFLOP/s count useful work: 4*B*H*L*S*E per "
+            "forward (halved when causal), x3.5 for forward+backward; fwd+bwd is attnlab's forward then "
+            "its backward (which recomputes the weights).")
     notes = []
     for r in rows:
         for impl, note in r.notes.items():
-            text = f"{impl} L={r.L} {r.passes}: {note}" if impl == "naive" else f"{impl}: {note}"
+            text = f"{impl} {r.shape.name} L={r.shape.L} {r.passes}: {note}" if impl == "naive" else f"{impl}: {note}"
             if text not in notes:
                 notes.append(text)
     if notes:
         print("notes: " + "; ".join(notes))
-    print("GFLOP/s count useful work: 4*B*H*L*S*E per forward (halved when causal), "
-          "x3.5 for forward+backward.")
-    by_key = {(r.L, r.causal, r.passes): r for r in rows}
+    by_key = {(r.shape.name, r.shape.L, r.shape.causal, r.passes): r for r in rows}
     halves = []
-    for (L, causal, p), r in by_key.items():
-        full = by_key.get((L, False, p))
+    for (name, L, causal, p), r in by_key.items():
+        full = by_key.get((name, L, False, p))
         if causal and full and full.seconds.get("attnlab") and r.seconds.get("attnlab"):
             halves.append(f"L={L} {p}: {r.seconds['attnlab'] / full.seconds['attnlab']:.2f}")
     if halves:
-        print("attnlab causal / non-causal time: " + ", ".join(halves))
-
-    if args.layer_tokens or args.minilm_texts:
-        layers = bm.layer_rows(threads=threads, repeats=args.repeats, mha_tokens=args.layer_tokens,
-                               minilm_texts=args.minilm_texts, progress=progress)
-        print()
-        print(format_layer_rows(layers))
-
-    if mem_tokens:
-        print()
-        progress(f"peak memory of a {mem_tokens}-token forward pass")
+        print("attnlab causal / non-causal time (sweep): " + ", ".join(halves))
+    if s.memory_tokens:
+        progress(f"peak memory of a {s.memory_tokens}-token forward pass")
         try:
-            m = bm.peak_memory(mem_tokens, threads=threads)
+            m = bm.peak_memory(s.memory_tokens, threads=s.threads)
         except RuntimeError as exc:
             raise CLIError(str(exc)) from None
         mib = 2**20
-        print(f"peak memory, {mem_tokens} tokens, one head, E={bm.HEAD_DIM}, fp32 forward "
+        print(f"peak memory, {s.memory_tokens} tokens, one head, E={bm.HEAD_DIM}, fp32 forward "
               f"(fresh process): peak RSS {m['peak_bytes'] / mib:.0f} MiB "
               f"(before the call {m['before_bytes'] / mib:.0f} MiB, q/k/v "
               f"{m['inputs_bytes'] / mib:.0f} MiB); the naive score matrix alone would be "
               f"{m['score_matrix_bytes'] / mib:.0f} MiB; took {m['seconds']:.1f} s")
+    sys.stdout.flush()
+
+
+def _layers_section(s: _Settings, bm, models, progress) -> None:
+    rows = bm.layer_rows(threads=s.threads, repeats=s.repeats, mha_tokens=s.layer_tokens,
+                         gpt2_tokens=s.gpt2_tokens, smollm2_tokens=s.smollm2_tokens, minilm_texts=s.minilm_texts,
+                         train_steps=s.train_steps, decode_tokens=s.new_tokens, settle=s.settle,
+                         settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back, models=models,
+                         progress=progress)
+    print()
+    print(f"== layers and models: attnlab vs torch / transformers, {s.threads} thread(s) ==")
+    if rows:
+        print(format_layer_rows(rows))
+        note = ("attnlab/other: attnlab's time over the other side's (for rates: the other's rate over "
+                "attnlab's), below 1 when attnlab is faster.")
+        if any(r.name.startswith("GPT-2") for r in rows):
+            note += " GPT-2 small: random weights drawn by transformers, the same in attnlab (interop.from_torch)."
+        if any(r.name.startswith("SmolLM2") and r.seconds for r in rows):
+            note += f" SmolLM2 in transformers: {models.smollm2_source()}."
+        print(note)
+    else:
+        print("(every row skipped by its option)")
+    sys.stdout.flush()
+
+
+def _decode_section(s: _Settings, bm, models, progress) -> None:
+    print()
+    print(f"== decode: SmolLM2-135M against the memory-bandwidth limit, {s.threads} thread(s) ==")
+    if not s.new_tokens:
+        print("(skipped: --new-tokens 0)")
+        return
+    result = bm.decode_rows(threads=s.threads, repeats=s.repeats, new_tokens=s.new_tokens, settle=s.settle,
+                            settle_after_torch=s.settle_after_torch, models=models, progress=progress)
+    if result is None:
+        print(f"decode section: needs {bm.DECODE_MODULE}")
+        return
+    bandwidth, rows = result
+    if bandwidth is not None:
+        print(f"read bandwidth ({s.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s; the limit is the tokens/s "
+              "that reading every weight once per new token allows")
+    print(format_decode_rows(rows))
+    print(f"transformers' SmolLM2: {models.smollm2_source()}. Every rate is after a "
+          f"{bm.DECODE_PROMPT_TOKENS}-token prompt, its time taken out.")
+    sys.stdout.flush()
+
+
+def run(args) -> int:
+    started = time.perf_counter()
+    from attnlab import benchmark as bm
+
+    s = _Settings(args)  # every check before anything runs
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch = bm._torch()
+    load_before = _load()
+    _header(s, torch)
+
+    def progress(msg: str) -> None:
+        print(f"  ... [{time.perf_counter() - started:5.1f} s, cpu {time.process_time():5.1f} s] {msg}",
+              file=sys.stderr, flush=True)
+
+    models = bm.Models(gguf_in_transformers=s.full)
+    if "sdpa" in s.sections:
+        _sdpa_section(s, bm, progress)
+    if "layers" in s.sections:
+        _layers_section(s, bm, models, progress)
+    if "decode" in s.sections:
+        _decode_section(s, bm, models, progress)
+    print()
+    if models.load_seconds:
+        print("model loads: " + ", ".join(f"{k} {v:.1f} s" for k, v in models.load_seconds.items()))
+    total = process_seconds()
+    took = f"{total:.1f} s from process start (imports and model loads included)" if total is not None else \
+        f"{time.perf_counter() - started:.1f} s"
+    print(f"bench took {took}, {time.process_time():.1f} s of CPU time; load average before {load_before}, "
+          f"after {_load()}")
     return 0

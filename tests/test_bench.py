@@ -1,0 +1,255 @@
+"""``attnlab bench``: its tables come out whole (rows, ratio columns) on tiny runs, and bad
+input is one line on stderr with exit code 2. No timing is asserted: benchmarks are not
+tests."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attnlab import benchmark as bm
+from attnlab.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+RATIO = re.compile(r"\s(\d+\.\d\d)\s+(attnlab by \d+\.\d\dx|torch by \d+\.\d\dx|even)\b")
+FAST = ["--repeats", "1", "--threads", "1"]
+
+
+def _lines_starting(out: str, prefix: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith(prefix)]
+
+
+def test_a_tiny_sdpa_run_prints_every_row_with_its_ratio(capsys):
+    code = main(["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", *FAST])
+    out = capsys.readouterr().out
+    assert code == 0
+    head = _lines_starting(out, "shape ")
+    assert len(head) == 1
+    for column in ("attnlab ms", "torch ms", "attnlab GF/s", "torch GF/s", "attnlab/torch", "faster",
+                   "attnlab %SGEMM", "torch %SGEMM"):
+        assert column in head[0]
+    rows = _lines_starting(out, "H=8 sweep")
+    assert [r.split()[3:5] for r in rows] == [["no", "fwd"], ["no", "fwd+bwd"], ["yes", "fwd"], ["yes", "fwd+bwd"]]
+    assert all(r.split()[2] == "1,8,64,64" for r in rows)
+    assert all(RATIO.search(r) for r in rows), rows
+    assert "avx2 " in out and "avx512f " in out and "SGEMM (1024^3" in out
+    assert "== layers" not in out and "== decode" not in out
+    assert re.search(r"bench took \d+\.\d s", out)
+
+
+def test_the_model_shapes_run_gqa_against_torch_with_enable_gqa(capsys):
+    code = main(["bench", "--sections", "sdpa", "--shapes", "smollm2", "--passes", "fwd", "--naive-max", "512",
+                 *FAST])
+    out = capsys.readouterr().out
+    assert code == 0
+    (row,) = _lines_starting(out, "SmolLM2 prefill")
+    assert "1,9/3,512,64" in row and " yes " in row and RATIO.search(row)
+    assert "naive ms" in _lines_starting(out, "shape ")[0]  # L <= --naive-max: the naive path ran
+    assert "H=8 sweep" not in out
+
+
+def test_shapes_are_the_models_and_the_sweep():
+    shapes = bm.sdpa_shapes([64, 256], groups=bm.SHAPE_GROUPS)
+    by_name = {s.name: s for s in shapes}
+    assert (by_name["MiniLM-like"].B, by_name["MiniLM-like"].Hq, by_name["MiniLM-like"].L,
+            by_name["MiniLM-like"].E) == (32, 12, 128, 32)
+    assert by_name["BERT-base-like"].E == 64 and not by_name["BERT-base-like"].causal
+    smol = by_name["SmolLM2 prefill"]
+    assert (smol.Hq, smol.H, smol.L, smol.causal, smol.gqa) == (9, 3, 512, True, True)
+    gpt2 = by_name["GPT-2 small"]
+    assert (gpt2.Hq, gpt2.L, gpt2.causal, gpt2.gqa) == (12, 1024, True, False)
+    sweep = [(s.L, s.causal) for s in shapes if s.name == "H=8 sweep"]
+    assert sweep == [(64, False), (64, True), (256, False), (256, True)]
+    assert smol.flops("fwd+bwd") == 3.5 * smol.flops("fwd") == 3.5 * 4 * 9 * 512 * 512 * 64 / 2
+
+
+def test_the_sdpa_rows_time_what_torch_computes():
+    """The functions timed for both sides give the same output (so the ratio compares like
+    with like), GQA included."""
+    torch = pytest.importorskip("torch")
+    shape = bm.Shape("t", 2, 6, 2, 40, 40, 16, True)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 6, 40, 16), dtype=np.float32)
+    k, v = (rng.standard_normal((2, 2, 40, 16), dtype=np.float32) for _ in range(2))
+    g = rng.standard_normal(q.shape, dtype=np.float32)
+    ours = bm._attnlab_fn(shape, q, k, v, g, "fwd")()
+    theirs = bm._torch_fn(torch, shape, q, k, v, g, "fwd")().numpy()
+    assert np.abs(ours - theirs).max() < 1e-5
+    gq, gk, gv = bm._attnlab_fn(shape, q, k, v, g, "fwd+bwd")()
+    assert gk.shape == k.shape and gv.shape == v.shape and gq.shape == q.shape
+
+
+def _tiny_gpt2_pair():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from attnlab.interop import from_torch
+
+    torch.manual_seed(0)
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=97,
+                                                                  n_positions=64)).eval()
+    theirs.generation_config.eos_token_id = None
+    theirs.generation_config.pad_token_id = None
+    return from_torch(theirs), theirs
+
+
+def test_the_layer_rows_compare_with_torch_and_transformers(capsys):
+    models = bm.Models()
+    pair = _tiny_gpt2_pair()
+    models.gpt2 = lambda: pair  # a tiny GPT-2 stands in for GPT-2 small
+    rows = bm.layer_rows(threads=1, repeats=1, mha_tokens=16, gpt2_tokens=8, smollm2_tokens=0, minilm_texts=0,
+                         train_steps=1, decode_tokens=4, settle=0.0, back_to_back=False, models=models)
+    names = [r.name for r in rows]
+    assert names == ["MultiheadAttention(512, 8) fwd, L=16", "MultiheadAttention(512, 8) fwd+bwd, L=16",
+                     "GPT-2 small prefill, 8 tokens", "TinyTransformer training step",
+                     "GPT-2 small decode, KV cache, 4 new tokens"]
+    for r in rows:
+        assert set(r.seconds) == {"attnlab", "torch"} and r.ratio() == r.seconds["attnlab"] / r.seconds["torch"]
+    mha_diff = float(rows[0].note.rsplit(" ", 1)[1])
+    assert mha_diff < 1e-5  # the same weights
+    assert float(rows[2].note.rsplit(" ", 1)[1]) < 1e-4
+    assert rows[3].unit == "steps/s" and rows[3].rate("attnlab") == 1 / rows[3].seconds["attnlab"]
+    assert rows[4].unit == "tok/s" and rows[4].note.endswith("same tokens: yes")
+    from attnlab.cli.bench import format_layer_rows
+
+    table = format_layer_rows(rows)
+    assert table.splitlines()[0].split()[:5] == ["layer", "attnlab", "other", "other", "is"]
+    assert "attnlab/other" in table.splitlines()[0]
+    assert " ms " in table and " steps/s " in table and " tok/s " in table
+    assert sum(bool(RATIO.search(line.replace("transformers by", "torch by"))) for line in table.splitlines()) == 5
+
+
+def test_a_tiny_layer_run_end_to_end(capsys):
+    code = main(["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts",
+                 "0", "--train-steps", "1", "--new-tokens", "0", *FAST])
+    out = capsys.readouterr().out
+    assert code == 0
+    rows = _lines_starting(out, "MultiheadAttention") + _lines_starting(out, "TinyTransformer")
+    assert len(rows) == 3 and all(RATIO.search(r) for r in rows)
+    assert "GPT-2" not in out and "== decode" not in out
+
+
+def test_the_decode_section_says_what_it_needs(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, bm.DECODE_MODULE, None)  # its import fails
+    code = main(["bench", "--sections", "decode", *FAST])
+    out = capsys.readouterr().out
+    assert code == 0 and "decode section: needs attnlab.decode_bench" in out
+
+
+def _tiny_llama():
+    from attnlab.models import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Llama(cfg, rng=np.random.default_rng(0))
+
+
+def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
+    pytest.importorskip("transformers")
+    from attnlab.interop import to_torch
+
+    if not bm._smollm2_available():
+        pytest.skip("needs the SmolLM2 package")
+    ours, small = _tiny_llama(), _tiny_llama()  # small: the quantized model's stand-in
+    fake = types.ModuleType(bm.DECODE_MODULE)
+    fake.memory_bandwidth = lambda *, threads=None: 1e10
+    fake.decode_weight_bytes = lambda model: 1000 if model is small else 4000
+    fake.load_smollm2 = lambda *, quantized=True: small
+    monkeypatch.setitem(sys.modules, bm.DECODE_MODULE, fake)
+    monkeypatch.setattr(bm, "_llama_cpp_fns", lambda *a: None)  # llama.cpp stays out of tests
+    models = bm.Models()
+    monkeypatch.setattr(models, "smollm2", lambda: ours)
+    theirs = to_torch(ours).eval()
+    theirs.generation_config.eos_token_id = None
+    theirs.generation_config.pad_token_id = None
+    monkeypatch.setattr(models, "smollm2_torch", lambda: theirs)
+    bandwidth, rows = bm.decode_rows(threads=1, repeats=1, new_tokens=3, settle=0.0, models=models)
+    assert bandwidth == 1e10
+    assert [r.name.split()[0] for r in rows] == ["attnlab", "attnlab", "transformers", "llama.cpp"]
+    for r in rows[:3]:
+        assert r.tokens_per_s is not None
+        assert r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 1e10, rel=1e-12)
+    assert rows[1].weight_bytes == 1000 and rows[0].weight_bytes == rows[2].weight_bytes == 4000
+    assert rows[0].note == "same tokens as transformers: yes"
+    assert rows[3].tokens_per_s is None and "llama_cpp" in rows[3].note
+    from attnlab.cli.bench import format_decode_rows
+
+    table = format_decode_rows(rows).splitlines()
+    assert table[0].split()[:3] == ["decoder", "tok/s", "weights"] and "share of limit" in table[0]
+    assert re.search(r"\d+%", table[1])
+    assert table[4].startswith("llama.cpp") and re.search(r"stored\)\s+-\s", table[4])  # no rate
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--sizes", "12,x"], "--sizes must be comma-separated integers"),
+        (["--sizes", "1.5"], "--sizes must be comma-separated integers"),
+        (["--sizes", "0"], "--sizes must be positive"),
+        (["--sizes", "64,-8"], "--sizes must be positive"),
+        (["--sizes", ""], "--sizes needs at least one value"),
+        (["--sizes", " , "], "--sizes needs at least one value"),
+        (["--sizes", "10000000000"], "--sizes: L=10000000000 needs about"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--repeats", "-3"], "--repeats must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--threads", "-2"], "--threads must be >= 1"),
+        (["--threads", "4096"], "is more than the"),
+        (["--sections", ""], "--sections needs at least one of sdpa,layers,decode"),
+        (["--sections", "sdpa,gpu"], "--sections: unknown 'gpu'"),
+        (["--shapes", "llama9"], "--shapes: unknown 'llama9'"),
+        (["--memory-tokens", "-1"], "--memory-tokens must be >= 0"),
+        (["--memory-tokens", "100000000000"], "--memory-tokens 100000000000 needs about"),
+        (["--layer-tokens", "1000000000"], "--layer-tokens 1000000000 needs about"),
+        (["--naive-max", "-1"], "--naive-max must be >= 0"),
+        (["--minilm-texts", "-1"], "--minilm-texts must be >= 0"),
+        (["--train-steps", "-1"], "--train-steps must be >= 0"),
+        (["--prefill-tokens", "2000"], "--prefill-tokens must be at most 1024"),
+        (["--new-tokens", "5000"], "--new-tokens must be at most 992"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_code_2(argv, match, capsys):
+    assert main(["bench", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and match in err and err.startswith("attnlab bench: error:")
+    assert captured.out == ""  # nothing half-printed
+
+
+@pytest.mark.parametrize("argv", [["--threads", "two"], ["--repeats", "1.5"], ["--passes", "sideways"],
+                                  ["--sizes"]])
+def test_unparseable_options_are_one_line_without_a_traceback(argv):
+    done = subprocess.run([sys.executable, "-m", "attnlab", "bench", *argv], capture_output=True, text=True,
+                          env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "attnlab bench: error:" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_decode_time_never_goes_negative():
+    assert bm.decode_seconds(1.0, 0.4) == pytest.approx(0.6)
+    assert bm.decode_seconds(1.0, 1.2) == 0.1  # noise: the prompt measured longer than the whole call
+
+
+def test_faster_names_the_other_side():
+    from attnlab.cli.bench import faster
+
+    assert faster(0.5, "transformers") == "attnlab by 2.00x"
+    assert faster(3.0, "sentence-transformers") == "sentence-transformers by 3.00x"
+    assert faster(None) == "-"
+
+
+def test_turns_pause_less_after_torch_and_can_skip_the_warm_up(monkeypatch):
+    pauses, calls = [], []
+    monkeypatch.setattr(bm.time, "sleep", pauses.append)
+    fns = {"attnlab": lambda: calls.append("a"), "torch": lambda: calls.append("t")}
+    times = bm.interleaved_medians(fns, 2, settle=0.1, settle_after=bm._settle_after(0.02), warmup=False)
+    assert pauses == [0.1, 0.1, 0.02, 0.1] and calls == ["a", "t", "a", "t"]
+    assert set(times) == {"attnlab", "torch"}
+    bm.interleaved_medians(fns, 1, settle=0.1)
+    assert calls[4:] == ["a", "t", "a", "t"] and pauses[4:] == [0.1, 0.1]  # warm-up calls, then timed ones
