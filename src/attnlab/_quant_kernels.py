@@ -67,12 +67,17 @@ def q8_0_matvec(codes, scales, x, out):
 
 
 @nb.njit(parallel=True, **_JIT)
-def q4_matvec(codes, scales, mins, xlo, xhi, xsum, out, has_min):
+def q4_matvec(codes, scales, mins, x, out, has_min):
     """``out (N, R) = x (N, K) @ dequantize(W).T`` for Q4_1 (``has_min``: ``mins`` are
     the blocks' mins) or Q4_0 (``mins`` ignored: the offset is ``-8 scale``), rows in
-    parallel; ``xlo``, ``xhi``, ``xsum`` from :func:`split_x`."""
+    parallel (``x`` first split by :func:`split_x`, once)."""
     R, nblocks = scales.shape
-    N, K2 = xlo.shape
+    N, K = x.shape
+    K2 = K // 2
+    xlo = np.empty((N, K2), dtype=np.float32)
+    xhi = np.empty((N, K2), dtype=np.float32)
+    xsum = np.empty((N, nblocks), dtype=np.float32)
+    split_x(x, xlo, xhi, xsum)
     for r in nb.prange(R):
         for n in range(N):
             acc = _F(0.0)

@@ -38,10 +38,11 @@ True
 
 from __future__ import annotations
 
-import os
 import threading
 
 import numpy as np
+
+from attnlab._threads import get_num_threads
 
 __all__ = ["BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedTensor", "is_quantized", "quantized_linear", "stack_rows"]
 
@@ -280,15 +281,17 @@ def _pack4(q: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(q[..., :16] | (q[..., 16:] << 4)).reshape(R, nb * 16)
 
 
-_KERNELS: list = []
+_KERNELS: list = []  # [the compiled module or None], resolved on first use
+_tuning = None  # attnlab.core.blockwise.tuning, imported on first use
 
 
 def _kernels():
     """The compiled kernels module, or None (no numba, or turned off: ``ATTNLAB_NO_NUMBA=1``
     or ``attnlab.core.blockwise.tuned(fused=False)``)."""
-    from attnlab.core.blockwise import tuning
-
-    if tuning().fused is False or os.environ.get("ATTNLAB_NO_NUMBA", "").strip() not in ("", "0"):
+    global _tuning
+    if _tuning is None:
+        from attnlab.core.blockwise import tuning as _tuning
+    if _tuning().fused is False:
         return None
     if not _KERNELS:
         try:
@@ -308,8 +311,7 @@ def _buffer(name: str, shape: tuple[int, ...]) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
-def quantized_linear(x: np.ndarray, w: QuantizedTensor, bias: np.ndarray | None = None, *,
-                     out: np.ndarray | None = None) -> np.ndarray:
+def quantized_linear(x: np.ndarray, w: QuantizedTensor, bias: np.ndarray | None = None) -> np.ndarray:
     """``x @ w.dequantize().T + bias``: ``x (..., K)`` float32 -> ``(..., R)`` float32,
     without dequantizing the whole weight (see the module docstring for the paths).
 
@@ -325,20 +327,19 @@ def quantized_linear(x: np.ndarray, w: QuantizedTensor, bias: np.ndarray | None 
     if x.dtype != np.float32:
         raise TypeError(f"x has dtype {x.dtype}, but a quantized weight multiplies float32 inputs")
     lead = x.shape[:-1]
-    x2 = np.ascontiguousarray(x.reshape(-1, K))
+    x2 = x.reshape(-1, K)
+    if not x2.flags.c_contiguous:
+        x2 = np.ascontiguousarray(x2)
     N = x2.shape[0]
-    y = np.empty((N, R), dtype=np.float32) if out is None else out.reshape(N, R)
+    y = np.empty((N, R), dtype=np.float32)
     kern = _kernels() if N <= MATVEC_MAX_ROWS else None
     if kern is not None:
-        _set_threads(kern)
-        if w.kind == "Q8_0":
+        _set_threads()
+        if w.mins is None and w.kind == "Q8_0":
             kern.q8_0_matvec(w.codes, w.scales, x2, y)
         else:
-            xlo, xhi = np.empty((N, K // 2), dtype=np.float32), np.empty((N, K // 2), dtype=np.float32)
-            xsum = np.empty((N, K // BLOCK), dtype=np.float32)
-            kern.split_x(x2, xlo, xhi, xsum)
-            kern.q4_matvec(w.codes, w.scales, w.scales if w.mins is None else w.mins, xlo, xhi, xsum, y,
-                           w.mins is not None)
+            has_min = w.mins is not None
+            kern.q4_matvec(w.codes, w.scales, w.mins if has_min else w.scales, x2, y, has_min)
     else:
         step = max(1, min(R, CHUNK_ROWS))
         buf = _buffer("dequant", (step, K))
@@ -351,16 +352,14 @@ def quantized_linear(x: np.ndarray, w: QuantizedTensor, bias: np.ndarray | None 
     return y.reshape(*lead, R)
 
 
-_numba_threads: list = [None]
+_numba_threads = threading.local()  # numba's thread count is per calling thread
 
 
-def _set_threads(kern) -> None:
+def _set_threads() -> None:
     """numba's pool to attnlab's thread count (set only when it changes)."""
-    from attnlab._threads import get_num_threads
-
     n = get_num_threads()
-    if _numba_threads[0] != n:
+    if getattr(_numba_threads, "n", None) != n:
         import numba
 
         numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
-        _numba_threads[0] = n
+        _numba_threads.n = n
