@@ -56,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample only among the K likeliest tokens (needs --temperature above 0)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling (default 0)")
+    p.add_argument("--quantized", action="store_true",
+                   help="keep a .gguf file's Q8_0/Q4_0/Q4_1 weights quantized (the bundled SmolLM2 too): "
+                   "about 5x fewer bytes read per token, faster decoding, logits within about 1e-2 of "
+                   "the float32 default")
     p.set_defaults(run=run)
 
 
@@ -106,11 +110,13 @@ def _decoder(args, path: Path | None, sampling: dict) -> tuple[str, str, str]:
     if path is None:
         from attnlab.models.llama import load_smollm2
 
-        model = load_smollm2()
+        model = load_smollm2(quantized=args.quantized)
     else:
         from attnlab.models.registry import from_pretrained
 
-        model = from_pretrained(path)
+        if args.quantized and path.suffix.lower() != ".gguf":
+            raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
+        model = from_pretrained(path, **({"quantized": True} if args.quantized else {}))
     desc = _describe(model, path)
     limit = model.max_positions
     chat = getattr(model, "chat_template", None) is not None and not args.raw
@@ -155,6 +161,8 @@ def run(args) -> int:
             if not family.decoder:
                 raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
         if family is not None and family.name == "tiny":
+            if args.quantized:
+                raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
             desc, new, whole = _recall(args, path, sampling)
         else:
             desc, new, whole = _decoder(args, path, sampling)
@@ -176,5 +184,5 @@ def run(args) -> int:
     print(f"prompt     {args.prompt}")
     print(f"generated  {new}")
     print(f"sequence   {whole}")
-    print(f"decoding   {how}, with a key/value cache")
+    print(f"decoding   {how}, with a key/value cache" + (", quantized weights" if args.quantized else ""))
     return 0
