@@ -15,6 +15,9 @@ from attnlab.quant import QuantizedTensor
 def check_input(x, name: str, like, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
     """A layer's input: float, at least 1-D, last dim ``last_dim``, and of the library, device
     and dtype of ``like`` (the layer's weight)."""
+    if type(x) is np.ndarray and x.ndim and x.shape[-1] == last_dim and x.dtype == like.dtype and (
+            type(like) is np.ndarray or type(like) is QuantizedTensor):
+        return x  # the common case (a float array of the weights' dtype and width), checked cheaply
     need = layout.format(d=last_dim)
     if isinstance(like, np.ndarray) or type(like) is QuantizedTensor:
         if type(x) is not np.ndarray and not is_numpy(x):
