@@ -249,3 +249,24 @@ def test_smollm2_quantized_greedy_answers_match_float32(smollm2_quantized, smoll
         same += int(np.sum(np.all(a == b, axis=1)))
     print(f"quantized greedy answers equal to float32: {same} of {len(PROMPTS)}")
     assert same >= 9, f"{same} of {len(PROMPTS)} answers equal"
+
+
+def test_cli_generate_quantized(tmp_path, capsys):
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from gguf_files import write_tiny_gguf
+
+    from attnlab.cli import main
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype="Q4_1")
+    args = ["generate", "--checkpoint", str(path), "--raw", "hello", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--quantized"]) == 0
+    quant = capsys.readouterr().out
+    assert "quantized weights" in quant
+    assert plain.splitlines()[2] == quant.splitlines()[2]  # the same greedy tokens
+    (tmp_path / "folder").mkdir()
+    assert main(["generate", "--checkpoint", str(tmp_path / "folder"), "--quantized", "hi"]) == 2
+    assert "--quantized needs a .gguf file" in capsys.readouterr().err

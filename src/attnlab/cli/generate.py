@@ -114,8 +114,6 @@ def _decoder(args, path: Path | None, sampling: dict) -> tuple[str, str, str]:
     else:
         from attnlab.models.registry import from_pretrained
 
-        if args.quantized and path.suffix.lower() != ".gguf":
-            raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
         model = from_pretrained(path, **({"quantized": True} if args.quantized else {}))
     desc = _describe(model, path)
     limit = model.max_positions
@@ -151,6 +149,8 @@ def run(args) -> int:
     if args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer, got {args.seed}")
     path = None if args.checkpoint is None else Path(args.checkpoint)
+    if args.quantized and path is not None and path.suffix.lower() != ".gguf":
+        raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "rng": np.random.default_rng(args.seed)}
     try:
         family = None
@@ -161,8 +161,6 @@ def run(args) -> int:
             if not family.decoder:
                 raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
         if family is not None and family.name == "tiny":
-            if args.quantized:
-                raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
             desc, new, whole = _recall(args, path, sampling)
         else:
             desc, new, whole = _decoder(args, path, sampling)
