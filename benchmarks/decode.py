@@ -131,7 +131,8 @@ def main(argv=None) -> int:
 
     times = interleaved_medians(runs, args.repeat, settle=0.05)
     labels = list(dict.fromkeys(label for label, _ in runs))
-    rate = {lab: n / max(times[(lab, n + 1)] - times[(lab, 1)], 1e-9) for lab in labels}
+    # a busy machine can make the difference meaningless (<= 0): then no rate
+    rate = {lab: n / d if (d := times[(lab, n + 1)] - times[(lab, 1)]) > 0 else float("nan") for lab in labels}
     base = rate.get("transformers float32")
 
     print(f"SmolLM2-135M-Instruct decode, greedy, {ids.shape[1]}-token prompt + {n} new tokens, batch 1")

@@ -43,7 +43,8 @@ def test_dequantize_equals_the_gguf_package(kind):
                                      getattr(gguf.GGMLQuantizationType, kind))
         np.testing.assert_array_equal(w.dequantize(), ref)
         np.testing.assert_array_equal(w.dequantize(slice(1, 4)), ref[1:4])
-        np.testing.assert_array_equal(w.rows_of(np.array([[2, 0], [2, 5]]) % shape[0]), ref[np.array([[2, 0], [2, 5]]) % shape[0]])
+        ids = np.array([[2, 0], [2, 5]]) % shape[0]
+        np.testing.assert_array_equal(w.rows_of(ids), ref[ids])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -159,9 +160,8 @@ def test_no_backward_through_a_quantized_weight():
 def test_a_tiny_gguf_model_loaded_quantized_equals_its_float32_loading(tmp_path, qtype):
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
-    from gguf_files import write_tiny_gguf
-
     from attnlab.models.llama import Llama
+    from gguf_files import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, qtype=qtype)
@@ -254,9 +254,8 @@ def test_smollm2_quantized_greedy_answers_match_float32(smollm2_quantized, smoll
 def test_cli_generate_quantized(tmp_path, capsys):
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
-    from gguf_files import write_tiny_gguf
-
     from attnlab.cli import main
+    from gguf_files import write_tiny_gguf
 
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, qtype="Q4_1")

@@ -44,7 +44,10 @@ import numpy as np
 
 from attnlab._threads import get_num_threads
 
-__all__ = ["BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedTensor", "is_quantized", "quantized_linear", "stack_rows"]
+__all__ = [
+    "BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedTensor", "is_quantized", "quantized_linear",
+    "stack_rows",
+]
 
 #: values per block (every supported type)
 BLOCK = 32
