@@ -134,6 +134,12 @@ def test_an_input_of_the_wrong_width_or_dtype_is_refused():
         quantized_linear(np.ones((2, 32)), w)
 
 
+def test_a_quantized_weight_is_not_silently_an_array():
+    w = QuantizedTensor.quantize(np.ones((4, 32), dtype=np.float32), "Q8_0", name="blk.0.attn_q.weight")
+    with pytest.raises(TypeError, match=r"QuantizedTensor\(Q8_0, shape=\(4, 32\).*blk\.0\.attn_q\.weight.*dequantize"):
+        np.asarray(w)
+
+
 def test_stacking_keeps_one_type_quantized():
     a = QuantizedTensor.quantize(np.ones((2, 32), dtype=np.float32), "Q4_1")
     b = QuantizedTensor.quantize(np.full((3, 32), 2.0, dtype=np.float32), "Q4_1")

@@ -193,6 +193,10 @@ class QuantizedTensor:
     def __repr__(self) -> str:
         return f"QuantizedTensor({self.kind}, shape={self.shape}, nbytes={self.nbytes})"
 
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(f"{self!r} ({self.name}) is not an array: call .dequantize() for its float32 values "
+                        "(quantized weights are multiplied through attnlab.nn.functional.linear)")
+
     def take_rows(self, rows) -> QuantizedTensor:
         """The rows ``rows`` (an index array or slice) as a new quantized weight (copies)."""
         mins = None if self.mins is None else np.ascontiguousarray(self.mins[rows])
