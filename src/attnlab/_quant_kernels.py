@@ -11,13 +11,16 @@ Block layout (one weight row of ``K`` columns is ``K / 32`` blocks of 32 values)
 ``scales`` and ``mins`` are float32 ``(R, K / 32)``.
 
 The matrix-vector kernels (decode: a few rows of ``x``) run over output rows in parallel
-(``prange``, numba's thread pool) and read each weight byte once: for a block, the dot
-product of the 32 codes with the 32 matching ``x`` values is taken in float32 and scaled
-once; Q4_1's min term is ``min * sum(x over the block)``, with the per-block sums of ``x``
-computed once per call (``xsum``). Q4_0's ``- 8`` is folded the same way:
-``scale * (dot(nibbles, x) - 8 sum(x))``. ``fastmath`` lets LLVM reorder the float sums
-(vectorised: AVX2/AVX-512), so results equal the dequantized product to float32 round-off,
-not bit for bit.
+(``prange``, numba's thread pool) and read each weight byte once. Per row, one loop over the
+whole row multiplies each code by its ``x`` value and its block's scale
+(``scales[r, k >> 4]``) into one float32 accumulator; Q4_1's min term is
+``sum_b min_b * sum(x over block b)`` and Q4_0's ``- 8`` is ``-8 sum_b scale_b sum(x over
+block b)``, with the block sums of ``x`` (and ``x`` split into the values the low and the
+high nibbles multiply) computed once per call. ``fastmath`` lets LLVM reorder the float
+sums (vectorised: AVX2/AVX-512), so results equal the dequantized product to float32
+round-off, not bit for bit. Measured on one core of a 2-core AVX-512 EPYC, a 1536 x 576
+weight: Q4_1 about 100 us (8.9 G values/s), Q8_0 about 53 us; loops of 16 or 32 steps per
+block with a sum per block ran 2.5 to 4x slower.
 
 Importing this module imports numba; ``cache=True`` keeps the machine code on disk.
 """
