@@ -56,6 +56,10 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample only among the K likeliest tokens (needs --temperature above 0)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling (default 0)")
+    p.add_argument("--quantized", action="store_true",
+                   help="keep a .gguf file's Q8_0/Q4_0/Q4_1 weights quantized (the bundled SmolLM2 too): "
+                   "about 5x fewer bytes read per token, faster decoding, logits within about 1e-2 of "
+                   "the float32 default")
     p.set_defaults(run=run)
 
 
@@ -106,11 +110,11 @@ def _decoder(args, path: Path | None, sampling: dict) -> tuple[str, str, str]:
     if path is None:
         from attnlab.models.llama import load_smollm2
 
-        model = load_smollm2()
+        model = load_smollm2(quantized=args.quantized)
     else:
         from attnlab.models.registry import from_pretrained
 
-        model = from_pretrained(path)
+        model = from_pretrained(path, **({"quantized": True} if args.quantized else {}))
     desc = _describe(model, path)
     limit = model.max_positions
     chat = getattr(model, "chat_template", None) is not None and not args.raw
@@ -145,6 +149,8 @@ def run(args) -> int:
     if args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer, got {args.seed}")
     path = None if args.checkpoint is None else Path(args.checkpoint)
+    if args.quantized and path is not None and path.suffix.lower() != ".gguf":
+        raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "rng": np.random.default_rng(args.seed)}
     try:
         family = None
@@ -176,5 +182,5 @@ def run(args) -> int:
     print(f"prompt     {args.prompt}")
     print(f"generated  {new}")
     print(f"sequence   {whole}")
-    print(f"decoding   {how}, with a key/value cache")
+    print(f"decoding   {how}, with a key/value cache" + (", quantized weights" if args.quantized else ""))
     return 0

@@ -111,7 +111,8 @@ class GGUFFile:
         metadata: every metadata entry, key -> Python value (lists for arrays).
         config: a transformers-like ``config.json`` dict (``model_type``, ``architectures``,
             ``hidden_size``, ``num_key_value_heads``, ``rope_theta``, ``tie_word_embeddings``…).
-        tensors: transformers name -> float32 array (empty with ``tensors=False``).
+        tensors: transformers name -> float32 array (empty with ``tensors=False``), or
+            :class:`attnlab.quant.QuantizedTensor` for tensors kept quantized.
         skipped: GGUF tensors with no transformers counterpart (e.g. ``rope_freqs.weight``).
         chat_template: the Jinja chat template, or ``None``.
     """
@@ -305,13 +306,16 @@ def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file"
     return config
 
 
-def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
+def read_gguf(path: str | os.PathLike, *, tensors: bool = True, quantized: bool | None = None) -> GGUFFile:
     """Read a GGUF file: metadata, config, tensors (dequantized to float32 under transformers'
     names, q/k rows back in halves) and chat template.
 
     Args:
         path: the ``.gguf`` file.
         tensors: read and dequantize the tensors (``False``: metadata and config only).
+        quantized: keep 2-D ``Q8_0``, ``Q4_0`` and ``Q4_1`` tensors quantized, as
+            :class:`attnlab.quant.QuantizedTensor` (their blocks checked against their
+            shape); other types are dequantized as without it (``None``: False).
 
     Raises:
         FileNotFoundError: no file there.
@@ -333,6 +337,8 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
     from gguf import GGMLQuantizationType
     from gguf.quants import _type_traits, dequantize
 
+    from attnlab.quant import KINDS, QuantizedTensor
+
     readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
     plan = []
     for t in reader.tensors:  # everything is checked before anything is dequantized
@@ -347,11 +353,24 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True) -> GGUFFile:
         plan.append((t, hf))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for t, hf in plan:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if quantized and t.tensor_type.name in KINDS and len(shape) == 2:
+            try:
+                q = QuantizedTensor.from_bytes(t.data, t.tensor_type.name, shape, name=t.name)
+            except ValueError as exc:
+                raise CheckpointError(f"{path}: {exc}") from None
+            if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
+                try:
+                    order = unpermute_qk_rows(np.arange(shape[0]), heads if ".attn_q." in t.name else kv_heads)
+                except ValueError as exc:
+                    raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from None
+                q = q.take_rows(order)
+            out.tensors[hf] = q
+            continue
         try:
             w = dequantize(t.data, t.tensor_type)
         except (ValueError, NotImplementedError) as exc:
             raise CheckpointError(f"{path}: tensor {t.name} cannot be dequantized: {exc}") from None
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         if w.shape != shape:
             raise CheckpointError(f"{path}: tensor {t.name} dequantized to {w.shape}, but its header says {shape}")
         if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):

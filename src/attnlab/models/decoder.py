@@ -72,7 +72,12 @@ class CausalLM(Module):
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer: ``(..., D) -> (..., V)`` logits of a normalized residual (after
         :attr:`ln_final`)."""
-        return F.linear(h, self.W_U.T)
+        return F.linear(h, self._W_out)
+
+    @property
+    def _W_out(self):
+        """The output layer's weight ``(V, D)`` as stored (a family may keep it quantized)."""
+        return self.W_U.T
 
     def _logits(self, h: np.ndarray) -> np.ndarray:
         return self.unembed(self.ln_f(h))

@@ -10,10 +10,17 @@ import numpy as np
 
 from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
+from attnlab.quant import QuantizedTensor, quantized_linear
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """``x @ weight.T + bias``: ``(..., in) -> (..., out)``, weight ``(out, in)`` as in torch."""
+    """``x @ weight.T + bias``: ``(..., in) -> (..., out)``, weight ``(out, in)`` as in torch.
+
+    Every weight product of the layers and models goes through here: a
+    :class:`~attnlab.quant.QuantizedTensor` weight is multiplied without being dequantized
+    (:func:`attnlab.quant.quantized_linear`); an array takes one matrix product."""
+    if type(weight) is QuantizedTensor:
+        return quantized_linear(x, weight, bias)
     if not isinstance(x, np.ndarray):  # another array library: one broadcast matrix product there
         y = namespace(x).matmul(x, mT(weight))
         return y if bias is None else y + bias
@@ -27,7 +34,14 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 def linear_backward(
     grad_y: np.ndarray, x: np.ndarray, weight: np.ndarray, *, has_bias: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """``(grad_x, grad_weight, grad_bias)`` for :func:`linear`; batch dims are summed."""
+    """``(grad_x, grad_weight, grad_bias)`` for :func:`linear`; batch dims are summed.
+
+    Raises:
+        TypeError: a quantized weight (those are for inference only).
+    """
+    if type(weight) is QuantizedTensor:
+        raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
+                        "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
     grad_w = g2.T @ x.reshape(-1, x.shape[-1])
     grad_b = np.ones(g2.shape[0], dtype=g2.dtype) @ g2 if has_bias else None  # BLAS: fast

@@ -20,6 +20,7 @@ from attnlab.nn import init
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input  # noqa: F401  (Linear: the doctests)
 from attnlab.nn.module import Module, Parameter
+from attnlab.quant import is_quantized
 
 __all__ = [
     "GELU",
@@ -52,7 +53,7 @@ class Embedding(Module):
 
     def forward(self, ids: np.ndarray) -> np.ndarray:
         w = self.weight.data
-        if not isinstance(w, np.ndarray):
+        if not isinstance(w, np.ndarray) and not is_quantized(w):
             return self._lookup(w, ids)
         if not is_numpy(ids):
             raise TypeError(f"ids is {array_type(ids)}, but the layer's weights are NumPy arrays: pass NumPy "
@@ -66,7 +67,7 @@ class Embedding(Module):
                 f"[{ids.min()}, {ids.max()}]"
             )
         self._save(ids=ids)
-        return w[ids]
+        return w.rows_of(ids) if is_quantized(w) else w[ids]  # quantized: only these rows dequantized
 
     def _lookup(self, w, ids):
         """The rows of ``w``, a table of another library (:meth:`Module.to`), for ``ids`` of

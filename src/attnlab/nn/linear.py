@@ -9,13 +9,17 @@ from attnlab.core._namespace import array_type, device, float_array, is_numpy, n
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.module import Module, Parameter
+from attnlab.quant import QuantizedTensor
 
 
 def check_input(x, name: str, like, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
     """A layer's input: float, at least 1-D, last dim ``last_dim``, and of the library, device
     and dtype of ``like`` (the layer's weight)."""
+    if type(x) is np.ndarray and x.ndim and x.shape[-1] == last_dim and x.dtype == like.dtype and (
+            type(like) is np.ndarray or type(like) is QuantizedTensor):
+        return x  # the common case (a float array of the weights' dtype and width), checked cheaply
     need = layout.format(d=last_dim)
-    if isinstance(like, np.ndarray):
+    if isinstance(like, np.ndarray) or type(like) is QuantizedTensor:
         if type(x) is not np.ndarray and not is_numpy(x):
             raise TypeError(
                 f"{name} is {array_type(x)}, but the layer's weights are NumPy arrays: pass a NumPy "

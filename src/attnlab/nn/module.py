@@ -21,6 +21,7 @@ import numpy as np
 from attnlab._validation import fmt_shape
 from attnlab.core._namespace import array_type, is_numpy, namespace
 from attnlab.core._namespace import device as device_of
+from attnlab.quant import is_quantized
 
 
 class Parameter:
@@ -192,6 +193,12 @@ class Module:
         staged = {}
         for name, p in own.items():
             arr = state_dict[name]
+            if is_quantized(arr):  # kept as it is (inference only): its shape must fit
+                if tuple(arr.shape) != tuple(p.shape):
+                    raise ValueError(f"tensor {name!r} has shape {fmt_shape(arr.shape)} in the state dict, "
+                                     f"but the model needs {fmt_shape(p.shape)}")
+                staged[name] = arr
+                continue
             arr = np.asarray(arr.detach().cpu().numpy() if hasattr(arr, "detach") else arr)
             if not np.issubdtype(arr.dtype, np.floating):
                 raise TypeError(f"tensor {name!r} has dtype {arr.dtype}, but should be floating-point")
@@ -203,7 +210,9 @@ class Module:
             staged[name] = arr
         for name, arr in staged.items():  # all checked first: nothing is half-loaded
             p = own[name]
-            if isinstance(p.data, np.ndarray):
+            if is_quantized(arr):
+                p.data = arr
+            elif isinstance(p.data, np.ndarray):
                 if assign and arr.dtype == p.data.dtype and arr.flags.writeable and arr.flags.c_contiguous:
                     p.data = arr
                 else:
