@@ -1,0 +1,291 @@
+"""Attention by blocks of query rows, each against all the keys it sees (the "rows" kernel).
+
+For the sequence lengths most models run (``S`` up to a few thousand keys) a block of
+query rows times all its keys fits in the per-core L2 cache, so there is no need for the
+online softmax of :mod:`attnlab.core.blockwise`: each block computes its scores with one
+matmul, turns them into probabilities in one compiled pass (:func:`attnlab.core._fused.
+softmax_rows`: mask, row maximum, ``exp``, sum and ``1 / sum`` while the block is in
+cache) and multiplies them by the values. The naive kernel's math, with three changes:
+
+- **Cache-sized blocks.** A block is several heads' full score matrices when they are
+  small (BERT's 128 x 128) or a slice of one head's rows when they are not; its size
+  comes from the CPU's L2 cache (:func:`attnlab._cpu.cpu_info`), never from a constant
+  tuned on one machine.
+- **Causal blocks skip the hidden keys.** A block of rows ``a0:a1`` multiplies only keys
+  ``0:a1`` (top-left), so about half the work of a causal call is never done.
+- **Grouped-query attention without repeated keys.** The ``G`` query heads of one key/value
+  head are stacked into ``G * rows`` rows of one matmul, so each key/value head serves its
+  group directly; in the backward pass the same stacking sums the group's key and value
+  gradients inside the matmul. Every score is still one query row times one key row:
+  the stacking changes no arithmetic.
+
+Blocks are independent units that attnlab's thread pool runs (:mod:`attnlab._threads`,
+BLAS held to one thread meanwhile); the backward pass's units own key/value heads (so
+their gradients need no locks), split by rows with partial gradients when there are
+fewer heads than threads.
+
+Runs for float32 NumPy arrays when numba is installed (the ``fast`` extra); the
+dispatcher (:mod:`attnlab.core.dispatch`) picks it. Axis legend: see
+:mod:`attnlab.core.spec`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from attnlab._cpu import cpu_info
+from attnlab._threads import pool_threads, run_units
+from attnlab.core.blockwise import _buffer, fused_planned, tuning
+from attnlab.core.spec import AttentionSpec, reduce_to
+
+_MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
+_NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
+
+# A block's float32 scores take this multiple of the per-core L2 cache (forward: one array
+# of scores; backward: two, the probabilities and their gradient, each half of it): larger
+# blocks amortise BLAS's packing of the keys and values over more query rows, as in the
+# blockwise kernel's forward tiles. Measured in CPU time on one thread of a 2-core AVX-512
+# EPYC (1 MiB L2), B=1, H=8, E=64, ms for multiples 0.25 / 0.5 / 1 / 2 / 4: L = 1024
+# forward 50.5 / 35.1 / 34.2 / 32.0 / 31.9, backward 97.8 / 101.1 / 92.7 / 89.4 / 83.2;
+# L = 2048 forward 152 / 157 / 136 / 124 / 128, backward 403 / 412 / 408 / 372 / 345;
+# BERT-like B=32, H=12, L=128 within noise (33-35 ms forward, 82-90 backward).
+_BLOCK_L2_SHARE = 4.0
+# Fewest query rows per block: below this the matmuls lose their rate. Where a block of
+# this many rows no longer holds all the keys, the blockwise kernel takes over. Against
+# it, one thread, same machine, rows time / blockwise time (forward, backward): L = S =
+# 1024 1.03, 0.71; 2048 0.95, 0.76; 4096 1.07, 0.84 (causal 1.00, 0.73; 1.04, 0.74;
+# 1.11, 0.76): the forward pass goes blockwise beyond 2048 keys, the backward beyond 4096.
+_MIN_ROWS = 64
+_FORWARD_MIN_ROWS = 512
+_BACKWARD_MIN_ROWS = 128
+# A causal block of more rows than this is cut, so that the keys hidden inside the block
+# (about rows / 2 per row) stay few.
+_CAUSAL_ROWS = 128
+
+
+def max_keys(*, backward: bool = False) -> int:
+    """The longest key sequence this kernel takes: a block of ``_FORWARD_MIN_ROWS``
+    (``_BACKWARD_MIN_ROWS``) query rows of float32 scores still fits in a block
+    (:func:`_block_bytes`, half of it for each of the backward pass's two arrays). Beyond,
+    the blockwise kernel's online softmax over key tiles is faster.
+
+    >>> max_keys() >= 64 and max_keys(backward=True) >= 64
+    True
+    """
+    rows = _BACKWARD_MIN_ROWS if backward else _FORWARD_MIN_ROWS
+    return max(64, _block_bytes() // (2 if backward else 1) // (4 * rows))
+
+
+def planned(spec: AttentionSpec, *, backward: bool = False) -> bool:
+    """Whether the dispatcher runs this kernel for ``spec`` (already widened to its compute
+    dtype): float32 NumPy arrays, no dropout, compiled kernels available and not turned off
+    (:func:`attnlab.core.blockwise.fused_planned`), keys that fit (:func:`max_keys`), and
+    nothing empty."""
+    if spec.dropout_p > 0 or spec.query.dtype != np.float32:
+        return False
+    L, S, Ev = spec.L, spec.S, spec.value.shape[-1]
+    if L == 0 or S == 0 or Ev == 0 or math.prod(spec.batch_shape) == 0:
+        return False
+    if S > max_keys(backward=backward):
+        return False
+    return fused_planned(np.float32, 0, min_n=0)
+
+
+def _broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
+    return a if a.shape == shape else np.broadcast_to(a, shape)
+
+
+@functools.cache
+def _block_bytes() -> int:
+    """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
+    return int(cpu_info().l2 * _BLOCK_L2_SHARE)
+
+
+def _min_scores_per_thread() -> int:
+    return tuning().min_scores_per_thread
+
+
+class _Layout:
+    """Per-call views (internal): queries ``(N, Hkv, G, L, E)``, keys/values
+    ``(N, Hkv, S, E|Ev)``, mask ``(N, Hkv, G, L, S)`` (broadcast views, no copies), where
+    ``N`` flattens the leading batch dims."""
+
+    def __init__(self, spec: AttentionSpec, *, backward: bool = False):
+        self.spec = spec
+        self.dtype = np.dtype(np.float32)
+        batch = spec.batch_shape or (1,)
+        self.batch = spec.batch_shape
+        self.G = G = spec.gqa_groups
+        self.L, self.S = spec.L, spec.S
+        self.E, self.Ev = spec.query.shape[-1], spec.value.shape[-1]
+        Hq = batch[-1]
+        self.Hkv = Hkv = Hq // G
+        lead = batch[:-1]
+        self.lead = lead
+        q = _broadcast(spec.query, (*batch, self.L, self.E))
+        self.q = q.reshape(*lead, Hkv, G, self.L, self.E) if G > 1 else q[..., None, :, :]
+        # spec.key repeats each key/value head G times: every G-th is the original.
+        k = _broadcast(spec.key, (*batch, self.S, self.E))
+        v = _broadcast(spec.value, (*batch, self.S, self.Ev))
+        self.k = k[..., ::G, :, :] if G > 1 else k
+        self.v = v[..., ::G, :, :] if G > 1 else v
+        self.mode, self.mask = _MODE_NONE, None
+        if spec.is_causal:
+            self.mode = _MODE_CAUSAL
+        elif spec.attn_mask is not None:
+            m = _broadcast(spec.attn_mask, (*batch, self.L, self.S))
+            self.mask = m.reshape(*lead, Hkv, G, self.L, self.S)
+            self.mode = _MODE_BOOL if m.dtype == np.bool_ else _MODE_FLOAT
+        self.scale = np.float32(spec.scale)
+        self.scores = math.prod(batch) * self.L * self.S
+        self.threads = pool_threads(None) if self.scores >= _min_scores_per_thread() else 1
+        # Block sizes: heads per block (nh) and rows per block.
+        budget = _block_bytes() // (2 if backward else 1)
+        per_row = 4 * G * self.S  # bytes of one query row of all G heads
+        if per_row * self.L <= budget:
+            rows = self.L
+            nh = max(1, min(Hkv, budget // (per_row * self.L)))
+        else:
+            nh = 1
+            rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
+        if spec.is_causal:
+            rows = min(rows, _CAUSAL_ROWS)
+        rows = min(rows, self.L)
+        n_lead = math.prod(lead)
+        # Enough units for the threads (two each, so that they finish together).
+        if self.threads > 1:
+            while nh > 1 and n_lead * -(-Hkv // nh) * -(-self.L // rows) < 2 * self.threads:
+                nh = -(-nh // 2)
+        n_chunks = -(-Hkv // nh)
+        nh = -(-Hkv // n_chunks)  # even chunks: 12 heads as 6 + 6, not 8 + 4
+        self.head_chunks = [(h, min(h + nh, Hkv)) for h in range(0, Hkv, nh)]
+        self.rows = rows
+        self.row_chunks = [(a, min(a + rows, self.L)) for a in range(0, self.L, rows)]
+        self.leads = list(np.ndindex(lead)) if lead else [()]
+
+    def key_end(self, a1: int) -> int:
+        return min(self.S, a1) if self.spec.is_causal else self.S
+
+    def mask_block(self, idx, h0, h1, a0, a1, kend):
+        """``(mode, mask (nh * G, rows, kend), lim0)`` for the compiled row pass."""
+        if self.mode == _MODE_CAUSAL:
+            return self.mode, _NO_MASK, a0 + 1
+        if self.mask is None:
+            return self.mode, _NO_MASK, 0
+        m = self.mask[idx][h0:h1, :, a0:a1, :kend]
+        return self.mode, m.reshape((h1 - h0) * self.G, a1 - a0, kend), 0
+
+    def probs(self, K, idx, h0, h1, a0, a1, kend, scratch):
+        """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block,
+        in the thread's scratch buffers."""
+        nh, rows, G = h1 - h0, a1 - a0, self.G
+        qs = _buffer(scratch, "qs", (nh, G, rows, self.E), self.dtype)
+        np.multiply(self.q[idx][h0:h1, :, a0:a1], self.scale, out=qs)
+        qs = qs.reshape(nh, G * rows, self.E)
+        s = _buffer(scratch, "s", (nh, G * rows, kend), self.dtype)
+        np.matmul(qs, self.k[idx][h0:h1, :kend].swapaxes(-1, -2), out=s)
+        mode, mask, lim0 = self.mask_block(idx, h0, h1, a0, a1, kend)
+        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0)
+        return qs, s
+
+
+def _kernels():
+    from attnlab.core import _fused  # imports numba (planned() checked it is installed)
+
+    return _fused
+
+
+def forward(spec: AttentionSpec) -> np.ndarray:
+    """``softmax(q k^T * scale + mask) @ v``: ``(..., Hq, L, Ev)`` float32 (see
+    :func:`planned` for what ``spec`` must be)."""
+    K = _kernels()
+    lay = _Layout(spec)
+    G, L, Ev = lay.G, lay.L, lay.Ev
+    out = np.empty((*lay.lead, lay.Hkv, G, L, Ev), dtype=lay.dtype)
+    units = [(idx, h0, h1, a0, a1) for idx in lay.leads for h0, h1 in lay.head_chunks
+             for a0, a1 in reversed(lay.row_chunks)]  # causal: the longest blocks first
+
+    def run(unit, scratch):
+        idx, h0, h1, a0, a1 = unit
+        nh, rows = h1 - h0, a1 - a0
+        kend = lay.key_end(a1)
+        _, p = lay.probs(K, idx, h0, h1, a0, a1, kend, scratch)
+        v = lay.v[idx][h0:h1, :kend]
+        dst = out[idx][h0:h1]
+        if rows == L:  # the block's output rows are contiguous: straight into place
+            np.matmul(p, v, out=dst.reshape(nh, G * L, Ev))
+        else:
+            o = _buffer(scratch, "o", (nh, G * rows, Ev), lay.dtype)
+            np.matmul(p, v, out=o)
+            dst[:, :, a0:a1] = o.reshape(nh, G, rows, Ev)
+
+    run_units(units, run, min(lay.threads, len(units)))
+    return out.reshape(*spec.batch_shape, L, Ev)
+
+
+def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(grad_query, grad_key, grad_value)`` in the caller's shapes (GQA groups and
+    broadcast dims summed back), recomputing the probabilities block by block."""
+    K = _kernels()
+    lay = _Layout(spec, backward=True)
+    G, L, S, E, Ev, dt = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.dtype
+    batch = spec.batch_shape or (1,)
+    go = np.broadcast_to(grad_out, (*batch, L, Ev)).reshape(*lay.lead, lay.Hkv, G, L, Ev)
+    dq = np.empty((*lay.lead, lay.Hkv, G, L, E), dtype=dt)
+    dk = np.zeros((*lay.lead, lay.Hkv, S, E), dtype=dt)
+    dv = np.zeros((*lay.lead, lay.Hkv, S, Ev), dtype=dt)
+    heads = [(idx, h0, h1) for idx in lay.leads for h0, h1 in lay.head_chunks]
+    # Units own key/value heads; with fewer heads than twice the threads, each head's row
+    # blocks are dealt round-robin to `split` units, all but the first with partial dk, dv.
+    n_blocks = len(lay.row_chunks)
+    split = 1
+    if lay.threads > 1 and len(heads) < 2 * lay.threads:
+        split = max(1, min(n_blocks, -(-2 * lay.threads // len(heads))))
+    partial = {}
+    for n, (_, h0, h1) in enumerate(heads):
+        for c in range(1, split):
+            partial[n, c] = (np.zeros((h1 - h0, S, E), dtype=dt), np.zeros((h1 - h0, S, Ev), dtype=dt))
+    units = [(n, c) for n in range(len(heads)) for c in range(split)]
+
+    def run(unit, scratch):
+        n, c = unit
+        idx, h0, h1 = heads[n]
+        nh = h1 - h0
+        dk_h, dv_h = (dk[idx][h0:h1], dv[idx][h0:h1]) if c == 0 else partial[n, c]
+        k, v = lay.k[idx][h0:h1], lay.v[idx][h0:h1]
+        for a0, a1 in lay.row_chunks[c::split]:
+            rows = a1 - a0
+            kend = lay.key_end(a1)
+            qs, p = lay.probs(K, idx, h0, h1, a0, a1, kend, scratch)
+            g = _buffer(scratch, "g", (nh, G, rows, Ev), dt)
+            g[...] = go[idx][h0:h1, :, a0:a1]
+            g = g.reshape(nh, G * rows, Ev)
+            pt = p.swapaxes(-1, -2)
+            dv_h[:, :kend] += np.matmul(pt, g, out=_buffer(scratch, "dv", (nh, kend, Ev), dt))
+            dp = _buffer(scratch, "dp", (nh, G * rows, kend), dt)
+            np.matmul(g, v[:, :kend].swapaxes(-1, -2), out=dp)
+            K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
+            dq_b = _buffer(scratch, "dq", (nh, G * rows, E), dt)
+            np.matmul(dp, k[:, :kend], out=dq_b)
+            dq_b *= lay.scale
+            dq[idx][h0:h1, :, a0:a1] = dq_b.reshape(nh, G, rows, E)
+            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), qs, out=_buffer(scratch, "dk", (nh, kend, E), dt))
+
+    run_units(units, run, min(lay.threads, len(units)))
+    for (n, _), (pk, pv) in partial.items():
+        idx, h0, h1 = heads[n]
+        dk[idx][h0:h1] += pk
+        dv[idx][h0:h1] += pv
+    dq = dq.reshape(*batch, L, E)
+    dk = dk.reshape(*batch[:-1], lay.Hkv, S, E)
+    dv = dv.reshape(*batch[:-1], lay.Hkv, S, Ev)
+    if not spec.batch_shape:  # 2-D call: drop the head axis added above
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return (
+        reduce_to(dq, spec.query.shape, 1),
+        reduce_to(dk, spec.key_shape, 1),
+        reduce_to(dv, spec.value_shape, 1),
+    )
