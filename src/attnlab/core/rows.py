@@ -38,7 +38,7 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._threads import pool_threads, run_units
-from attnlab.core.blockwise import _buffer, fused_planned, tuning
+from attnlab.core.blockwise import fused_planned, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
@@ -98,6 +98,31 @@ def _broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
     return a if a.shape == shape else np.broadcast_to(a, shape)
 
 
+def _merged(a: np.ndarray, shape: tuple) -> np.ndarray | None:
+    """``a`` reshaped to ``shape`` as a view, or None where that would need a copy."""
+    try:
+        return a.reshape(shape, copy=False)
+    except ValueError:
+        return None
+
+
+def _flat(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``a`` reshaped to ``shape``: a view where the strides allow, else a contiguous copy
+    (keys and values transposed out of a ``(N, S, H, D)`` projection: one pass over them,
+    against ``L`` passes' worth of attention)."""
+    view = _merged(a, shape)
+    return view if view is not None else np.ascontiguousarray(a).reshape(shape)
+
+
+def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
+    """A reusable per-thread float32 buffer viewed as ``shape``."""
+    size = math.prod(shape)
+    buf = scratch.get(name)
+    if buf is None or buf.size < size:
+        buf = scratch[name] = np.empty(max(size, 1), dtype=np.float32)
+    return buf[:size].reshape(shape)
+
+
 @functools.cache
 def _block_bytes() -> int:
     """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
@@ -109,9 +134,10 @@ def _min_scores_per_thread() -> int:
 
 
 class _Layout:
-    """Per-call views (internal): queries ``(N, Hkv, G, L, E)``, keys/values
-    ``(N, Hkv, S, E|Ev)``, mask ``(N, Hkv, G, L, S)`` (broadcast views, no copies), where
-    ``N`` flattens the leading batch dims."""
+    """Per-call arrays (internal), with the leading batch dims and the key/value heads
+    flattened into ``NH`` heads: queries times scale ``(NH, G, L, E)`` (one contiguous
+    pass), keys/values ``(NH, S, E|Ev)`` (views where the strides allow), mask
+    ``(NH, G, L, S)`` (a view, or per leading index where it cannot be flattened)."""
 
     def __init__(self, spec: AttentionSpec, *, backward: bool = False):
         self.spec = spec
@@ -119,75 +145,83 @@ class _Layout:
         batch = spec.batch_shape or (1,)
         self.batch = spec.batch_shape
         self.G = G = spec.gqa_groups
-        self.L, self.S = spec.L, spec.S
-        self.E, self.Ev = spec.query.shape[-1], spec.value.shape[-1]
-        Hq = batch[-1]
-        self.Hkv = Hkv = Hq // G
-        lead = batch[:-1]
-        self.lead = lead
-        q = _broadcast(spec.query, (*batch, self.L, self.E))
-        self.q = q.reshape(*lead, Hkv, G, self.L, self.E) if G > 1 else q[..., None, :, :]
+        self.L, self.S = L, S = spec.L, spec.S
+        self.E, self.Ev = E, Ev = spec.query.shape[-1], spec.value.shape[-1]
+        self.Hkv = Hkv = batch[-1] // G
+        self.lead = lead = batch[:-1]
+        self.NH = NH = math.prod(lead) * Hkv
+        self.scale = np.float32(spec.scale)
+        self.qs = np.empty((NH, G, L, E), dtype=np.float32)  # q * scale
+        np.multiply(_broadcast(spec.query, (*batch, L, E)), self.scale, out=self.qs.reshape(*batch, L, E))
         # spec.key repeats each key/value head G times: every G-th is the original.
-        k = _broadcast(spec.key, (*batch, self.S, self.E))
-        v = _broadcast(spec.value, (*batch, self.S, self.Ev))
-        self.k = k[..., ::G, :, :] if G > 1 else k
-        self.v = v[..., ::G, :, :] if G > 1 else v
-        self.mode, self.mask = _MODE_NONE, None
+        k = _broadcast(spec.key, (*batch, S, E))
+        v = _broadcast(spec.value, (*batch, S, Ev))
+        self.k = _flat(k[..., ::G, :, :] if G > 1 else k, (NH, S, E))
+        self.v = _flat(v[..., ::G, :, :] if G > 1 else v, (NH, S, Ev))
+        self.mode, self.mask, self.mask_by_lead = _MODE_NONE, None, None
         if spec.is_causal:
             self.mode = _MODE_CAUSAL
         elif spec.attn_mask is not None:
-            m = _broadcast(spec.attn_mask, (*batch, self.L, self.S))
-            self.mask = m.reshape(*lead, Hkv, G, self.L, self.S)
+            m = _broadcast(spec.attn_mask, (*batch, L, S))
             self.mode = _MODE_BOOL if m.dtype == np.bool_ else _MODE_FLOAT
-        self.scale = np.float32(spec.scale)
-        self.scores = math.prod(batch) * self.L * self.S
+            self.mask = _merged(m, (NH, G, L, S))
+            if self.mask is None:  # e.g. a key-padding mask (N, 1, 1, S): per batch entry
+                self.mask_by_lead = m.reshape(*lead, Hkv, G, L, S)
+        self.scores = math.prod(batch) * L * S
         self.threads = pool_threads(None) if self.scores >= _min_scores_per_thread() else 1
         # Block sizes: heads per block (nh) and rows per block.
         budget = _block_bytes() // (2 if backward else 1)
-        per_row = 4 * G * self.S  # bytes of one query row of all G heads
-        if per_row * self.L <= budget:
-            rows = self.L
-            nh = max(1, min(Hkv, budget // (per_row * self.L)))
+        per_row = 4 * G * S  # bytes of one query row of all G heads
+        # Heads per block; blocks never straddle two batch entries when the mask is kept
+        # per batch entry.
+        span = Hkv if self.mask_by_lead is not None else NH
+        if per_row * L <= budget:
+            rows = L
+            nh = max(1, min(span, budget // (per_row * L)))
         else:
             nh = 1
             rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
         if spec.is_causal:
             rows = min(rows, _CAUSAL_ROWS)
-        rows = min(rows, self.L)
-        n_lead = math.prod(lead)
+        rows = min(rows, L)
+        n_row_blocks = -(-L // rows)
         # Enough units for the threads (two each, so that they finish together).
         if self.threads > 1:
-            while nh > 1 and n_lead * -(-Hkv // nh) * -(-self.L // rows) < 2 * self.threads:
+            while nh > 1 and (NH // span) * -(-span // nh) * n_row_blocks < 2 * self.threads:
                 nh = -(-nh // 2)
-        n_chunks = -(-Hkv // nh)
-        nh = -(-Hkv // n_chunks)  # even chunks: 12 heads as 6 + 6, not 8 + 4
-        self.head_chunks = [(h, min(h + nh, Hkv)) for h in range(0, Hkv, nh)]
+        n_chunks = -(-span // nh)
+        nh = -(-span // n_chunks)  # even chunks: 12 heads as 6 + 6, not 8 + 4
+        self.head_chunks = [(f + h, f + min(h + nh, span)) for f in range(0, NH, span) for h in range(0, span, nh)]
         self.rows = rows
-        self.row_chunks = [(a, min(a + rows, self.L)) for a in range(0, self.L, rows)]
-        self.leads = list(np.ndindex(lead)) if lead else [()]
+        self.row_chunks = [(a, min(a + rows, L)) for a in range(0, L, rows)]
 
     def key_end(self, a1: int) -> int:
         return min(self.S, a1) if self.spec.is_causal else self.S
 
-    def mask_block(self, idx, h0, h1, a0, a1, kend):
+    def mask_block(self, f0, f1, a0, a1, kend):
         """``(mode, mask (nh * G, rows, kend), lim0)`` for the compiled row pass."""
         if self.mode == _MODE_CAUSAL:
             return self.mode, _NO_MASK, a0 + 1
-        if self.mask is None:
+        if self.mode == _MODE_NONE:
             return self.mode, _NO_MASK, 0
-        m = self.mask[idx][h0:h1, :, a0:a1, :kend]
-        return self.mode, m.reshape((h1 - h0) * self.G, a1 - a0, kend), 0
+        if self.mask is not None:
+            m = self.mask[f0:f1, :, a0:a1, :kend]
+        else:
+            idx = np.unravel_index(f0 // self.Hkv, self.lead) if self.lead else ()
+            h0 = f0 % self.Hkv
+            m = self.mask_by_lead[tuple(int(i) for i in idx)][h0 : h0 + f1 - f0, :, a0:a1, :kend]
+        return self.mode, m.reshape((f1 - f0) * self.G, a1 - a0, kend), 0
 
-    def probs(self, K, idx, h0, h1, a0, a1, kend, scratch):
-        """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block,
-        in the thread's scratch buffers."""
-        nh, rows, G = h1 - h0, a1 - a0, self.G
-        qs = _buffer(scratch, "qs", (nh, G, rows, self.E), self.dtype)
-        np.multiply(self.q[idx][h0:h1, :, a0:a1], self.scale, out=qs)
-        qs = qs.reshape(nh, G * rows, self.E)
-        s = _buffer(scratch, "s", (nh, G * rows, kend), self.dtype)
-        np.matmul(qs, self.k[idx][h0:h1, :kend].swapaxes(-1, -2), out=s)
-        mode, mask, lim0 = self.mask_block(idx, h0, h1, a0, a1, kend)
+    def probs(self, K, f0, f1, a0, a1, kend, scratch):
+        """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block
+        (the second in the thread's scratch buffer)."""
+        nh, rows, G = f1 - f0, a1 - a0, self.G
+        qs = self.qs[f0:f1, :, a0:a1]
+        qs = qs.reshape(nh, G * rows, self.E) if rows == self.L or G == 1 else \
+            np.ascontiguousarray(qs).reshape(nh, G * rows, self.E)
+        s = _buf(scratch, "s", (nh, G * rows, kend))
+        np.matmul(qs, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
+        mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
         K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0)
         return qs, s
 
@@ -204,23 +238,22 @@ def forward(spec: AttentionSpec) -> np.ndarray:
     K = _kernels()
     lay = _Layout(spec)
     G, L, Ev = lay.G, lay.L, lay.Ev
-    out = np.empty((*lay.lead, lay.Hkv, G, L, Ev), dtype=lay.dtype)
-    units = [(idx, h0, h1, a0, a1) for idx in lay.leads for h0, h1 in lay.head_chunks
+    out = np.empty((lay.NH, G, L, Ev), dtype=np.float32)
+    units = [(f0, f1, a0, a1) for f0, f1 in lay.head_chunks
              for a0, a1 in reversed(lay.row_chunks)]  # causal: the longest blocks first
 
     def run(unit, scratch):
-        idx, h0, h1, a0, a1 = unit
-        nh, rows = h1 - h0, a1 - a0
+        f0, f1, a0, a1 = unit
+        nh, rows = f1 - f0, a1 - a0
         kend = lay.key_end(a1)
-        _, p = lay.probs(K, idx, h0, h1, a0, a1, kend, scratch)
-        v = lay.v[idx][h0:h1, :kend]
-        dst = out[idx][h0:h1]
-        if rows == L:  # the block's output rows are contiguous: straight into place
-            np.matmul(p, v, out=dst.reshape(nh, G * L, Ev))
+        _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+        v = lay.v[f0:f1, :kend]
+        if rows == L or G == 1:  # the block's output rows are one (nh, G * rows) view
+            np.matmul(p, v, out=out[f0:f1, :, a0:a1].reshape((nh, G * rows, Ev), copy=False))
         else:
-            o = _buffer(scratch, "o", (nh, G * rows, Ev), lay.dtype)
+            o = _buf(scratch, "o", (nh, G * rows, Ev))
             np.matmul(p, v, out=o)
-            dst[:, :, a0:a1] = o.reshape(nh, G, rows, Ev)
+            out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
 
     run_units(units, run, min(lay.threads, len(units)))
     return out.reshape(*spec.batch_shape, L, Ev)
@@ -231,54 +264,59 @@ def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.
     broadcast dims summed back), recomputing the probabilities block by block."""
     K = _kernels()
     lay = _Layout(spec, backward=True)
-    G, L, S, E, Ev, dt = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.dtype
+    G, L, S, E, Ev, NH = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.NH
     batch = spec.batch_shape or (1,)
-    go = np.broadcast_to(grad_out, (*batch, L, Ev)).reshape(*lay.lead, lay.Hkv, G, L, Ev)
-    dq = np.empty((*lay.lead, lay.Hkv, G, L, E), dtype=dt)
-    dk = np.zeros((*lay.lead, lay.Hkv, S, E), dtype=dt)
-    dv = np.zeros((*lay.lead, lay.Hkv, S, Ev), dtype=dt)
-    heads = [(idx, h0, h1) for idx in lay.leads for h0, h1 in lay.head_chunks]
-    # Units own key/value heads; with fewer heads than twice the threads, each head's row
-    # blocks are dealt round-robin to `split` units, all but the first with partial dk, dv.
-    n_blocks = len(lay.row_chunks)
+    go = _flat(_broadcast(grad_out, (*batch, L, Ev)), (NH, G, L, Ev))
+    dq = np.empty((NH, G, L, E), dtype=np.float32)
+    dk = np.zeros((NH, S, E), dtype=np.float32)
+    dv = np.zeros((NH, S, Ev), dtype=np.float32)
+    heads = lay.head_chunks
+    # Units own key/value heads; with fewer head blocks than twice the threads, each one's
+    # row blocks are dealt round-robin to `split` units, all but the first with partial
+    # dk, dv.
     split = 1
     if lay.threads > 1 and len(heads) < 2 * lay.threads:
-        split = max(1, min(n_blocks, -(-2 * lay.threads // len(heads))))
+        split = max(1, min(len(lay.row_chunks), -(-2 * lay.threads // len(heads))))
     partial = {}
-    for n, (_, h0, h1) in enumerate(heads):
+    for n, (f0, f1) in enumerate(heads):
         for c in range(1, split):
-            partial[n, c] = (np.zeros((h1 - h0, S, E), dtype=dt), np.zeros((h1 - h0, S, Ev), dtype=dt))
+            partial[n, c] = (np.zeros((f1 - f0, S, E), np.float32), np.zeros((f1 - f0, S, Ev), np.float32))
     units = [(n, c) for n in range(len(heads)) for c in range(split)]
 
     def run(unit, scratch):
         n, c = unit
-        idx, h0, h1 = heads[n]
-        nh = h1 - h0
-        dk_h, dv_h = (dk[idx][h0:h1], dv[idx][h0:h1]) if c == 0 else partial[n, c]
-        k, v = lay.k[idx][h0:h1], lay.v[idx][h0:h1]
+        f0, f1 = heads[n]
+        nh = f1 - f0
+        dk_h, dv_h = (dk[f0:f1], dv[f0:f1]) if c == 0 else partial[n, c]
+        k, v = lay.k[f0:f1], lay.v[f0:f1]
         for a0, a1 in lay.row_chunks[c::split]:
             rows = a1 - a0
             kend = lay.key_end(a1)
-            qs, p = lay.probs(K, idx, h0, h1, a0, a1, kend, scratch)
-            g = _buffer(scratch, "g", (nh, G, rows, Ev), dt)
-            g[...] = go[idx][h0:h1, :, a0:a1]
-            g = g.reshape(nh, G * rows, Ev)
-            pt = p.swapaxes(-1, -2)
-            dv_h[:, :kend] += np.matmul(pt, g, out=_buffer(scratch, "dv", (nh, kend, Ev), dt))
-            dp = _buffer(scratch, "dp", (nh, G * rows, kend), dt)
+            qs, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+            g = go[f0:f1, :, a0:a1]
+            g = g.reshape(nh, G * rows, Ev) if rows == L or G == 1 else \
+                np.ascontiguousarray(g).reshape(nh, G * rows, Ev)
+            dv_h[:, :kend] += np.matmul(p.swapaxes(-1, -2), g, out=_buf(scratch, "dv", (nh, kend, Ev)))
+            dp = _buf(scratch, "dp", (nh, G * rows, kend))
             np.matmul(g, v[:, :kend].swapaxes(-1, -2), out=dp)
             K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
-            dq_b = _buffer(scratch, "dq", (nh, G * rows, E), dt)
-            np.matmul(dp, k[:, :kend], out=dq_b)
-            dq_b *= lay.scale
-            dq[idx][h0:h1, :, a0:a1] = dq_b.reshape(nh, G, rows, E)
-            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), qs, out=_buffer(scratch, "dk", (nh, kend, E), dt))
+            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), qs, out=_buf(scratch, "dk", (nh, kend, E)))
+            dq_b = dq[f0:f1, :, a0:a1]
+            if rows == L or G == 1:
+                dq_b = dq_b.reshape((nh, G * rows, E), copy=False)
+                np.matmul(dp, k[:, :kend], out=dq_b)
+                dq_b *= lay.scale
+            else:
+                o = _buf(scratch, "dq", (nh, G * rows, E))
+                np.matmul(dp, k[:, :kend], out=o)
+                o *= lay.scale
+                dq_b[...] = o.reshape(nh, G, rows, E)
 
     run_units(units, run, min(lay.threads, len(units)))
     for (n, _), (pk, pv) in partial.items():
-        idx, h0, h1 = heads[n]
-        dk[idx][h0:h1] += pk
-        dv[idx][h0:h1] += pv
+        f0, f1 = heads[n]
+        dk[f0:f1] += pk
+        dv[f0:f1] += pv
     dq = dq.reshape(*batch, L, E)
     dk = dk.reshape(*batch[:-1], lay.Hkv, S, E)
     dv = dv.reshape(*batch[:-1], lay.Hkv, S, Ev)
