@@ -249,7 +249,7 @@ def backward_dscores(dp, p, d):
 
 
 @nb.njit(**_JIT)
-def softmax_rows(s, mode, mask, lim0):
+def softmax_rows(s, mode, mask, lim0, inv):
     """Softmax along the last axis of ``s`` (n, rows, cols), in place, mask included: the
     row pass of :mod:`attnlab.core.rows` between its two matmuls.
 
@@ -258,7 +258,13 @@ def softmax_rows(s, mode, mask, lim0):
     ``1 / sum``. Mask modes as :func:`forward_tile` (``mask`` (n, rows, cols), any strides;
     causal: row ``r`` sees columns ``< lim0 + r``). A row with nothing visible gives zeros,
     a row with a NaN score (visible) NaN everywhere, as NumPy's path and torch.
+
+    ``inv`` (n * rows,), or empty: where given, the rows are left unnormalised (``exp``
+    only) and ``inv`` receives each row's ``1 / sum``, for the caller to apply to the
+    ``(rows, Ev)`` product with the values instead of the ``(rows, cols)`` probabilities
+    (0 for a row with nothing visible, NaN for a NaN row).
     """
+    defer = inv.shape[0] > 0
     n, rows, cols = s.shape
     nan = _F(np.nan)
     for b in range(n):
@@ -288,17 +294,22 @@ def softmax_rows(s, mode, mask, lim0):
                         fill = nan
                 for j in range(cols):
                     row[j] = fill
+                if defer:
+                    inv[b * rows + r] = fill
                 continue
             total = _F(0.0)
             for j in range(vis):
                 y = _exp(row[j] - mt)
                 row[j] = y
                 total += y
-            inv = _F(1.0) / total
-            for j in range(vis):
-                row[j] *= inv
             for j in range(vis, cols):
                 row[j] = 0.0
+            if defer:
+                inv[b * rows + r] = _F(1.0) / total
+            else:
+                rt = _F(1.0) / total
+                for j in range(vis):
+                    row[j] *= rt
 
 
 @nb.njit(**_JIT)

@@ -43,6 +43,7 @@ from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 _NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
+_NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
 
 # A block's float32 scores take this multiple of the per-core L2 cache (forward: one array
 # of scores; backward: two, the probabilities and their gradient, each half of it): larger
@@ -212,9 +213,10 @@ class _Layout:
             m = self.mask_by_lead[tuple(int(i) for i in idx)][h0 : h0 + f1 - f0, :, a0:a1, :kend]
         return self.mode, m.reshape((f1 - f0) * self.G, a1 - a0, kend), 0
 
-    def probs(self, K, f0, f1, a0, a1, kend, scratch):
+    def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):
         """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block
-        (the second in the thread's scratch buffer)."""
+        (the second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the
+        rows are left unnormalised and ``inv`` gets their ``1 / sum``."""
         nh, rows, G = f1 - f0, a1 - a0, self.G
         qs = self.qs[f0:f1, :, a0:a1]
         qs = qs.reshape(nh, G * rows, self.E) if rows == self.L or G == 1 else \
@@ -222,8 +224,20 @@ class _Layout:
         s = _buf(scratch, "s", (nh, G * rows, kend))
         np.matmul(qs, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
         mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
-        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0)
+        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv)
         return qs, s
+
+
+def _run(units: list, run, threads: int) -> None:
+    """The units on the pool (:func:`attnlab._threads.run_units`), or, on one thread, in a
+    plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch)."""
+    threads = min(threads, len(units))
+    if threads > 1:
+        run_units(units, run, threads)
+        return
+    scratch: dict = {}
+    for unit in units:
+        run(unit, scratch)
 
 
 def _kernels():
@@ -235,6 +249,11 @@ def _kernels():
 def forward(spec: AttentionSpec) -> np.ndarray:
     """``softmax(q k^T * scale + mask) @ v``: ``(..., Hq, L, Ev)`` float32 (see
     :func:`planned` for what ``spec`` must be)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
+        return _forward(spec)
+
+
+def _forward(spec: AttentionSpec) -> np.ndarray:
     K = _kernels()
     lay = _Layout(spec)
     G, L, Ev = lay.G, lay.L, lay.Ev
@@ -246,22 +265,32 @@ def forward(spec: AttentionSpec) -> np.ndarray:
         f0, f1, a0, a1 = unit
         nh, rows = f1 - f0, a1 - a0
         kend = lay.key_end(a1)
-        _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+        # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
+        inv = _buf(scratch, "inv", (nh * G * rows,))
+        _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
         v = lay.v[f0:f1, :kend]
         if rows == L or G == 1:  # the block's output rows are one (nh, G * rows) view
-            np.matmul(p, v, out=out[f0:f1, :, a0:a1].reshape((nh, G * rows, Ev), copy=False))
+            o = out[f0:f1, :, a0:a1].reshape((nh, G * rows, Ev), copy=False)
+            np.matmul(p, v, out=o)
+            o *= inv.reshape(nh, G * rows, 1)
         else:
             o = _buf(scratch, "o", (nh, G * rows, Ev))
             np.matmul(p, v, out=o)
+            o *= inv.reshape(nh, G * rows, 1)
             out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
 
-    run_units(units, run, min(lay.threads, len(units)))
+    _run(units, run, lay.threads)
     return out.reshape(*spec.batch_shape, L, Ev)
 
 
 def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(grad_query, grad_key, grad_value)`` in the caller's shapes (GQA groups and
     broadcast dims summed back), recomputing the probabilities block by block."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
+        return _backward(spec, grad_out)
+
+
+def _backward(spec: AttentionSpec, grad_out: np.ndarray):
     K = _kernels()
     lay = _Layout(spec, backward=True)
     G, L, S, E, Ev, NH = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.NH
@@ -312,7 +341,7 @@ def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.
                 o *= lay.scale
                 dq_b[...] = o.reshape(nh, G, rows, E)
 
-    run_units(units, run, min(lay.threads, len(units)))
+    _run(units, run, lay.threads)
     for (n, _), (pk, pv) in partial.items():
         f0, f1 = heads[n]
         dk[f0:f1] += pk
