@@ -54,6 +54,12 @@ _NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows i
 # L = 2048 forward 152 / 157 / 136 / 124 / 128, backward 403 / 412 / 408 / 372 / 345;
 # BERT-like B=32, H=12, L=128 within noise (33-35 ms forward, 82-90 backward).
 _BLOCK_L2_SHARE = 4.0
+# Several heads share a block while their scores together fit in the L2 cache (each head is
+# its own matmul, so a larger block saves no packing, only cache). One thread, B=32, H=12,
+# L=128, E=64, ms forward / backward for 1/8, 1/2, 1 and 4 times the L2: 29.5 / 64.6,
+# 28.3 / 62.4, 27.6 / 63.4, 28.4 / 70.6 (E=32 and a training batch, 64 x 4 heads of 32 x
+# 32, alike).
+_HEADS_L2_SHARE = 1.0
 # Fewest query rows per block: below this the matmuls lose their rate. Where a block of
 # this many rows no longer holds all the keys, the blockwise kernel takes over. Against
 # it, one thread, same machine, rows time / blockwise time (forward, backward): L = S =
@@ -62,9 +68,14 @@ _BLOCK_L2_SHARE = 4.0
 _MIN_ROWS = 64
 _FORWARD_MIN_ROWS = 512
 _BACKWARD_MIN_ROWS = 128
-# A causal block of more rows than this is cut, so that the keys hidden inside the block
-# (about rows / 2 per row) stay few.
-_CAUSAL_ROWS = 128
+# A causal block is cut to about L / 8 rows (so that the keys hidden inside a block, about
+# rows / 2 per row, stay near 1/8 of a row's average L / 2), within these bounds (below 64
+# rows the matmuls lose their rate). One thread, ms forward / backward for 32, 64, 128,
+# 256 rows: B=32, H=12, L=128, E=64: 64 rows 30.4 / 63.8, 128 rows 36.2 / 81.1; SmolLM2
+# prefill (9 over 3 heads, L=512): 5.8 / 13.0, 5.5 / 12.1, 5.7 / 13.0, 6.6 / 15.6; GPT-2
+# (12 heads, L=1024): 46.4 / 104, 35.7 / 84.0, 35.4 / 82.1, 36.0 / 90.6; L=2048, 8 heads:
+# 86.2 / 214, 72.4 / 172, 65.9 / 169, 69.9 / 184.
+_CAUSAL_ROWS_RANGE = (64, 128)
 
 
 def max_keys(*, backward: bool = False) -> int:
@@ -178,12 +189,13 @@ class _Layout:
         span = Hkv if self.mask_by_lead is not None else NH
         if per_row * L <= budget:
             rows = L
-            nh = max(1, min(span, budget // (per_row * L)))
+            nh = max(1, min(span, int(cpu_info().l2 * _HEADS_L2_SHARE) // (per_row * L)))
         else:
             nh = 1
             rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
         if spec.is_causal:
-            rows = min(rows, _CAUSAL_ROWS)
+            lo, hi = _CAUSAL_ROWS_RANGE
+            rows = min(rows, max(lo, min(hi, L // 8)))
         rows = min(rows, L)
         n_row_blocks = -(-L // rows)
         # Enough units for the threads (two each, so that they finish together).
