@@ -44,6 +44,7 @@ def _torch64(torch, q, k, v, g, mask=None, *, wide=True, math=True, **kw):
 def blocks(request, monkeypatch):
     """``whole``: the machine's block sizes; ``cut``: blocks of a few KiB, so that calls
     are cut into several heads' blocks, row blocks and split backward units, on 2 threads."""
+    monkeypatch.setattr(rows, "_MIN_SCORES", 0)  # the small test sizes take the kernel too
     if request.param == "cut":
         monkeypatch.setattr(rows, "_block_bytes", lambda: 24 * 1024)
         monkeypatch.setattr(rows, "_MIN_ROWS", 8)
@@ -158,22 +159,25 @@ def test_gqa_does_not_repeat_keys_in_the_kernel(blocks, torch):
 
 def test_dispatch():
     rng = np.random.default_rng(45)
-    q = rng.standard_normal((2, 64, 16)).astype(np.float32)
+    q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores
     assert rows.planned(check_attention_args(q, q, q))
+    assert not rows.planned(check_attention_args(q[:7], q[:7], q[:7]))  # below: naive
     q64 = q.astype(np.float64)
     assert not rows.planned(check_attention_args(q64, q64, q64))  # float32 only
     assert not rows.planned(check_attention_args(q, q, q, dropout_p=0.1))
     with bw.tuned(fused=False):  # ATTNLAB_NO_NUMBA=1, or no numba: the NumPy paths
         assert not rows.planned(check_attention_args(q, q, q))
     long = np.zeros((1, rows.max_keys() + 1, 16), np.float32)
-    assert not rows.planned(check_attention_args(q[:1, :8], long, long))
-    assert rows.planned(check_attention_args(q[:1, :8], long, long), backward=True) == (
+    few = q[:1, :32]  # 32 x 2049 scores: enough
+    assert not rows.planned(check_attention_args(few, long, long))
+    assert rows.planned(check_attention_args(few, long, long), backward=True) == (
         long.shape[1] <= rows.max_keys(backward=True)
     )
     assert rows.max_keys(backward=True) >= rows.max_keys()
 
 
-def test_half_precision_computed_in_float32(torch):
+def test_half_precision_computed_in_float32(torch, monkeypatch):
+    monkeypatch.setattr(rows, "_MIN_SCORES", 0)
     rng = np.random.default_rng(46)
     q, k, v, g = attention_inputs(rng, (2,), 4, 4, 48, 48, 16, 16, np.float16)
     assert rows.planned(dispatch.widened(check_attention_args(q, k, v)))

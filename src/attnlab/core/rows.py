@@ -45,6 +45,12 @@ _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 _NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
 _NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
 
+# Calls with fewer scores (all heads together) stay on the naive NumPy path: they cost
+# microseconds either way, take no numba import (~0.3 s once per process), and give
+# exactly the numbers of the weights path (attention_weights(...) @ v), which the layers'
+# maps and traces use. A training batch of 64 x 4 heads of 32 x 32 (262144 scores), or 8
+# heads at L = 64 (32768), take the rows kernel.
+_MIN_SCORES = 2**15
 # A block's float32 scores take this multiple of the per-core L2 cache (forward: one array
 # of scores; backward: two, the probabilities and their gradient, each half of it): larger
 # blocks amortise BLAS's packing of the keys and values over more query rows, as in the
@@ -95,13 +101,13 @@ def planned(spec: AttentionSpec, *, backward: bool = False) -> bool:
     """Whether the dispatcher runs this kernel for ``spec`` (already widened to its compute
     dtype): float32 NumPy arrays, no dropout, compiled kernels available and not turned off
     (:func:`attnlab.core.blockwise.fused_planned`), keys that fit (:func:`max_keys`), and
-    nothing empty."""
+    nothing empty, at least :data:`_MIN_SCORES` scores."""
     if spec.dropout_p > 0 or spec.query.dtype != np.float32:
         return False
     L, S, Ev = spec.L, spec.S, spec.value.shape[-1]
     if L == 0 or S == 0 or Ev == 0 or math.prod(spec.batch_shape) == 0:
         return False
-    if S > max_keys(backward=backward):
+    if S > max_keys(backward=backward) or math.prod(spec.batch_shape) * L * S < _MIN_SCORES:
         return False
     return fused_planned(np.float32, 0, min_n=0)
 
