@@ -1,8 +1,9 @@
 """The public attention functions: validate once, then pick a kernel.
 
 :func:`scaled_dot_product_attention` and its backward run the naive kernel
-(:mod:`attnlab.core.naive`) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
-is faster for the problem's size; both give the same numbers. :func:`attention_weights` and
+(:mod:`attnlab.core.naive`), the rows kernel (:mod:`attnlab.core.rows`: float32 with numba,
+up to a few thousand keys) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
+is faster for the problem's size; all give the same numbers (to float32 rounding). :func:`attention_weights` and
 :func:`attention_scores` return the intermediate arrays that the layers, the trace and the
 pictures show: they are the naive kernel's own, so what is shown is what is computed.
 Axis legend: see :mod:`attnlab.core.spec`.
