@@ -71,7 +71,8 @@ def main(argv=None) -> int:
     p_ = softmax_(s.copy())
     print(f"shape {args.shape}: B={B} Hq={Hq} Hkv={Hkv} L=S={L} E={E} causal={causal}; load {machine_load()}")
     print("naive NumPy path (ms):")
-    print(f"  validation + GQA repeat  {t(lambda: check_attention_args(q, k, v, is_causal=causal, enable_gqa=gqa)):8.3f}")
+    check = t(lambda: check_attention_args(q, k, v, is_causal=causal, enable_gqa=gqa))
+    print(f"  validation + GQA repeat  {check:8.3f}")
     print(f"  q * scale                {t(lambda: q * np.float32(spec.scale)):8.3f}")
     print(f"  q k^T (all keys)         {t(lambda: np.matmul(qs, kt)):8.3f}")
     if causal:
@@ -85,9 +86,11 @@ def main(argv=None) -> int:
     sc = np.matmul(lay.qs.reshape(lay.NH, -1, E), lay.k.swapaxes(-1, -2))
     mode, mask, lim0 = lay.mode, rows._NO_MASK, 1
     inv = np.empty(sc.size // L, np.float32)
-    print(f"  compiled row pass (full) {t(lambda: _fused.softmax_rows(sc.copy().reshape(-1, L, L), mode, mask, lim0, inv)) - t(lambda: sc.copy()):8.3f}")
+    row_pass = t(lambda: _fused.softmax_rows(sc.copy().reshape(-1, L, L), mode, mask, lim0, inv))
+    print(f"  compiled row pass (full) {row_pass - t(lambda: sc.copy()):8.3f}")
     print(f"  rows.forward total       {t(lambda: rows.forward(spec)):8.3f}")
-    print(f"public call total          {t(lambda: attnlab.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)):8.3f}")
+    total = t(lambda: attnlab.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa))
+    print(f"public call total          {total:8.3f}")
     if args.profile:
         import cProfile
         import pstats
