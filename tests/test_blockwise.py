@@ -20,7 +20,7 @@ from attnlab import (
     scaled_dot_product_attention_backward,
 )
 from attnlab.core import blockwise as bw
-from attnlab.core import dispatch, naive
+from attnlab.core import dispatch, naive, rows
 from attnlab.core import spec as attention_mod
 from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
 
@@ -390,7 +390,7 @@ def test_sdpa_dispatches_to_blockwise_by_shape(monkeypatch):
 
     monkeypatch.setattr(bw, "forward_spec", spy)
     rng = np.random.default_rng(10)
-    big = rng.standard_normal((3, 600, 8)).astype(np.float32)
+    big = rng.standard_normal((3, 600, 8))  # float64: the rows kernel takes float32 only
     small = big[:, :20]
     scaled_dot_product_attention(big, big, big, is_causal=True)
     assert calls == [(600, 600)]
@@ -416,6 +416,7 @@ def test_multihead_attention_without_weights_uses_blockwise(monkeypatch):
     calls = []
     real = bw.forward_spec
     monkeypatch.setattr(bw, "forward_spec", lambda spec, **kw: calls.append(1) or real(spec, **kw))
+    monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # float32 would go there
     mha = attnlab.MultiheadAttention(16, 2, batch_first=True, rng=np.random.default_rng(0))
     x = np.random.default_rng(1).standard_normal((1, 600, 16)).astype(np.float32)
     fast, _ = mha(x, x, x, need_weights=False, is_causal=True, attn_mask=causal_mask(600))

@@ -20,7 +20,7 @@ from attnlab import (
 )
 from attnlab._cpu import CPUInfo, _caches, _cpuinfo
 from attnlab.core import blockwise as bw
-from attnlab.core import dispatch
+from attnlab.core import dispatch, rows
 from attnlab.core.spec import check_attention_args
 from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
 
@@ -74,7 +74,7 @@ def _torch_sdpa(torch, q, k, v, g, *, math=False, **kw):
 
 @pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_float_masks_match_torch_forward_and_backward(case, fused, torch):
+def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkeypatch):
     """Finite masks however negative: no NaN, torch's numbers (a row masked everywhere with a
     finite value is torch's uniform average), forward and backward, through the public
     functions at a size the dispatcher sends to the blockwise kernel.
@@ -88,6 +88,7 @@ def test_float_masks_match_torch_forward_and_backward(case, fused, torch):
     q, k, v, g = attention_inputs(rng, (1,), 2, 2, L, L, 64, 64, np.float32)
     mask = _mask_case(case, rng)
     assert dispatch.use_blockwise(check_attention_args(q, k, v, mask))
+    monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # the rows kernel: tests/test_rows.py
     want, _ = _torch_sdpa(torch, q, k, v, g, attn_mask=mask)
     _, want_g = _torch_sdpa(torch, q, k, v, g, attn_mask=mask, math=True)
     with bw.tuned(fused=fused, fused_min_scores=0):
@@ -178,6 +179,7 @@ def test_float16_large_takes_blockwise_path_in_float32(fused, monkeypatch):
     calls = []
     real = bw.forward_spec
     monkeypatch.setattr(bw, "forward_spec", lambda spec, **kw: calls.append(spec.query.dtype) or real(spec, **kw))
+    monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # the rows kernel: tests/test_rows.py
     rng = np.random.default_rng(24)
     q, k, v, g = attention_inputs(rng, (1,), 2, 2, 1024, 1024, 32, 32, np.float16)
     f32 = [a.astype(np.float32) for a in (q, k, v, g)]

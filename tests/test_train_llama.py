@@ -170,7 +170,9 @@ def test_hooks_on_the_trained_model(trained):
     model = trainer.model.eval()
     ids, targets = trainer.heldout[0][:50], trainer.heldout[1][:50]
     logits, cache = model.run_with_cache(ids, names_filter=lambda n: n.startswith("blocks.1.attn."))
-    np.testing.assert_array_equal(logits, model(ids))
+    # The hooked pattern takes the weights path in block 1, the plain call the fast kernel
+    # (from 2^15 scores): equal to float32 rounding.
+    np.testing.assert_allclose(logits, model(ids), rtol=1e-5, atol=1e-5)
     B, T = ids.shape
     assert cache["blocks.1.attn.hook_q"].shape == cache["blocks.1.attn.hook_rot_q"].shape == (B, T, 4, 16)
     assert cache["blocks.1.attn.hook_k"].shape == cache["blocks.1.attn.hook_rot_k"].shape == (B, T, 2, 16)

@@ -246,3 +246,80 @@ def backward_dscores(dp, p, d):
         dr = d[r]
         for j in range(cols):
             dp[r, j] = p[r, j] * (dp[r, j] - dr)
+
+
+@nb.njit(**_JIT)
+def softmax_rows(s, mode, mask, lim0, inv):
+    """Softmax along the last axis of ``s`` (n, rows, cols), in place, mask included: the
+    row pass of :mod:`attnlab.core.rows` between its two matmuls.
+
+    ``s`` holds scaled scores and leaves holding the probabilities; per row one loop for
+    the mask and the maximum, one for ``exp`` and the sum, one for the product with
+    ``1 / sum``. Mask modes as :func:`forward_tile` (``mask`` (n, rows, cols), any strides;
+    causal: row ``r`` sees columns ``< lim0 + r``). A row with nothing visible gives zeros,
+    a row with a NaN score (visible) NaN everywhere, as NumPy's path and torch.
+
+    ``inv`` (n * rows,), or empty: where given, the rows are left unnormalised (``exp``
+    only) and ``inv`` receives each row's ``1 / sum``, for the caller to apply to the
+    ``(rows, Ev)`` product with the values instead of the ``(rows, cols)`` probabilities
+    (0 for a row with nothing visible, NaN for a NaN row).
+    """
+    defer = inv.shape[0] > 0
+    n, rows, cols = s.shape
+    nan = _F(np.nan)
+    for b in range(n):
+        for r in range(rows):
+            row = s[b, r]
+            vis = _visible(mode, lim0, r, cols)
+            mt = _NEG_INF
+            if mode == MODE_BOOL:
+                mk = mask[b, r]
+                for j in range(cols):
+                    x = row[j] if mk[j] else _NEG_INF
+                    row[j] = x
+                    mt = _maxnum(mt, x)
+            elif mode == MODE_FLOAT:
+                mk = mask[b, r]
+                for j in range(cols):
+                    x = row[j] + mk[j]
+                    row[j] = x
+                    mt = _maxnum(mt, x)
+            else:
+                for j in range(vis):
+                    mt = _maxnum(mt, row[j])
+            if mt == _NEG_INF:  # nothing visible, or only NaN beside -inf
+                fill = _F(0.0)
+                for j in range(vis):
+                    if row[j] != row[j]:
+                        fill = nan
+                for j in range(cols):
+                    row[j] = fill
+                if defer:
+                    inv[b * rows + r] = fill
+                continue
+            total = _F(0.0)
+            for j in range(vis):
+                y = _exp(row[j] - mt)
+                row[j] = y
+                total += y
+            for j in range(vis, cols):
+                row[j] = 0.0
+            if defer:
+                inv[b * rows + r] = _F(1.0) / total
+            else:
+                rt = _F(1.0) / total
+                for j in range(vis):
+                    row[j] *= rt
+
+
+@nb.njit(**_JIT)
+def softmax_rows_backward(dp, p):
+    """``dp = p * (dp - sum(p * dp))`` row by row, in place (``dp``, ``p``: (rows, cols)):
+    the scores' gradient from the probabilities' (without the factor ``scale``)."""
+    rows, cols = dp.shape
+    for r in range(rows):
+        d = _F(0.0)
+        for j in range(cols):
+            d += p[r, j] * dp[r, j]
+        for j in range(cols):
+            dp[r, j] = p[r, j] * (dp[r, j] - d)

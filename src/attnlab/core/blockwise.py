@@ -208,6 +208,12 @@ def fused_available() -> bool:
     >>> isinstance(fused_available(), bool)
     True
     """
+    return _numba_found()
+
+
+@functools.cache
+def _numba_found() -> bool:
+    """Looked up once per process (``find_spec`` costs ~10 us: short calls ask every time)."""
     return importlib.util.find_spec("numba") is not None
 
 

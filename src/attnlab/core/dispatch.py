@@ -1,8 +1,9 @@
 """The public attention functions: validate once, then pick a kernel.
 
 :func:`scaled_dot_product_attention` and its backward run the naive kernel
-(:mod:`attnlab.core.naive`) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
-is faster for the problem's size; both give the same numbers. :func:`attention_weights` and
+(:mod:`attnlab.core.naive`), the rows kernel (:mod:`attnlab.core.rows`: float32 with numba,
+up to a few thousand keys) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
+is faster for the problem's size; all give the same numbers (to float32 rounding). :func:`attention_weights` and
 :func:`attention_scores` return the intermediate arrays that the layers, the trace and the
 pictures show: they are the naive kernel's own, so what is shown is what is computed.
 Axis legend: see :mod:`attnlab.core.spec`.
@@ -17,7 +18,7 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._validation import as_float_array
-from attnlab.core import blockwise, naive
+from attnlab.core import blockwise, naive, rows
 from attnlab.core._namespace import is_numpy
 from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, check_keys_args
 
@@ -89,7 +90,9 @@ def scaled_dot_product_attention(
     if not is_numpy(query, key, value, attn_mask):  # another array library: the naive math in its namespace
         return naive.forward(spec, rng=rng)
     work = widened(spec)
-    if use_blockwise(work):
+    if rows.planned(work):
+        out = rows.forward(work)
+    elif use_blockwise(work):
         out = blockwise.forward_spec(work)
     else:
         out = naive.forward(work, rng=rng)
@@ -248,7 +251,9 @@ def scaled_dot_product_attention_backward(
         return naive.backward(spec, grad_out, rng=rng)
     work = widened(spec)
     grad_out = grad_out.astype(work.query.dtype, copy=False)
-    if use_blockwise(work):
+    if rows.planned(work, backward=True):
+        grads = rows.backward(work, grad_out)
+    elif use_blockwise(work):
         grads = blockwise.backward_from_spec(work, grad_out)
     else:
         grads = naive.backward(work, grad_out, rng=rng)

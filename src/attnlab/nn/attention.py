@@ -671,16 +671,19 @@ class Attention(Module):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);
         parameter gradients accumulate in ``.grad``. Through the rotary slot and the
         QK-norm too; not through a call with a KVCache."""
-        gq, gk, gv = self._backward_qkv(grad_output, batch_first=True)
+        gq, gk, gv = self._backward_qkv(grad_output, batch_first=True, summed=True)
         a: AttentionInputs = self._last_inputs
         if a.k is a.q:
-            g = gq + gk + gv
+            g = gq if gk is None else gq + gk + gv
             return g if a.batched else g[0]
         g_kv = gk + gv
         return (gq, g_kv) if a.batched else (gq[0], g_kv[0])
 
-    def _backward_qkv(self, grad_output, *, batch_first: bool):
-        """``(grad_q, grad_k, grad_v)`` batch first ``(N, L, E)``/``(N, S, kdim)``/``(N, S, vdim)``."""
+    def _backward_qkv(self, grad_output, *, batch_first: bool, summed: bool = False):
+        """``(grad_q, grad_k, grad_v)`` batch first ``(N, L, E)``/``(N, S, kdim)``/``(N, S, vdim)``.
+
+        With ``summed`` and self-attention through the fused in-projection weight:
+        ``(grad_q + grad_k + grad_v, None, None)`` from one matrix product."""
         c = self._saved()
         a: AttentionInputs = c["inputs"]
         object.__setattr__(self, "_last_inputs", a)
@@ -712,10 +715,12 @@ class Attention(Module):
         if self.q_norm is not None:
             gq4, gk4 = self.q_norm.backward(gq4), self.k_norm.backward(gk4)
         S = gk4.shape[1]
+        has_bias = self.in_proj_bias is not None
+        if self._qkv_same_embed_dim and a.k is a.q and a.v is a.q and S == L and isinstance(gq4, np.ndarray):
+            return self._fused_in_proj_backward(gq4, gk4, gv4, a.q, has_bias, summed)
         gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
         gkp, gvp = self._extra_keys_backward(gkp, gvp)
         (wq, wk, wv), _ = self.in_projections()
-        has_bias = self.in_proj_bias is not None
         gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias)
         gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
         gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
@@ -728,6 +733,32 @@ class Attention(Module):
         if has_bias:
             self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]))
         return gq, gk, gv
+
+    def _fused_in_proj_backward(self, gq4, gk4, gv4, x, has_bias: bool, summed: bool):
+        """Self-attention through ``in_proj_weight`` (one ``(Dq + 2 Dkv, E)`` matrix): the
+        heads' gradients ``(N, L, H|Hkv, D)`` are written side by side into one
+        ``(N, L, Dq + 2 Dkv)`` array (the copy their merge needs anyway), so the weight and
+        bias gradients are one matrix product and one sum, and (``summed``) the input's
+        gradient ``grad_q + grad_k + grad_v`` is one product too."""
+        N, L = x.shape[:2]
+        Dq, Dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        g = np.empty((N, L, Dq + 2 * Dkv), dtype=gq4.dtype)
+        for part, (a, b) in zip((gq4, gk4, gv4), ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv)), strict=True):
+            np.copyto(g[..., a:b].reshape(part.shape, copy=False), part)  # splitting the last axis: a view
+        w = self.in_proj_weight.data
+        if summed:
+            gx, gw, gb = F.linear_backward(g, x, w, has_bias=has_bias)
+            grads = (gx, None, None)
+        else:
+            g2 = g.reshape(N * L, -1)
+            gw = g2.T @ x.reshape(N * L, -1)
+            gb = np.ones(N * L, dtype=g.dtype) @ g2 if has_bias else None
+            cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
+            grads = tuple(np.matmul(g[..., a:b], w[a:b]) for a, b in cuts)
+        self.in_proj_weight.accumulate(gw)
+        if has_bias:
+            self.in_proj_bias.accumulate(gb)
+        return grads
 
     add_zero_attn = False
 

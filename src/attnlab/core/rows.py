@@ -1,0 +1,376 @@
+"""Attention by blocks of query rows, each against all the keys it sees (the "rows" kernel).
+
+For the sequence lengths most models run (``S`` up to a few thousand keys) a block of
+query rows times all its keys fits in the per-core L2 cache, so there is no need for the
+online softmax of :mod:`attnlab.core.blockwise`: each block computes its scores with one
+matmul, turns them into probabilities in one compiled pass (:func:`attnlab.core._fused.
+softmax_rows`: mask, row maximum, ``exp``, sum and ``1 / sum`` while the block is in
+cache) and multiplies them by the values. The naive kernel's math, with three changes:
+
+- **Cache-sized blocks.** A block is several heads' full score matrices when they are
+  small (BERT's 128 x 128) or a slice of one head's rows when they are not; its size
+  comes from the CPU's L2 cache (:func:`attnlab._cpu.cpu_info`), never from a constant
+  tuned on one machine.
+- **Causal blocks skip the hidden keys.** A block of rows ``a0:a1`` multiplies only keys
+  ``0:a1`` (top-left), so about half the work of a causal call is never done.
+- **Grouped-query attention without repeated keys.** The ``G`` query heads of one key/value
+  head are stacked into ``G * rows`` rows of one matmul, so each key/value head serves its
+  group directly; in the backward pass the same stacking sums the group's key and value
+  gradients inside the matmul. Every score is still one query row times one key row:
+  the stacking changes no arithmetic.
+
+Blocks are independent units that attnlab's thread pool runs (:mod:`attnlab._threads`,
+BLAS held to one thread meanwhile); the backward pass's units own key/value heads (so
+their gradients need no locks), split by rows with partial gradients when there are
+fewer heads than threads.
+
+Runs for float32 NumPy arrays when numba is installed (the ``fast`` extra); the
+dispatcher (:mod:`attnlab.core.dispatch`) picks it. Axis legend: see
+:mod:`attnlab.core.spec`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from attnlab._cpu import cpu_info
+from attnlab._threads import pool_threads, run_units
+from attnlab.core.blockwise import fused_planned, tuning
+from attnlab.core.spec import AttentionSpec, reduce_to
+
+_MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
+_NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
+_NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
+
+# Calls with fewer scores (all heads together) stay on the naive NumPy path: they cost
+# microseconds either way, take no numba import (~0.3 s once per process), and give
+# exactly the numbers of the weights path (attention_weights(...) @ v), which the layers'
+# maps and traces use. A training batch of 64 x 4 heads of 32 x 32 (262144 scores), or 8
+# heads at L = 64 (32768), take the rows kernel.
+_MIN_SCORES = 2**15
+# A block's float32 scores take this multiple of the per-core L2 cache (forward: one array
+# of scores; backward: two, the probabilities and their gradient, each half of it): larger
+# blocks amortise BLAS's packing of the keys and values over more query rows, as in the
+# blockwise kernel's forward tiles. Measured in CPU time on one thread of a 2-core AVX-512
+# EPYC (1 MiB L2), B=1, H=8, E=64, ms for multiples 0.25 / 0.5 / 1 / 2 / 4: L = 1024
+# forward 50.5 / 35.1 / 34.2 / 32.0 / 31.9, backward 97.8 / 101.1 / 92.7 / 89.4 / 83.2;
+# L = 2048 forward 152 / 157 / 136 / 124 / 128, backward 403 / 412 / 408 / 372 / 345;
+# BERT-like B=32, H=12, L=128 within noise (33-35 ms forward, 82-90 backward).
+_BLOCK_L2_SHARE = 4.0
+# Several heads share a block while their scores together fit in the L2 cache (each head is
+# its own matmul, so a larger block saves no packing, only cache). One thread, B=32, H=12,
+# L=128, E=64, ms forward / backward for 1/8, 1/2, 1 and 4 times the L2: 29.5 / 64.6,
+# 28.3 / 62.4, 27.6 / 63.4, 28.4 / 70.6 (E=32 and a training batch, 64 x 4 heads of 32 x
+# 32, alike).
+_HEADS_L2_SHARE = 1.0
+# Fewest query rows per block: below this the matmuls lose their rate. Where a block of
+# this many rows no longer holds all the keys, the blockwise kernel takes over. Against
+# it, one thread, same machine, rows time / blockwise time (forward, backward): L = S =
+# 1024 1.03, 0.71; 2048 0.95, 0.76; 4096 1.07, 0.84 (causal 1.00, 0.73; 1.04, 0.74;
+# 1.11, 0.76): the forward pass goes blockwise beyond 2048 keys, the backward beyond 4096.
+_MIN_ROWS = 64
+_FORWARD_MIN_ROWS = 512
+_BACKWARD_MIN_ROWS = 128
+# A causal block is cut to about L / 8 rows (so that the keys hidden inside a block, about
+# rows / 2 per row, stay near 1/8 of a row's average L / 2), within these bounds (below 64
+# rows the matmuls lose their rate). One thread, ms forward / backward for 32, 64, 128,
+# 256 rows: B=32, H=12, L=128, E=64: 64 rows 30.4 / 63.8, 128 rows 36.2 / 81.1; SmolLM2
+# prefill (9 over 3 heads, L=512): 5.8 / 13.0, 5.5 / 12.1, 5.7 / 13.0, 6.6 / 15.6; GPT-2
+# (12 heads, L=1024): 46.4 / 104, 35.7 / 84.0, 35.4 / 82.1, 36.0 / 90.6; L=2048, 8 heads:
+# 86.2 / 214, 72.4 / 172, 65.9 / 169, 69.9 / 184.
+_CAUSAL_ROWS_RANGE = (64, 128)
+
+
+def max_keys(*, backward: bool = False) -> int:
+    """The longest key sequence this kernel takes: a block of ``_FORWARD_MIN_ROWS``
+    (``_BACKWARD_MIN_ROWS``) query rows of float32 scores still fits in a block
+    (:func:`_block_bytes`, half of it for each of the backward pass's two arrays). Beyond,
+    the blockwise kernel's online softmax over key tiles is faster.
+
+    >>> max_keys() >= 64 and max_keys(backward=True) >= 64
+    True
+    """
+    rows = _BACKWARD_MIN_ROWS if backward else _FORWARD_MIN_ROWS
+    return max(64, _block_bytes() // (2 if backward else 1) // (4 * rows))
+
+
+def planned(spec: AttentionSpec, *, backward: bool = False) -> bool:
+    """Whether the dispatcher runs this kernel for ``spec`` (already widened to its compute
+    dtype): float32 NumPy arrays, no dropout, compiled kernels available and not turned off
+    (:func:`attnlab.core.blockwise.fused_planned`), keys that fit (:func:`max_keys`), and
+    nothing empty, at least :data:`_MIN_SCORES` scores."""
+    if spec.dropout_p > 0 or spec.query.dtype != np.float32:
+        return False
+    L, S, Ev = spec.L, spec.S, spec.value.shape[-1]
+    if L == 0 or S == 0 or Ev == 0 or math.prod(spec.batch_shape) == 0:
+        return False
+    if S > max_keys(backward=backward) or math.prod(spec.batch_shape) * L * S < _MIN_SCORES:
+        return False
+    return fused_planned(np.float32, 0, min_n=0)
+
+
+def _broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
+    return a if a.shape == shape else np.broadcast_to(a, shape)
+
+
+def _merged(a: np.ndarray, shape: tuple) -> np.ndarray | None:
+    """``a`` reshaped to ``shape`` as a view, or None where that would need a copy."""
+    try:
+        return a.reshape(shape, copy=False)
+    except ValueError:
+        return None
+
+
+def _flat(a: np.ndarray, shape: tuple) -> np.ndarray:
+    """``a`` reshaped to ``shape``: a view where the strides allow, else a contiguous copy
+    (keys and values transposed out of a ``(N, S, H, D)`` projection: one pass over them,
+    against ``L`` passes' worth of attention)."""
+    view = _merged(a, shape)
+    return view if view is not None else np.ascontiguousarray(a).reshape(shape)
+
+
+def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
+    """A reusable per-thread float32 buffer viewed as ``shape``."""
+    size = math.prod(shape)
+    buf = scratch.get(name)
+    if buf is None or buf.size < size:
+        buf = scratch[name] = np.empty(max(size, 1), dtype=np.float32)
+    return buf[:size].reshape(shape)
+
+
+@functools.cache
+def _block_bytes() -> int:
+    """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
+    return int(cpu_info().l2 * _BLOCK_L2_SHARE)
+
+
+def _min_scores_per_thread() -> int:
+    return tuning().min_scores_per_thread
+
+
+class _Layout:
+    """Per-call arrays (internal), with the leading batch dims and the key/value heads
+    flattened into ``NH`` heads: queries times scale ``(NH, G, L, E)`` (one contiguous
+    pass), keys/values ``(NH, S, E|Ev)`` (views where the strides allow), mask
+    ``(NH, G, L, S)`` (a view, or per leading index where it cannot be flattened)."""
+
+    def __init__(self, spec: AttentionSpec, *, backward: bool = False):
+        self.spec = spec
+        self.dtype = np.dtype(np.float32)
+        batch = spec.batch_shape or (1,)
+        self.batch = spec.batch_shape
+        self.G = G = spec.gqa_groups
+        self.L, self.S = L, S = spec.L, spec.S
+        self.E, self.Ev = E, Ev = spec.query.shape[-1], spec.value.shape[-1]
+        self.Hkv = Hkv = batch[-1] // G
+        self.lead = lead = batch[:-1]
+        self.NH = NH = math.prod(lead) * Hkv
+        self.scale = np.float32(spec.scale)
+        self.qs = np.empty((NH, G, L, E), dtype=np.float32)  # q * scale
+        np.multiply(_broadcast(spec.query, (*batch, L, E)), self.scale, out=self.qs.reshape(*batch, L, E))
+        # spec.key repeats each key/value head G times: every G-th is the original.
+        k = _broadcast(spec.key, (*batch, S, E))
+        v = _broadcast(spec.value, (*batch, S, Ev))
+        self.k = _flat(k[..., ::G, :, :] if G > 1 else k, (NH, S, E))
+        self.v = _flat(v[..., ::G, :, :] if G > 1 else v, (NH, S, Ev))
+        self.mode, self.mask, self.mask_by_lead = _MODE_NONE, None, None
+        if spec.is_causal:
+            self.mode = _MODE_CAUSAL
+        elif spec.attn_mask is not None:
+            m = _broadcast(spec.attn_mask, (*batch, L, S))
+            self.mode = _MODE_BOOL if m.dtype == np.bool_ else _MODE_FLOAT
+            self.mask = _merged(m, (NH, G, L, S))
+            if self.mask is None:  # e.g. a key-padding mask (N, 1, 1, S): per batch entry
+                self.mask_by_lead = m.reshape(*lead, Hkv, G, L, S)
+        self.scores = math.prod(batch) * L * S
+        self.threads = pool_threads(None) if self.scores >= _min_scores_per_thread() else 1
+        # Block sizes: heads per block (nh) and rows per block.
+        budget = _block_bytes() // (2 if backward else 1)
+        per_row = 4 * G * S  # bytes of one query row of all G heads
+        # Heads per block; blocks never straddle two batch entries when the mask is kept
+        # per batch entry.
+        span = Hkv if self.mask_by_lead is not None else NH
+        if per_row * L <= budget:
+            rows = L
+            nh = max(1, min(span, int(cpu_info().l2 * _HEADS_L2_SHARE) // (per_row * L)))
+        else:
+            nh = 1
+            rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
+        if spec.is_causal:
+            lo, hi = _CAUSAL_ROWS_RANGE
+            rows = min(rows, max(lo, min(hi, L // 8)))
+        rows = min(rows, L)
+        n_row_blocks = -(-L // rows)
+        # Enough units for the threads (two each, so that they finish together).
+        if self.threads > 1:
+            while nh > 1 and (NH // span) * -(-span // nh) * n_row_blocks < 2 * self.threads:
+                nh = -(-nh // 2)
+        n_chunks = -(-span // nh)
+        nh = -(-span // n_chunks)  # even chunks: 12 heads as 6 + 6, not 8 + 4
+        self.head_chunks = [(f + h, f + min(h + nh, span)) for f in range(0, NH, span) for h in range(0, span, nh)]
+        self.rows = rows
+        self.row_chunks = [(a, min(a + rows, L)) for a in range(0, L, rows)]
+
+    def key_end(self, a1: int) -> int:
+        return min(self.S, a1) if self.spec.is_causal else self.S
+
+    def mask_block(self, f0, f1, a0, a1, kend):
+        """``(mode, mask (nh * G, rows, kend), lim0)`` for the compiled row pass."""
+        if self.mode == _MODE_CAUSAL:
+            return self.mode, _NO_MASK, a0 + 1
+        if self.mode == _MODE_NONE:
+            return self.mode, _NO_MASK, 0
+        if self.mask is not None:
+            m = self.mask[f0:f1, :, a0:a1, :kend]
+        else:
+            idx = np.unravel_index(f0 // self.Hkv, self.lead) if self.lead else ()
+            h0 = f0 % self.Hkv
+            m = self.mask_by_lead[tuple(int(i) for i in idx)][h0 : h0 + f1 - f0, :, a0:a1, :kend]
+        return self.mode, m.reshape((f1 - f0) * self.G, a1 - a0, kend), 0
+
+    def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):
+        """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block
+        (the second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the
+        rows are left unnormalised and ``inv`` gets their ``1 / sum``."""
+        nh, rows, G = f1 - f0, a1 - a0, self.G
+        qs = self.qs[f0:f1, :, a0:a1]
+        qs = qs.reshape(nh, G * rows, self.E) if rows == self.L or G == 1 else \
+            np.ascontiguousarray(qs).reshape(nh, G * rows, self.E)
+        s = _buf(scratch, "s", (nh, G * rows, kend))
+        np.matmul(qs, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
+        mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
+        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv)
+        return qs, s
+
+
+def _run(units: list, run, threads: int) -> None:
+    """The units on the pool (:func:`attnlab._threads.run_units`), or, on one thread, in a
+    plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch)."""
+    threads = min(threads, len(units))
+    if threads > 1:
+        run_units(units, run, threads)
+        return
+    scratch: dict = {}
+    for unit in units:
+        run(unit, scratch)
+
+
+def _kernels():
+    from attnlab.core import _fused  # imports numba (planned() checked it is installed)
+
+    return _fused
+
+
+def forward(spec: AttentionSpec) -> np.ndarray:
+    """``softmax(q k^T * scale + mask) @ v``: ``(..., Hq, L, Ev)`` float32 (see
+    :func:`planned` for what ``spec`` must be)."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
+        return _forward(spec)
+
+
+def _forward(spec: AttentionSpec) -> np.ndarray:
+    K = _kernels()
+    lay = _Layout(spec)
+    G, L, Ev = lay.G, lay.L, lay.Ev
+    out = np.empty((lay.NH, G, L, Ev), dtype=np.float32)
+    units = [(f0, f1, a0, a1) for f0, f1 in lay.head_chunks
+             for a0, a1 in reversed(lay.row_chunks)]  # causal: the longest blocks first
+
+    def run(unit, scratch):
+        f0, f1, a0, a1 = unit
+        nh, rows = f1 - f0, a1 - a0
+        kend = lay.key_end(a1)
+        # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
+        inv = _buf(scratch, "inv", (nh * G * rows,))
+        _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
+        v = lay.v[f0:f1, :kend]
+        if rows == L or G == 1:  # the block's output rows are one (nh, G * rows) view
+            o = out[f0:f1, :, a0:a1].reshape((nh, G * rows, Ev), copy=False)
+            np.matmul(p, v, out=o)
+            o *= inv.reshape(nh, G * rows, 1)
+        else:
+            o = _buf(scratch, "o", (nh, G * rows, Ev))
+            np.matmul(p, v, out=o)
+            o *= inv.reshape(nh, G * rows, 1)
+            out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
+
+    _run(units, run, lay.threads)
+    return out.reshape(*spec.batch_shape, L, Ev)
+
+
+def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(grad_query, grad_key, grad_value)`` in the caller's shapes (GQA groups and
+    broadcast dims summed back), recomputing the probabilities block by block."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
+        return _backward(spec, grad_out)
+
+
+def _backward(spec: AttentionSpec, grad_out: np.ndarray):
+    K = _kernels()
+    lay = _Layout(spec, backward=True)
+    G, L, S, E, Ev, NH = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.NH
+    batch = spec.batch_shape or (1,)
+    go = _flat(_broadcast(grad_out, (*batch, L, Ev)), (NH, G, L, Ev))
+    dq = np.empty((NH, G, L, E), dtype=np.float32)
+    dk = np.zeros((NH, S, E), dtype=np.float32)
+    dv = np.zeros((NH, S, Ev), dtype=np.float32)
+    heads = lay.head_chunks
+    # Units own key/value heads; with fewer head blocks than twice the threads, each one's
+    # row blocks are dealt round-robin to `split` units, all but the first with partial
+    # dk, dv.
+    split = 1
+    if lay.threads > 1 and len(heads) < 2 * lay.threads:
+        split = max(1, min(len(lay.row_chunks), -(-2 * lay.threads // len(heads))))
+    partial = {}
+    for n, (f0, f1) in enumerate(heads):
+        for c in range(1, split):
+            partial[n, c] = (np.zeros((f1 - f0, S, E), np.float32), np.zeros((f1 - f0, S, Ev), np.float32))
+    units = [(n, c) for n in range(len(heads)) for c in range(split)]
+
+    def run(unit, scratch):
+        n, c = unit
+        f0, f1 = heads[n]
+        nh = f1 - f0
+        dk_h, dv_h = (dk[f0:f1], dv[f0:f1]) if c == 0 else partial[n, c]
+        k, v = lay.k[f0:f1], lay.v[f0:f1]
+        for a0, a1 in lay.row_chunks[c::split]:
+            rows = a1 - a0
+            kend = lay.key_end(a1)
+            qs, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+            g = go[f0:f1, :, a0:a1]
+            g = g.reshape(nh, G * rows, Ev) if rows == L or G == 1 else \
+                np.ascontiguousarray(g).reshape(nh, G * rows, Ev)
+            dv_h[:, :kend] += np.matmul(p.swapaxes(-1, -2), g, out=_buf(scratch, "dv", (nh, kend, Ev)))
+            dp = _buf(scratch, "dp", (nh, G * rows, kend))
+            np.matmul(g, v[:, :kend].swapaxes(-1, -2), out=dp)
+            K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
+            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), qs, out=_buf(scratch, "dk", (nh, kend, E)))
+            dq_b = dq[f0:f1, :, a0:a1]
+            if rows == L or G == 1:
+                dq_b = dq_b.reshape((nh, G * rows, E), copy=False)
+                np.matmul(dp, k[:, :kend], out=dq_b)
+                dq_b *= lay.scale
+            else:
+                o = _buf(scratch, "dq", (nh, G * rows, E))
+                np.matmul(dp, k[:, :kend], out=o)
+                o *= lay.scale
+                dq_b[...] = o.reshape(nh, G, rows, E)
+
+    _run(units, run, lay.threads)
+    for (n, _), (pk, pv) in partial.items():
+        f0, f1 = heads[n]
+        dk[f0:f1] += pk
+        dv[f0:f1] += pv
+    dq = dq.reshape(*batch, L, E)
+    dk = dk.reshape(*batch[:-1], lay.Hkv, S, E)
+    dv = dv.reshape(*batch[:-1], lay.Hkv, S, Ev)
+    if not spec.batch_shape:  # 2-D call: drop the head axis added above
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return (
+        reduce_to(dq, spec.query.shape, 1),
+        reduce_to(dk, spec.key_shape, 1),
+        reduce_to(dv, spec.value_shape, 1),
+    )

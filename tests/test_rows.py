@@ -1,0 +1,187 @@
+"""The rows kernel (core/rows.py): float32 attention by cache-sized blocks of query rows with
+a compiled softmax pass; causal blocks skip hidden keys, GQA without repeated keys. Against
+torch in float64 (the oracle), forward and backward, under every mask, with blocks cut
+every way (heads per block, rows per block, causal cuts, split backward units) and on one
+or two threads."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from attnlab import scaled_dot_product_attention, scaled_dot_product_attention_backward
+from attnlab.core import blockwise as bw
+from attnlab.core import dispatch, naive, rows
+from attnlab.core.spec import check_attention_args
+from helpers import attention_inputs, grad_err, rel_err
+
+pytestmark = pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+
+F32_MIN = float(np.finfo(np.float32).min)
+
+
+def _torch64(torch, q, k, v, g, mask=None, *, wide=True, math=True, **kw):
+    """torch's output and gradients in float64 (``wide``; else float32), cast to float32;
+    on torch's math backend unless ``math=False`` (its default, fused CPU kernel)."""
+    dt = torch.float64 if wide else torch.float32
+    tq, tk, tv = (torch.tensor(a, dtype=dt, requires_grad=True) for a in (q, k, v))
+    tm = None
+    if mask is not None:
+        tm = torch.tensor(mask) if mask.dtype == np.bool_ else torch.tensor(mask, dtype=dt)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # The math backend: torch's fused float32 kernel recomputes a row masked everywhere
+    # with -1e9 from an lse that lost log(S) (weights S times too large in its backward).
+    with sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext():
+        out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=tm, **kw)
+    out.backward(torch.tensor(g, dtype=dt))
+    return out.detach().numpy().astype(np.float32), tuple(t.grad.numpy().astype(np.float32) for t in (tq, tk, tv))
+
+
+@pytest.fixture(params=["whole", "cut"])
+def blocks(request, monkeypatch):
+    """``whole``: the machine's block sizes; ``cut``: blocks of a few KiB, so that calls
+    are cut into several heads' blocks, row blocks and split backward units, on 2 threads."""
+    monkeypatch.setattr(rows, "_MIN_SCORES", 0)  # the small test sizes take the kernel too
+    if request.param == "cut":
+        monkeypatch.setattr(rows, "_block_bytes", lambda: 24 * 1024)
+        monkeypatch.setattr(rows, "_MIN_ROWS", 8)
+        monkeypatch.setattr(rows, "_FORWARD_MIN_ROWS", 8)
+        monkeypatch.setattr(rows, "_BACKWARD_MIN_ROWS", 8)
+        monkeypatch.setattr(rows, "_CAUSAL_ROWS_RANGE", (8, 16))
+        monkeypatch.setattr(rows, "_HEADS_L2_SHARE", 24 * 1024 / rows.cpu_info().l2)
+        monkeypatch.setattr(rows, "pool_threads", lambda n: 2)
+        monkeypatch.setattr(rows, "_min_scores_per_thread", lambda: 0)
+    return request.param
+
+
+def _check(torch, q, k, v, g, mask=None, *, tol=3e-6, wide=True, **kw):
+    spec = check_attention_args(q, k, v, mask, **kw)
+    assert rows.planned(spec) and rows.planned(spec, backward=True)
+    want, want_g = _torch64(torch, q, k, v, g, mask, wide=wide, **kw)
+    out = scaled_dot_product_attention(q, k, v, mask, **kw)
+    grads = scaled_dot_product_attention_backward(g, q, k, v, mask, **kw)
+    assert out.dtype == np.float32 and out.shape == want.shape
+    assert rel_err(out, want) <= tol
+    for a, b in zip(grads, want_g, strict=True):
+        assert a.shape == b.shape and a.dtype == np.float32
+        assert grad_err(a, b) <= 2 * tol
+    return out, grads
+
+
+CASES = [  # batch, Hq, H, L, S, E, Ev, causal, GQA
+    ((2,), 4, 4, 40, 40, 16, 16, False, False),
+    ((2,), 4, 4, 40, 40, 16, 8, True, False),
+    ((1,), 6, 2, 33, 33, 16, 16, True, True),
+    ((2,), 6, 3, 20, 45, 8, 12, False, True),
+    ((2,), 4, 2, 45, 20, 8, 8, True, True),  # L > S: late rows see every key
+    ((), 3, 3, 20, 70, 8, 8, True, False),  # L < S, top-left: row i sees keys <= i
+    ((2, 3), 2, 2, 17, 19, 8, 8, False, False),
+]
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}x{c[1]}/{c[2]}-L{c[3]}-S{c[4]}-{'causal' if c[7] else 'full'}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_torch(case, blocks, torch):
+    batch, hq, h, L, S, E, Ev, causal, gqa = case
+    rng = np.random.default_rng(40)
+    q, k, v, g = attention_inputs(rng, batch, hq, h, L, S, E, Ev, np.float32)
+    _check(torch, q, k, v, g, is_causal=causal, enable_gqa=gqa)
+
+
+def test_masks_match_torch(blocks, torch):
+    """Bool masks (with fully masked rows: zeros), key-padding masks broadcast over heads
+    and rows, float masks (-1e9 and finfo.min everywhere in a row: torch's uniform
+    average), per-head masks with GQA."""
+    rng = np.random.default_rng(41)
+    L, S = 36, 44
+    q, k, v, g = attention_inputs(rng, (2,), 6, 2, L, S, 16, 16, np.float32)
+    boolean = rng.random((2, 6, L, S)) > 0.4
+    boolean[:, :, 3] = False
+    out, grads = _check(torch, q, k, v, g, boolean, enable_gqa=True)
+    assert (out[:, :, 3] == 0).all() and (grads[0][:, :, 3] == 0).all()
+    padding = np.ones((2, 1, 1, S), bool)
+    padding[1, ..., 30:] = False
+    _check(torch, q, k, v, g, padding, enable_gqa=True)
+    bias = rng.standard_normal((L, S)).astype(np.float32)
+    bias[5] = -1e9
+    bias[7] = F32_MIN
+    bias[:, 40:] = -np.inf
+    # float32 torch: in float64, -1e9 + score keeps the scores apart (no uniform rows)
+    out, _ = _check(torch, q, k, v, g, bias, enable_gqa=True, wide=False, tol=1e-5)
+    np.testing.assert_allclose(out[:, :, 5], np.repeat(v[:, :, :40].mean(2), 3, axis=1), rtol=1e-5, atol=1e-6)
+
+
+def test_nan_and_inf_propagate_as_in_torch(blocks, torch):
+    """NaN in a query row makes that row NaN; an infinite key score makes the rows that see
+    it NaN; a NaN score a causal mask hides changes nothing (as in torch)."""
+    rng = np.random.default_rng(42)
+    q, k, v, g = attention_inputs(rng, (1,), 2, 2, 24, 24, 8, 8, np.float32)
+    q[0, 0, 4, 1] = np.nan
+    k[0, 1, 10, 2] = np.inf
+    k[0, 0, 20, 0] = np.nan  # hidden from rows < 20 by the causal mask
+    for causal in (False, True):
+        want, _ = _torch64(torch, q, k, v, g, math=False, is_causal=causal)
+        out = scaled_dot_product_attention(q, k, v, is_causal=causal)
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+        assert np.isnan(out[0, 0, 4]).all() and np.isnan(out[0, 0, 20 if causal else 0]).all()
+        ok = ~np.isnan(want)
+        assert np.abs(out[ok] - want[ok]).max() <= 1e-5
+
+
+def test_agrees_with_the_naive_and_blockwise_kernels(blocks):
+    rng = np.random.default_rng(43)
+    q, k, v, g = attention_inputs(rng, (3,), 4, 4, 50, 60, 16, 16, np.float32)
+    mask = rng.random((3, 1, 50, 60)) > 0.3
+    for kw in ({"is_causal": True}, {"attn_mask": mask}):
+        spec = check_attention_args(q, k, v, **kw)
+        ref = naive.forward(spec)
+        ref_g = naive.backward(spec, g)
+        assert rel_err(rows.forward(spec), ref) <= 2e-6
+        assert rel_err(bw.forward_spec(spec), ref) <= 2e-6
+        for a, b in zip(rows.backward(spec, g), ref_g, strict=True):
+            assert grad_err(a, b) <= 4e-6
+
+
+def test_gqa_does_not_repeat_keys_in_the_kernel(blocks, torch):
+    """The group's query heads share one key/value head: the same numbers as torch's
+    repeat_interleave, and the key/value gradients summed over the group."""
+    rng = np.random.default_rng(44)
+    q, k, v, g = attention_inputs(rng, (1,), 9, 3, 64, 64, 16, 16, np.float32)
+    _, (_, dk, dv) = _check(torch, q, k, v, g, is_causal=True, enable_gqa=True)
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_dispatch():
+    rng = np.random.default_rng(45)
+    q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores
+    assert rows.planned(check_attention_args(q, q, q))
+    assert not rows.planned(check_attention_args(q[:7], q[:7], q[:7]))  # below: naive
+    q64 = q.astype(np.float64)
+    assert not rows.planned(check_attention_args(q64, q64, q64))  # float32 only
+    assert not rows.planned(check_attention_args(q, q, q, dropout_p=0.1))
+    with bw.tuned(fused=False):  # ATTNLAB_NO_NUMBA=1, or no numba: the NumPy paths
+        assert not rows.planned(check_attention_args(q, q, q))
+    long = np.zeros((1, rows.max_keys() + 1, 16), np.float32)
+    few = q[:1, :32]  # 32 x 2049 scores: enough
+    assert not rows.planned(check_attention_args(few, long, long))
+    assert rows.planned(check_attention_args(few, long, long), backward=True) == (
+        long.shape[1] <= rows.max_keys(backward=True)
+    )
+    assert rows.max_keys(backward=True) >= rows.max_keys()
+
+
+def test_half_precision_computed_in_float32(torch, monkeypatch):
+    monkeypatch.setattr(rows, "_MIN_SCORES", 0)
+    rng = np.random.default_rng(46)
+    q, k, v, g = attention_inputs(rng, (2,), 4, 4, 48, 48, 16, 16, np.float16)
+    assert rows.planned(dispatch.widened(check_attention_args(q, k, v)))
+    want, _ = _torch64(torch, q, k, v, g, is_causal=True)
+    out = scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == np.float16
+    assert rel_err(out.astype(np.float32), want) <= 2e-3
