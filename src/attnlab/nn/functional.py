@@ -234,8 +234,7 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     if out is None:
         out = np.empty_like(x)
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
-        out[...] = 0.5 * x * (1.0 + np.tanh(inner))
+        _gelu_tanh_blocks(x, out)
     elif x.dtype.type is np.float64:
         out[...] = 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
     elif _gelu_compiled(x, out):
@@ -257,6 +256,45 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
                 np.copyto(r, 0.0, where=xb < -_GELU32_ZERO_BELOW)
             flat_out[start : start + m] = r
     return out
+
+
+def _blocks(x: np.ndarray, out: np.ndarray):
+    """``(x block, out block)`` pairs of at most :data:`_BLOCK` elements covering ``x`` and
+    ``out`` (same shape; 1-D views where both are contiguous, else rows of the last axis),
+    so that element-wise work on a block stays in the cache."""
+    if x.flags.c_contiguous and out.flags.c_contiguous:
+        fx, fo = x.reshape(-1), out.reshape(-1)
+        for start in range(0, fx.size, _BLOCK):
+            yield fx[start : start + _BLOCK], fo[start : start + _BLOCK]
+        return
+    if x.ndim < 2:
+        yield x, out
+        return
+    rx, ro = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])  # copies only if it must
+    step = max(1, _BLOCK // max(1, x.shape[-1]))
+    for start in range(0, rx.shape[0], step):
+        yield rx[start : start + step], ro[start : start + step]
+    if not np.shares_memory(ro, out):  # out's rows were not a view: write them back
+        out[...] = ro.reshape(out.shape)
+
+
+def _gelu_tanh_blocks(x: np.ndarray, out: np.ndarray) -> None:
+    """``out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` block by block, with
+    torch's (and ``transformers``' ``gelu_new``'s) operations in their order, in ``x``'s
+    dtype; two scratch blocks reused (``out`` may be ``x``)."""
+    t = u = None
+    for xb, ob in _blocks(x, out):
+        if t is None or t.shape != xb.shape:
+            t, u = np.empty_like(xb), np.empty_like(xb)
+        np.multiply(xb, xb, out=t)
+        t *= xb  # x^3
+        t *= 0.044715
+        t += xb
+        t *= _SQRT_2_OVER_PI
+        np.tanh(t, out=t)
+        t += 1.0
+        np.multiply(xb, 0.5, out=u)  # before ob is written: ob may be xb
+        np.multiply(u, t, out=ob)
 
 
 def _gelu_compiled(x: np.ndarray, out: np.ndarray) -> bool:
@@ -360,8 +398,10 @@ def cross_entropy(
 
 
 # ---- SiLU and RMSNorm ------------------------------------------------------------------
-def silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``.
+def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``; with
+    ``out`` (a NumPy array of ``x``'s shape and dtype, may be ``x``) written there, block by
+    block.
 
     >>> silu(np.array([-1.0, 0.0, 2.0], dtype=np.float32))
     array([-0.2689414,  0.       ,  1.761594 ], dtype=float32)
@@ -370,10 +410,21 @@ def silu(x: np.ndarray) -> np.ndarray:
         xp = namespace(x)
         return x / (1.0 + xp.exp(-x))
     x = np.asarray(x)
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
-        d = np.exp(-x)
-    d += 1
-    return np.divide(x, d, out=d)
+    if out is None:
+        with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+            d = np.exp(-x)
+        d += 1
+        return np.divide(x, d, out=d)
+    d = None
+    with np.errstate(over="ignore"):
+        for xb, ob in _blocks(x, out):  # the same operations, block by block in the cache
+            if d is None or d.shape != xb.shape:
+                d = np.empty_like(xb)
+            np.negative(xb, out=d)
+            np.exp(d, out=d)
+            d += 1
+            np.divide(xb, d, out=ob)
+    return out
 
 
 def silu_backward(grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:
