@@ -336,13 +336,21 @@ def gelu_backward(grad_y: np.ndarray, x: np.ndarray, *, approximate: str = "none
 
 # ---- layer norm ----------------------------------------------------------------------
 def layer_norm(
-    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float, *, keep_x_hat: bool = True
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
-    (biased variance, as torch)."""
+    (biased variance, as torch). With ``keep_x_hat=False`` (NumPy) ``y`` is computed in
+    place in one fresh array (the same numbers) and ``x_hat`` is None."""
     xp = namespace(x)
     xc = x - row_mean(x)
     rstd = 1.0 / xp.sqrt(row_mean(xc * xc) + eps)  # a Python eps keeps x's dtype
+    if not keep_x_hat and xp is np:
+        xc *= rstd
+        if weight is not None:
+            xc *= weight
+        if bias is not None:
+            xc += bias
+        return xc, None, rstd
     x_hat = xc * rstd
     if weight is not None:
         y = x_hat * weight
