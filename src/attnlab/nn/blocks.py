@@ -375,13 +375,16 @@ class GatedFeedForward(Module):
             up += self.up_proj.bias.data
         gate = self._pre(gate)  # a hook's replacement is a fresh array: still in place
         up = self._pre_linear(up)
-        if self.activation == "silu":
-            F.silu(gate, out=gate)
-        elif self.activation == "gelu_tanh":
-            F.gelu(gate, approximate="tanh", out=gate)
+        if self.activation == "silu" and not self.hook_post._fns:  # hook_post's value, in one pass
+            F.silu_mul(gate, up, out=gate)
         else:
-            gate[...] = self.act_fn(gate)
-        gate *= up
+            if self.activation == "silu":
+                F.silu(gate, out=gate)
+            elif self.activation == "gelu_tanh":
+                F.gelu(gate, approximate="tanh", out=gate)
+            else:
+                gate[...] = self.act_fn(gate)
+            gate *= up
         return self.down_proj(self._post(gate))
 
     # The hook points on the hidden activations (one attribute test each when unhooked).

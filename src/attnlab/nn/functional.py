@@ -258,34 +258,61 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     return out
 
 
-def _blocks(x: np.ndarray, out: np.ndarray):
-    """``(x block, out block)`` pairs of at most :data:`_BLOCK` elements covering ``x`` and
-    ``out`` (same shape; 1-D views where both are contiguous, else rows of the last axis),
-    so that element-wise work on a block stays in the cache."""
-    if x.flags.c_contiguous and out.flags.c_contiguous:
-        fx, fo = x.reshape(-1), out.reshape(-1)
-        for start in range(0, fx.size, _BLOCK):
-            yield fx[start : start + _BLOCK], fo[start : start + _BLOCK]
+#: Element-wise work on at least this many elements is split over attnlab's threads
+#: (NumPy's loops release the GIL; a pool costs about 0.1-0.4 ms to start, and more on a
+#: busy machine, where a second thread waits for a core: smaller arrays stay on one).
+_PARALLEL_MIN = 1 << 20
+
+
+def _row_views(a: np.ndarray) -> np.ndarray | None:
+    """``a`` as a 1-D view (contiguous) or a 2-D view of rows of its last axis; None when
+    neither exists without a copy."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    if a.ndim == 0:
+        return None
+    r = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+    return r if np.shares_memory(r, a) else None
+
+
+def _elementwise(fn, arrays: tuple[np.ndarray, ...], n_scratch: int) -> None:
+    """``fn(blocks, scratch)`` over blocks of :data:`_BLOCK` elements of ``arrays`` (one
+    shape; the last may be written, and may be one of the others), so that the work on a
+    block stays in the cache; ``scratch`` holds ``n_scratch`` arrays of a block's shape,
+    reused. Large arrays are split over attnlab's threads (:func:`attnlab.get_num_threads`);
+    a block's numbers do not depend on the split."""
+    from attnlab._threads import get_num_threads, in_pool, run_units
+
+    views = [_row_views(a) for a in arrays]
+    if any(v is None for v in views) or views[0].size == 0:
+        fn(arrays, [np.empty_like(arrays[-1]) for _ in range(n_scratch)])
         return
-    if x.ndim < 2:
-        yield x, out
-        return
-    rx, ro = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])  # copies only if it must
-    step = max(1, _BLOCK // max(1, x.shape[-1]))
-    for start in range(0, rx.shape[0], step):
-        yield rx[start : start + step], ro[start : start + step]
-    if not np.shares_memory(ro, out):  # out's rows were not a view: write them back
-        out[...] = ro.reshape(out.shape)
+    flat = all(v.ndim == 1 for v in views)
+    if not flat:  # rows of the last axis for every array (views: see _row_views)
+        views = [a.reshape(-1, a.shape[-1]) for a in arrays]
+    rows = views[0].shape[0]
+    step = _BLOCK if flat else max(1, _BLOCK // max(1, views[0].shape[-1]))
+    starts = range(0, rows, step)
+
+    def unit(start, scratch):
+        blocks = tuple(v[start : start + step] for v in views)
+        have = scratch.get("s")
+        if have is None or have[0].shape != blocks[-1].shape:
+            have = scratch["s"] = [np.empty_like(blocks[-1]) for _ in range(n_scratch)]
+        fn(blocks, have)
+
+    threads = 1 if in_pool() or arrays[0].size < _PARALLEL_MIN else min(get_num_threads(), len(starts))
+    run_units(starts, unit, threads)
 
 
 def _gelu_tanh_blocks(x: np.ndarray, out: np.ndarray) -> None:
     """``out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` block by block, with
     torch's (and ``transformers``' ``gelu_new``'s) operations in their order, in ``x``'s
-    dtype; two scratch blocks reused (``out`` may be ``x``)."""
-    t = u = None
-    for xb, ob in _blocks(x, out):
-        if t is None or t.shape != xb.shape:
-            t, u = np.empty_like(xb), np.empty_like(xb)
+    dtype (``out`` may be ``x``)."""
+
+    def fn(blocks, scratch):
+        xb, ob = blocks
+        t, u = scratch
         np.multiply(xb, xb, out=t)
         t *= xb  # x^3
         t *= 0.044715
@@ -295,6 +322,8 @@ def _gelu_tanh_blocks(x: np.ndarray, out: np.ndarray) -> None:
         t += 1.0
         np.multiply(xb, 0.5, out=u)  # before ob is written: ob may be xb
         np.multiply(u, t, out=ob)
+
+    _elementwise(fn, (x, out), 2)
 
 
 def _gelu_compiled(x: np.ndarray, out: np.ndarray) -> bool:
@@ -423,15 +452,35 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
             d = np.exp(-x)
         d += 1
         return np.divide(x, d, out=d)
-    d = None
-    with np.errstate(over="ignore"):
-        for xb, ob in _blocks(x, out):  # the same operations, block by block in the cache
-            if d is None or d.shape != xb.shape:
-                d = np.empty_like(xb)
-            np.negative(xb, out=d)
-            np.exp(d, out=d)
-            d += 1
-            np.divide(xb, d, out=ob)
+    _elementwise(_silu_block, (x, out), 1)
+    return out
+
+
+def _silu_block(blocks, scratch, up=False):
+    """:func:`silu`'s operations on one block (times ``up``'s block with ``up=True``)."""
+    xb, ob = blocks[0], blocks[-1]
+    d = scratch[0]
+    np.negative(xb, out=d)
+    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+        np.exp(d, out=d)
+    d += 1
+    if up:
+        np.divide(xb, d, out=d)
+        np.multiply(d, blocks[1], out=ob)
+    else:
+        np.divide(xb, d, out=ob)
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """``silu(gate) * up`` (the SwiGLU of Llama-style feed-forward networks), NumPy arrays
+    of one shape and dtype, block by block (``out`` may be ``gate`` or ``up``); the numbers
+    of ``silu(gate) * up``.
+
+    >>> silu_mul(np.array([1.0, -2.0], np.float32), np.array([2.0, 3.0], np.float32))
+    array([ 1.4621172, -0.7152176], dtype=float32)
+    """
+    out = np.empty_like(gate) if out is None else out
+    _elementwise(lambda blocks, scratch: _silu_block(blocks, scratch, up=True), (gate, up, out), 1)
     return out
 
 
