@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 import warnings
 
 from _setup import machine_load, pin_threads

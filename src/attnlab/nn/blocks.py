@@ -13,10 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import generator, probability, shape_error
+from attnlab.nn import functional as F
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
-from attnlab.nn import functional as F
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module
 
