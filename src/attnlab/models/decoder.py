@@ -64,17 +64,6 @@ class CausalLM(Module):
         """The final norm (hook name ``ln_final``)."""
         return self.ln_f
 
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False) -> None:
-        """:meth:`Module.load_state_dict <attnlab.nn.Module.load_state_dict>`, then the gated
-        feed-forward networks' gate and up weights made views of one array again where
-        ``assign=True`` gave them arrays of their own (see
-        :meth:`~attnlab.nn.GatedFeedForward.fuse_gate_up`)."""
-        super().load_state_dict(state_dict, strict, assign)
-        for _, m in self.named_modules():
-            fuse = getattr(m, "fuse_gate_up", None)
-            if fuse is not None:
-                fuse()
-
     def new_cache(self) -> list[KVCache]:
         """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
         :meth:`forward` ``(..., cache=...)``."""

@@ -13,11 +13,10 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import generator, probability, shape_error
-from attnlab.nn import functional as F
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
-from attnlab.nn.linear import Linear, check_input
+from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
 
 __all__ = ["ACTIVATIONS", "FeedForward", "KVCache", "TransformerBlock", "activation_layer"]
@@ -292,13 +291,6 @@ class GatedFeedForward(Module):
     gate projection's output is what TransformerLens calls ``mlp.hook_pre``, the up
     projection's ``mlp.hook_pre_linear``, and ``act(gate) * up`` ``mlp.hook_post``.
 
-    The gate and up weights are two halves of one ``(2 d_ff, d_model)`` array (each
-    parameter a view of it; :meth:`fuse_gate_up` after weights are assigned): an eval-mode
-    call then takes both projections in one matrix product, and works on that product in
-    place (the activation, then the multiplication by ``up``). Training mode calls the two
-    :class:`~attnlab.nn.Linear` layers, whose backward passes give each parameter its
-    gradient; weights replaced by other arrays are simply projected one at a time.
-
     >>> ff = GatedFeedForward(4, 8, rng=np.random.default_rng(0))
     >>> sorted(ff.state_dict()), ff.hook_names()
     (['down_proj.weight', 'gate_proj.weight', 'up_proj.weight'], ['hook_pre', 'hook_pre_linear', 'hook_post'])
@@ -318,74 +310,17 @@ class GatedFeedForward(Module):
         self.hook_pre = HookPoint()  # the gate projection's output
         self.hook_pre_linear = HookPoint()  # the up projection's output
         self.hook_post = HookPoint()  # act(gate) * up
-        self.fuse_gate_up()
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
 
-    def fuse_gate_up(self) -> bool:
-        """Make the gate and up weights two views of one ``(2 d_ff, d_model)`` array (their
-        values copied into it), so that an eval-mode call projects both in one matrix
-        product; True when they are (NumPy weights of one dtype), else nothing changes.
-        The state dict's names and values stay as they are; in-place updates of either
-        parameter (an optimizer's step, an edit) reach the fused array."""
-        if self._gate_up() is not None:
-            return True
-        g, u = self.gate_proj.weight.data, self.up_proj.weight.data
-        if type(g) is not np.ndarray or type(u) is not np.ndarray or g.dtype != u.dtype or g.shape != u.shape:
-            return False
-        both = np.concatenate([g, u])
-        self.gate_proj.weight.data, self.up_proj.weight.data = both[: len(g)], both[len(g) :]
-        return True
-
-    def _gate_up(self) -> np.ndarray | None:
-        """The ``(2 d_ff, d_model)`` array the gate and up weights are views of, or None."""
-        g, u = self.gate_proj.weight.data, self.up_proj.weight.data
-        both = getattr(g, "base", None)
-        if both is None or getattr(u, "base", None) is not both or type(both) is not np.ndarray \
-                or both.shape != (2 * g.shape[0], g.shape[1]) or not both.flags.c_contiguous:
-            return None
-        start = both.ctypes.data
-        if g.ctypes.data != start or u.ctypes.data != start + g.nbytes or not (g.flags.c_contiguous
-                                                                              and u.flags.c_contiguous):
-            return None
-        return both
-
     def forward(self, x: np.ndarray) -> np.ndarray:
-        both = None if self.training else self._gate_up()
-        if both is not None:
-            return self._forward_fused(x, both)
         gate = self._pre(self.gate_proj(x))
         up = self._pre_linear(self.up_proj(x))
         act = self.act_fn(gate)
         h = self._post(act * up)
         self._save(act=act, up=up)
         return self.down_proj(h)
-
-    def _forward_fused(self, x: np.ndarray, both: np.ndarray) -> np.ndarray:
-        """The eval-mode pass: one product for gate and up, then in place on its halves
-        (the same operations as the layers', in the same order)."""
-        x = check_input(x, "x", both, self.gate_proj.in_features)
-        n = self.gate_proj.out_features
-        y = F.linear(x, both)  # (..., 2 d_ff), a fresh array
-        gate, up = y[..., :n], y[..., n:]
-        if self.gate_proj.bias is not None:
-            gate += self.gate_proj.bias.data
-        if self.up_proj.bias is not None:
-            up += self.up_proj.bias.data
-        gate = self._pre(gate)  # a hook's replacement is a fresh array: still in place
-        up = self._pre_linear(up)
-        if self.activation == "silu" and not self.hook_post._fns:  # hook_post's value, in one pass
-            F.silu_mul(gate, up, out=gate)
-        else:
-            if self.activation == "silu":
-                F.silu(gate, out=gate)
-            elif self.activation == "gelu_tanh":
-                F.gelu(gate, approximate="tanh", out=gate)
-            else:
-                gate[...] = self.act_fn(gate)
-            gate *= up
-        return self.down_proj(self._post(gate))
 
     # The hook points on the hidden activations (one attribute test each when unhooked).
     def _pre(self, gate: np.ndarray) -> np.ndarray:

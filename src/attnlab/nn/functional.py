@@ -456,32 +456,15 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def _silu_block(blocks, scratch, up=False):
-    """:func:`silu`'s operations on one block (times ``up``'s block with ``up=True``)."""
-    xb, ob = blocks[0], blocks[-1]
+def _silu_block(blocks, scratch):
+    """:func:`silu`'s operations on one block."""
+    xb, ob = blocks
     d = scratch[0]
     np.negative(xb, out=d)
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
         np.exp(d, out=d)
     d += 1
-    if up:
-        np.divide(xb, d, out=d)
-        np.multiply(d, blocks[1], out=ob)
-    else:
-        np.divide(xb, d, out=ob)
-
-
-def silu_mul(gate: np.ndarray, up: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
-    """``silu(gate) * up`` (the SwiGLU of Llama-style feed-forward networks), NumPy arrays
-    of one shape and dtype, block by block (``out`` may be ``gate`` or ``up``); the numbers
-    of ``silu(gate) * up``.
-
-    >>> silu_mul(np.array([1.0, -2.0], np.float32), np.array([2.0, 3.0], np.float32))
-    array([ 1.4621172, -0.7152176], dtype=float32)
-    """
-    out = np.empty_like(gate) if out is None else out
-    _elementwise(lambda blocks, scratch: _silu_block(blocks, scratch, up=True), (gate, up, out), 1)
-    return out
+    np.divide(xb, d, out=ob)
 
 
 def silu_backward(grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:
