@@ -248,8 +248,7 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     if out is None:
         out = np.empty_like(x)
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + 0.044715 * (x * x * x))
-        out[...] = 0.5 * x * (1.0 + np.tanh(inner))
+        _gelu_tanh_blocks(x, out)
     elif x.dtype.type is np.float64:
         out[...] = 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
     elif _gelu_compiled(x, out):
@@ -271,6 +270,74 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
                 np.copyto(r, 0.0, where=xb < -_GELU32_ZERO_BELOW)
             flat_out[start : start + m] = r
     return out
+
+
+#: Element-wise work on at least this many elements is split over attnlab's threads
+#: (NumPy's loops release the GIL; a pool costs about 0.1-0.4 ms to start, and more on a
+#: busy machine, where a second thread waits for a core: smaller arrays stay on one).
+_PARALLEL_MIN = 1 << 20
+
+
+def _row_views(a: np.ndarray) -> np.ndarray | None:
+    """``a`` as a 1-D view (contiguous) or a 2-D view of rows of its last axis; None when
+    neither exists without a copy."""
+    if a.flags.c_contiguous:
+        return a.reshape(-1)
+    if a.ndim == 0:
+        return None
+    r = a.reshape(-1, a.shape[-1]) if a.ndim != 2 else a
+    return r if np.shares_memory(r, a) else None
+
+
+def _elementwise(fn, arrays: tuple[np.ndarray, ...], n_scratch: int) -> None:
+    """``fn(blocks, scratch)`` over blocks of :data:`_BLOCK` elements of ``arrays`` (one
+    shape; the last may be written, and may be one of the others), so that the work on a
+    block stays in the cache; ``scratch`` holds ``n_scratch`` arrays of a block's shape,
+    reused. Large arrays are split over attnlab's threads (:func:`attnlab.get_num_threads`);
+    a block's numbers do not depend on the split."""
+    from attnlab._threads import get_num_threads, in_pool, run_units
+
+    views = [_row_views(a) for a in arrays]
+    if any(v is None for v in views) or views[0].size == 0:
+        fn(arrays, [np.empty_like(arrays[-1]) for _ in range(n_scratch)])
+        return
+    flat = all(v.ndim == 1 for v in views)
+    if not flat:  # rows of the last axis for every array (views: see _row_views)
+        views = [a.reshape(-1, a.shape[-1]) for a in arrays]
+    rows = views[0].shape[0]
+    step = _BLOCK if flat else max(1, _BLOCK // max(1, views[0].shape[-1]))
+    starts = range(0, rows, step)
+
+    def unit(start, scratch):
+        blocks = tuple(v[start : start + step] for v in views)
+        have = scratch.get("s")
+        if have is None or have[0].shape != blocks[-1].shape:
+            have = scratch["s"] = [np.empty_like(blocks[-1]) for _ in range(n_scratch)]
+        fn(blocks, have)
+
+    threads = 1 if in_pool() or arrays[0].size < _PARALLEL_MIN else min(get_num_threads(), len(starts))
+    run_units(starts, unit, threads)
+
+
+def _gelu_tanh_blocks(x: np.ndarray, out: np.ndarray) -> None:
+    """``out = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` block by block, with
+    torch's (and ``transformers``' ``gelu_new``'s) operations in their order, in ``x``'s
+    dtype (``out`` may be ``x``)."""
+
+    def fn(blocks, scratch):
+        xb, ob = blocks
+        t, u = scratch
+        np.multiply(xb, xb, out=t)
+        t *= xb  # x^3
+        t *= 0.044715
+        t += xb
+        t *= _SQRT_2_OVER_PI
+        np.tanh(t, out=t)
+        t += 1.0
+        np.multiply(xb, 0.5, out=u)  # before ob is written: ob may be xb
+        np.multiply(u, t, out=ob)
+
+    _elementwise(fn, (x, out), 2)
 
 
 def _gelu_compiled(x: np.ndarray, out: np.ndarray) -> bool:
@@ -312,13 +379,21 @@ def gelu_backward(grad_y: np.ndarray, x: np.ndarray, *, approximate: str = "none
 
 # ---- layer norm ----------------------------------------------------------------------
 def layer_norm(
-    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x: np.ndarray, weight: np.ndarray | None, bias: np.ndarray | None, eps: float, *, keep_x_hat: bool = True
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
-    (biased variance, as torch)."""
+    (biased variance, as torch). With ``keep_x_hat=False`` (NumPy) ``y`` is computed in
+    place in one fresh array (the same numbers) and ``x_hat`` is None."""
     xp = namespace(x)
     xc = x - row_mean(x)
     rstd = 1.0 / xp.sqrt(row_mean(xc * xc) + eps)  # a Python eps keeps x's dtype
+    if not keep_x_hat and xp is np:
+        xc *= rstd
+        if weight is not None:
+            xc *= weight
+        if bias is not None:
+            xc += bias
+        return xc, None, rstd
     x_hat = xc * rstd
     if weight is not None:
         y = x_hat * weight
@@ -374,8 +449,10 @@ def cross_entropy(
 
 
 # ---- SiLU and RMSNorm ------------------------------------------------------------------
-def silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``.
+def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
+    """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``; with
+    ``out`` (a NumPy array of ``x``'s shape and dtype, may be ``x``) written there, block by
+    block.
 
     >>> silu(np.array([-1.0, 0.0, 2.0], dtype=np.float32))
     array([-0.2689414,  0.       ,  1.761594 ], dtype=float32)
@@ -384,10 +461,24 @@ def silu(x: np.ndarray) -> np.ndarray:
         xp = namespace(x)
         return x / (1.0 + xp.exp(-x))
     x = np.asarray(x)
+    if out is None:
+        with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+            d = np.exp(-x)
+        d += 1
+        return np.divide(x, d, out=d)
+    _elementwise(_silu_block, (x, out), 1)
+    return out
+
+
+def _silu_block(blocks, scratch):
+    """:func:`silu`'s operations on one block."""
+    xb, ob = blocks
+    d = scratch[0]
+    np.negative(xb, out=d)
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
-        d = np.exp(-x)
+        np.exp(d, out=d)
     d += 1
-    return np.divide(x, d, out=d)
+    np.divide(xb, d, out=ob)
 
 
 def silu_backward(grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:

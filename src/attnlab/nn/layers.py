@@ -147,6 +147,8 @@ class LayerNorm(Module):
         x = check_input(x, "x", self._like, self.normalized_shape)
         w = None if self.weight is None else self.weight.data
         b = None if self.bias is None else self.bias.data
+        if not self.training and not self.hook_normalized._fns:  # x_hat wanted by neither
+            return F.layer_norm(x, w, b, self.eps, keep_x_hat=False)[0]
         y, x_hat, rstd = F.layer_norm(x, w, b, self.eps)
         if self.hook_normalized._fns:  # a hook reads or replaces x_hat: y follows it
             x_hat = self.hook_normalized(x_hat)
@@ -343,9 +345,12 @@ class RMSNorm(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = check_input(x, "x", self._like, self.normalized_shape)
         x_hat, rstd = F.rms_normalize(x, self.eps)
+        w = None if self.weight is None else self.weight.data
+        if not self.training and w is not None and not self.hook_normalized._fns and type(x_hat) is np.ndarray \
+                and x_hat.dtype == w.dtype:  # x_hat is fresh and wanted by no one: scaled in place
+            return np.multiply(x_hat, (1.0 + w) if self.add_unit_offset else w, out=x_hat)
         x_hat = self._normalized(x_hat)
         self._save(x_hat=x_hat, rstd=rstd)
-        w = None if self.weight is None else self.weight.data
         return F.rms_scale(x_hat, w, add_unit_offset=self.add_unit_offset)
 
     def _normalized(self, x_hat: np.ndarray) -> np.ndarray:
