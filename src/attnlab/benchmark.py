@@ -175,7 +175,7 @@ class Row:
     seconds: dict[str, float | None] = field(default_factory=dict)  # settled; None: skipped
     notes: dict[str, str] = field(default_factory=dict)
     back_to_back: dict[str, float] = field(default_factory=dict)  # the same, without pauses
-    kernel: str = ""  # the kernel attnlab's dispatcher picked ("blockwise", "naive")
+    kernel: str = ""  # the kernel attnlab's dispatcher picked ("rows", "blockwise", "naive")
 
     @property
     def flops(self) -> float:
@@ -262,14 +262,18 @@ def _set_threads(torch, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _kernel(shape: Shape, q, k, v) -> str:
-    """Which kernel attnlab's dispatcher runs for this problem ("" if it cannot tell)."""
+def _kernel(shape: Shape, q, k, v, passes: str) -> str:
+    """Which kernel attnlab's dispatcher runs for this problem ("" if it cannot tell); for
+    forward+backward both, "rows/blockwise", where they differ."""
     try:
         from attnlab.core import dispatch
         from attnlab.core.spec import check_attention_args
 
         spec = check_attention_args(q, k, v, None, 0.0, shape.causal, None, shape.gqa)
-        return "blockwise" if dispatch.use_blockwise(spec) else "naive"
+        work = dispatch.widened(spec)
+        fwd = dispatch.kernel_for(work)
+        bwd = dispatch.kernel_for(work, backward=True) if passes != "fwd" else fwd
+        return fwd if bwd == fwd else f"{fwd}/{bwd}"
     except (ImportError, AttributeError, TypeError, ValueError):
         return ""
 
@@ -321,9 +325,8 @@ def run_sdpa(
         q = rng.standard_normal((shape.B, shape.Hq, shape.L, shape.E), dtype=np.float32)
         k, v = (rng.standard_normal((shape.B, shape.H, shape.S, shape.E), dtype=np.float32) for _ in range(2))
         g = rng.standard_normal(q.shape, dtype=np.float32)
-        kernel = _kernel(shape, q, k, v)
         for p in passes:
-            row = Row(shape, p, kernel=kernel)
+            row = Row(shape, p, kernel=_kernel(shape, q, k, v, p))
             fns = {"sgemm": sgemm} if sgemm is not None else {}
             fns["attnlab"] = _attnlab_fn(shape, q, k, v, g, p)
             if shape.L > naive_max:

@@ -90,13 +90,29 @@ def scaled_dot_product_attention(
     if not is_numpy(query, key, value, attn_mask):  # another array library: the naive math in its namespace
         return naive.forward(spec, rng=rng)
     work = widened(spec)
-    if rows.planned(work):
+    kernel = kernel_for(work)
+    if kernel == "rows":
         out = rows.forward(work)
-    elif use_blockwise(work):
+    elif kernel == "blockwise":
         out = blockwise.forward_spec(work)
     else:
         out = naive.forward(work, rng=rng)
     return out.astype(spec.query.dtype, copy=False)
+
+
+def kernel_for(spec: AttentionSpec, *, backward: bool = False) -> str:
+    """The kernel the dispatcher runs for ``spec`` (NumPy arrays, widened to the compute
+    dtype by :func:`widened`): ``"rows"`` (:mod:`attnlab.core.rows`), ``"blockwise"`` or
+    ``"naive"``. The one place the choice is made, so a benchmark can name it.
+
+    >>> from attnlab.core.spec import check_attention_args
+    >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)
+    >>> kernel_for(check_attention_args(q, q, q))   # tiny problems keep the reference kernel
+    'naive'
+    """
+    if rows.planned(spec, backward=backward):
+        return "rows"
+    return "blockwise" if use_blockwise(spec) else "naive"
 
 
 def widened(spec: AttentionSpec) -> AttentionSpec:
@@ -251,9 +267,10 @@ def scaled_dot_product_attention_backward(
         return naive.backward(spec, grad_out, rng=rng)
     work = widened(spec)
     grad_out = grad_out.astype(work.query.dtype, copy=False)
-    if rows.planned(work, backward=True):
+    kernel = kernel_for(work, backward=True)
+    if kernel == "rows":
         grads = rows.backward(work, grad_out)
-    elif use_blockwise(work):
+    elif kernel == "blockwise":
         grads = blockwise.backward_from_spec(work, grad_out)
     else:
         grads = naive.backward(work, grad_out, rng=rng)
