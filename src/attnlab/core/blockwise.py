@@ -295,8 +295,8 @@ class _Plan:
         self.batch = spec.batch_shape
         self.heads = list(np.ndindex(self.batch))
         self.q = np.broadcast_to(spec.query, (*self.batch, self.L, self.E))
-        self.k = np.broadcast_to(spec.key, (*self.batch, self.S, self.E))
-        self.v = np.broadcast_to(spec.value, (*self.batch, self.S, self.Ev))
+        self.k = np.broadcast_to(spec.full_key, (*self.batch, self.S, self.E))
+        self.v = np.broadcast_to(spec.full_value, (*self.batch, self.S, self.Ev))
         self.mask = None
         if spec.attn_mask is not None:
             self.mask = np.broadcast_to(spec.attn_mask, (*self.batch, self.L, self.S))

@@ -299,4 +299,4 @@ def simple_attention(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     x = as_float_array(x, "x", min_ndim=2, layout="(..., T, D)")
     spec = widened(check_attention_args(x, x, x, scale=1.0))
     w = naive.weights(spec)
-    return np.matmul(w, spec.value).astype(x.dtype, copy=False), w.astype(x.dtype, copy=False)
+    return np.matmul(w, spec.full_value).astype(x.dtype, copy=False), w.astype(x.dtype, copy=False)

@@ -29,7 +29,7 @@ def scaled(x, scale: float):
 def scores(spec: AttentionSpec):
     """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
     # The scale goes on the (L, E) queries, not on the (L, S) scores: one pass fewer.
-    s = spec.xp.matmul(scaled(spec.query, spec.scale), mT(spec.key))
+    s = spec.xp.matmul(scaled(spec.query, spec.scale), mT(spec.full_key))
     # Masks in place for NumPy (the mask broadcasts to the scores' shape; validated).
     if spec.is_causal:
         return fill_forbidden(s, causal_mask(spec.L, spec.S, like=s))
@@ -68,7 +68,7 @@ def weights(spec: AttentionSpec, *, rng=None):
 
 def forward(spec: AttentionSpec, *, rng=None):
     """``weights @ value``: ``(..., Hq, L, Ev)``."""
-    return spec.xp.matmul(weights(spec, rng=rng), spec.value)
+    return spec.xp.matmul(weights(spec, rng=rng), spec.full_value)
 
 
 def backward(spec: AttentionSpec, grad_out, *, rng=None):
@@ -80,12 +80,12 @@ def backward(spec: AttentionSpec, grad_out, *, rng=None):
     keep = dropout_keep(spec, probs.shape, rng)
     dropped = probs if keep is None else probs * keep
     grad_v = xp.matmul(mT(dropped), grad_out)  # (..., Hq, S, Ev)
-    grad_p = xp.matmul(grad_out, mT(spec.value))  # (..., Hq, L, S)
+    grad_p = xp.matmul(grad_out, mT(spec.full_value))  # (..., Hq, L, S)
     if keep is not None:
         grad_p = mul_(grad_p, keep)
     grad_s = probs * (grad_p - row_sum(grad_p * probs))
     # scores = (q * scale) @ k^T: the scale lands on the (L, E) and (S, E) sides.
-    grad_q = scaled(xp.matmul(grad_s, spec.key), spec.scale)  # (..., Hq, L, E)
+    grad_q = scaled(xp.matmul(grad_s, spec.full_key), spec.scale)  # (..., Hq, L, E)
     grad_k = xp.matmul(mT(grad_s), scaled(spec.query, spec.scale))  # (..., Hq, S, E)
     return (
         reduce_to(grad_q, spec.query.shape, 1),

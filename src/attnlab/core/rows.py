@@ -171,11 +171,9 @@ class _Layout:
         self.scale = np.float32(spec.scale)
         self.qs = np.empty((NH, G, L, E), dtype=np.float32)  # q * scale
         np.multiply(_broadcast(spec.query, (*batch, L, E)), self.scale, out=self.qs.reshape(*batch, L, E))
-        # spec.key repeats each key/value head G times: every G-th is the original.
-        k = _broadcast(spec.key, (*batch, S, E))
-        v = _broadcast(spec.value, (*batch, S, Ev))
-        self.k = _flat(k[..., ::G, :, :] if G > 1 else k, (NH, S, E))
-        self.v = _flat(v[..., ::G, :, :] if G > 1 else v, (NH, S, Ev))
+        # The caller's key/value heads, each serving G consecutive query heads.
+        self.k = _flat(_broadcast(spec.key, (*lead, Hkv, S, E)), (NH, S, E))
+        self.v = _flat(_broadcast(spec.value, (*lead, Hkv, S, Ev)), (NH, S, Ev))
         self.mode, self.mask, self.mask_by_lead = _MODE_NONE, None, None
         if spec.is_causal:
             self.mode = _MODE_CAUSAL

@@ -18,6 +18,8 @@ keeps them in their library and records its namespace as ``xp``.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,8 +45,8 @@ class AttentionSpec:
     ``xp`` their namespace, another Array API library's."""
 
     query: np.ndarray  # (..., Hq, L, E)
-    key: np.ndarray  # (..., Hq, S, E), GQA heads already repeated
-    value: np.ndarray  # (..., Hq, S, Ev)
+    key: np.ndarray  # (..., H, S, E), the caller's heads (H = Hq / gqa_groups)
+    value: np.ndarray  # (..., H, S, Ev)
     attn_mask: np.ndarray | None  # bool or float, broadcastable to (..., Hq, L, S)
     is_causal: bool
     scale: float
@@ -58,6 +60,19 @@ class AttentionSpec:
     @property
     def L(self) -> int:
         return self.query.shape[-2]
+
+    # A kernel that serves a group of query heads from one key/value head reads ``key`` and
+    # ``value``; the others read these, each head repeated ``gqa_groups`` times (made on
+    # first use, once).
+    @functools.cached_property
+    def full_key(self):
+        """``key`` with each head repeated ``gqa_groups`` times: ``(..., Hq, S, E)``."""
+        return self.key if self.gqa_groups == 1 else repeat_heads(self.key, self.gqa_groups)
+
+    @functools.cached_property
+    def full_value(self):
+        """``value`` with each head repeated ``gqa_groups`` times: ``(..., Hq, S, Ev)``."""
+        return self.value if self.gqa_groups == 1 else repeat_heads(self.value, self.gqa_groups)
 
     @property
     def S(self) -> int:
@@ -116,11 +131,9 @@ def check_attention_args(
                 "key", k.shape, f"(..., H, S, E) with H dividing query's Hq={Hq} (enable_gqa)"
             )
         groups = Hq // H
-        if groups > 1:
-            k = repeat_heads(k, groups)
-            v = repeat_heads(v, groups)
     try:
-        batch = np.broadcast_shapes(tuple(q.shape[:-2]), tuple(k.shape[:-2]))
+        kv_batch = (*k.shape[:-3], k.shape[-3] * groups) if groups > 1 else tuple(k.shape[:-2])
+        batch = np.broadcast_shapes(tuple(q.shape[:-2]), kv_batch)
     except ValueError:
         hint = " (pass enable_gqa=True for grouped-query attention)" if q.ndim >= 3 else ""
         raise ValueError(
