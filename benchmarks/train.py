@@ -35,47 +35,17 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
-    from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
-    from attnlab.nn import CrossEntropyLoss
-    from attnlab.train.optim import AdamW, clip_grad_norm_
+    from attnlab.benchmark import training_step_fns
+    from attnlab.models.tiny import TinyTransformerConfig
     from attnlab.train.tasks import RecallTask
 
     torch.set_num_threads(args.threads)
+    plan = training_step_fns(torch, args.steps, batch_size=args.batch_size, d_model=args.d_model,
+                             activation=args.activation)
+    ours, theirs = plan.fns["attnlab"], plan.fns["torch"]
     task = RecallTask()
-    cfg = TinyTransformerConfig(
-        vocab_size=task.vocab_size, context_length=task.seq_len, d_model=args.d_model,
-        d_ff=2 * args.d_model, activation=args.activation,
-    )
-    model = TinyTransformer(cfg, rng=np.random.default_rng(0))
-    twin = torch_tiny_transformer(cfg)
-    copy_to_torch(model, twin)
-    rng = np.random.default_rng(1)
-    batches = [task.sample(args.batch_size, rng=rng) for _ in range(args.steps)]
-    t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
-
-    opt = AdamW(model.parameters(), lr=1e-3)
-    loss_fn = CrossEntropyLoss()
-
-    def ours():
-        for ids, targets in batches:
-            loss_fn(model(ids), targets)
-            model.zero_grad()
-            model.backward(loss_fn.backward())
-            clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-
-    t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
-
-    def theirs():
-        for ids, targets in t_batches:
-            logits = twin(ids)
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
-            t_opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
-            t_opt.step()
-
+    cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=args.d_model,
+                                d_ff=2 * args.d_model, activation=args.activation)
     ours(), theirs()  # warm-up
     clock = time.process_time if args.cpu_time else time.perf_counter
     rates = {"attnlab": [], "torch": []}
@@ -85,10 +55,9 @@ def main(argv=None) -> int:
             fn()
             rates[name].append(args.steps / (clock() - t0))
     med = {k: float(np.median(v)) for k, v in rates.items()}
-    n_params = sum(p.data.size for p in model.parameters())
     print(
         f"TinyTransformer training step: d_model={cfg.d_model}, heads={cfg.n_heads}, "
-        f"layers={cfg.n_layers}, {n_params} parameters, batch {args.batch_size} x "
+        f"layers={cfg.n_layers}, batch {args.batch_size} x "
         f"{task.seq_len} tokens, {args.threads} thread(s), {args.rounds} rounds of {args.steps} steps, "
         f"{'CPU' if args.cpu_time else 'wall'} time, load {os.getloadavg()[0]:.2f}"
     )

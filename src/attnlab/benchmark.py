@@ -686,7 +686,7 @@ def layer_rows(
         add(f"MiniLM encode, {minilm_texts} sentences, batch 32",
             lambda row: _minilm_fns(torch, minilm_texts, threads, row), torch_name="sentence-transformers")
     if train_steps:
-        add("TinyTransformer training step", lambda row: _train_fns(torch, train_steps, row),
+        add("TinyTransformer training step", lambda row: training_step_fns(torch, train_steps, row),
             per_call=train_steps, unit="steps/s")
     if decode_tokens:
         add(f"GPT-2 small decode, KV cache, {decode_tokens} new tokens",
@@ -813,8 +813,11 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     return _Plan({"attnlab": lambda: ours.encode(texts, batch_size=32), "torch": run_torch}, warm=True)
 
 
-def _train_fns(torch, steps: int, row: LayerRow):
-    """``steps`` training steps per call on the recall task (as ``benchmarks/train.py``)."""
+def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_size: int = 64, d_model: int = 64,
+                      activation: str = "relu") -> _Plan:
+    """``steps`` training steps per call on the recall task, attnlab's TinyTransformer and its
+    torch twin (the same weights and batches): forward, cross-entropy, backward, gradient
+    clipping at 1.0, AdamW. ``row``, when given, gets a note naming the model."""
     from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
     from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
     from attnlab.nn import CrossEntropyLoss
@@ -822,19 +825,20 @@ def _train_fns(torch, steps: int, row: LayerRow):
     from attnlab.train.tasks import RecallTask
 
     task = RecallTask()
-    cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=64, d_ff=128,
-                                activation="relu")
+    cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=d_model,
+                                d_ff=2 * d_model, activation=activation)
     model = TinyTransformer(cfg, rng=np.random.default_rng(0))
     twin = torch_tiny_transformer(cfg)
     copy_to_torch(model, twin)
     rng = np.random.default_rng(1)
-    batches = [task.sample(64, rng=rng) for _ in range(steps)]
+    batches = [task.sample(batch_size, rng=rng) for _ in range(steps)]
     t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
     opt, loss_fn = AdamW(model.parameters(), lr=1e-3), CrossEntropyLoss()
     t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     n_params = sum(p.data.size for p in model.parameters())
-    row.note = (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {n_params} parameters, batch 64 x "
-                f"{task.seq_len} tokens, AdamW")
+    if row is not None:
+        row.note = (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {n_params} parameters, batch {batch_size} x "
+                    f"{task.seq_len} tokens, AdamW")
 
     def ours():
         for ids, targets in batches:
