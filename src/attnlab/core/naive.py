@@ -26,10 +26,38 @@ def scaled(x, scale: float):
     return x * x.dtype.type(scale) if isinstance(x, np.ndarray) else x * scale
 
 
+def _grouped(spec: AttentionSpec) -> bool:
+    """Whether NumPy can serve each group of query heads from its key/value head by
+    broadcasting (no repeated copy of the keys and values): the same per-head matrix
+    products, so the same numbers as with the heads repeated."""
+    G = spec.gqa_groups
+    return (G > 1 and spec.xp is np and spec.query.ndim >= 3 and spec.key.ndim >= 3
+            and spec.key.shape[-3] * G == spec.query.shape[-3])
+
+
+def _by_group(a: np.ndarray, G: int) -> np.ndarray:
+    """``(..., Hq, N, D) -> (..., Hq / G, G, N, D)``."""
+    return a.reshape(*a.shape[:-3], a.shape[-3] // G, G, *a.shape[-2:])
+
+
+def _matmul_kv(spec: AttentionSpec, a, kv):
+    """``a (..., Hq, L, X) @ kv`` for ``kv (..., H, X, Y)``, the caller's key/value heads
+    (transposed as needed), each serving its group of query heads: ``(..., Hq, L, Y)``, or
+    None where the heads must be repeated instead (:func:`_grouped`)."""
+    if not _grouped(spec):
+        return None
+    out = np.matmul(_by_group(a, spec.gqa_groups), kv[..., :, None, :, :])  # (..., H, G, L, Y)
+    *lead, H, G, L, Y = out.shape
+    return out.reshape(*lead, H * G, L, Y)
+
+
 def scores(spec: AttentionSpec):
     """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
     # The scale goes on the (L, E) queries, not on the (L, S) scores: one pass fewer.
-    s = spec.xp.matmul(scaled(spec.query, spec.scale), mT(spec.full_key))
+    q = scaled(spec.query, spec.scale)
+    s = _matmul_kv(spec, q, mT(spec.key))
+    if s is None:
+        s = spec.xp.matmul(q, mT(spec.full_key))
     # Masks in place for NumPy (the mask broadcasts to the scores' shape; validated).
     if spec.is_causal:
         return fill_forbidden(s, causal_mask(spec.L, spec.S, like=s))
@@ -68,7 +96,9 @@ def weights(spec: AttentionSpec, *, rng=None):
 
 def forward(spec: AttentionSpec, *, rng=None):
     """``weights @ value``: ``(..., Hq, L, Ev)``."""
-    return spec.xp.matmul(weights(spec, rng=rng), spec.full_value)
+    w = weights(spec, rng=rng)
+    out = _matmul_kv(spec, w, spec.value)
+    return spec.xp.matmul(w, spec.full_value) if out is None else out
 
 
 def backward(spec: AttentionSpec, grad_out, *, rng=None):
@@ -80,12 +110,15 @@ def backward(spec: AttentionSpec, grad_out, *, rng=None):
     keep = dropout_keep(spec, probs.shape, rng)
     dropped = probs if keep is None else probs * keep
     grad_v = xp.matmul(mT(dropped), grad_out)  # (..., Hq, S, Ev)
-    grad_p = xp.matmul(grad_out, mT(spec.full_value))  # (..., Hq, L, S)
+    grad_p = _matmul_kv(spec, grad_out, mT(spec.value))  # (..., Hq, L, S)
+    if grad_p is None:
+        grad_p = xp.matmul(grad_out, mT(spec.full_value))
     if keep is not None:
         grad_p = mul_(grad_p, keep)
     grad_s = probs * (grad_p - row_sum(grad_p * probs))
     # scores = (q * scale) @ k^T: the scale lands on the (L, E) and (S, E) sides.
-    grad_q = scaled(xp.matmul(grad_s, spec.full_key), spec.scale)  # (..., Hq, L, E)
+    grad_q = _matmul_kv(spec, grad_s, spec.key)
+    grad_q = scaled(xp.matmul(grad_s, spec.full_key) if grad_q is None else grad_q, spec.scale)  # (..., Hq, L, E)
     grad_k = xp.matmul(mT(grad_s), scaled(spec.query, spec.scale))  # (..., Hq, S, E)
     return (
         reduce_to(grad_q, spec.query.shape, 1),

@@ -608,7 +608,8 @@ class Attention(Module):
             am = _reshape(am, (1, *am.shape))
         window = self.sliding_window if causal else None
         causal_flag = causal and am is None and kpm is None and not past and window is None and S_all == L
-        if causal and not causal_flag:
+        # One query after the cache (a decoding step) sees every key: no mask to build.
+        if causal and not causal_flag and not (L == 1 and window is None):
             c = (causal_mask(L, S_all, align="bottom-right", like=q) if window is None
                  else sliding_window_mask(L, S_all, window=window, align="bottom-right", like=q))
             am = c if am is None else (am & c if is_bool(am) else am + mask_to_bias(c, self.dtype))
