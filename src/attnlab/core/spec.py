@@ -19,7 +19,6 @@ keeps them in their library and records its namespace as ``xp``.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass
 from types import ModuleType
