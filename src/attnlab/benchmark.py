@@ -863,6 +863,15 @@ def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_s
 DECODE_PROMPT_TOKENS = 32
 
 
+def _greedy_generate(torch, model, prompt, new: int) -> np.ndarray:
+    """A transformers model's greedy ``generate`` of exactly ``new`` tokens after ``prompt``
+    (a torch ``(B, T)`` tensor), its warnings silenced: the ids as a NumPy array."""
+    with torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                              min_new_tokens=new, do_sample=False).numpy()
+
+
 def _decode_fns(torch, ours, theirs, prompt: np.ndarray, new: int, out: dict) -> dict[str, Callable[[], object]]:
     """Four timings: each side's ``generate`` of ``new`` tokens and its prefill alone."""
     tp = torch.from_numpy(prompt)
@@ -871,10 +880,7 @@ def _decode_fns(torch, ours, theirs, prompt: np.ndarray, new: int, out: dict) ->
         out["attnlab"] = ours.generate(prompt, new)
 
     def gen_theirs():
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out["torch"] = theirs.generate(tp, attention_mask=torch.ones_like(tp), max_new_tokens=new,
-                                           min_new_tokens=new, do_sample=False).numpy()
+        out["torch"] = _greedy_generate(torch, theirs, tp, new)
 
     def prefill_ours():
         return ours(prompt, cache=ours.new_cache(), logits_to_keep=1)
@@ -1045,10 +1051,7 @@ def decode_rows(
         return gen, lambda: model(prompt, cache=model.new_cache(), logits_to_keep=1)
 
     def gen_theirs():
-        with torch.inference_mode(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out["transformers"] = theirs.generate(tp, attention_mask=torch.ones_like(tp), max_new_tokens=new,
-                                                  min_new_tokens=new, do_sample=False).numpy()
+        out["transformers"] = _greedy_generate(torch, theirs, tp, new)
 
     def prefill_theirs():
         with torch.inference_mode():
