@@ -4,6 +4,7 @@ torch), half precision, thread safety, no nested pools, and tile sizes from the 
 from __future__ import annotations
 
 import contextlib
+import os
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -271,14 +272,16 @@ def test_no_nested_pools(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(threads_mod, "ThreadPoolExecutor", counting)
+    monkeypatch.setattr(threads_mod, "_EXECUTOR", None)  # the workers are made once per process
+    monkeypatch.setattr(threads_mod, "_EXECUTOR_WORKERS", 0)
     rng = np.random.default_rng(28)
     q, k, v, _ = attention_inputs(rng, (), 4, 4, 200, 200, 8, 8, np.float32)
     inner_threads = []
     real_run = threads_mod.run_units
 
-    def spy(units, run_unit, threads):
+    def spy(units, run_unit, threads, **kwargs):
         inner_threads.append((threads_mod.in_pool(), threads))
-        return real_run(units, run_unit, threads)
+        return real_run(units, run_unit, threads, **kwargs)
 
     monkeypatch.setattr(bw, "run_units", spy)
     results = {}
@@ -403,3 +406,43 @@ def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(monkeypatch):
     with bw.tuned(fused=True):
         q64 = q.astype(np.float64)  # float64 has no compiled pass
         assert not dispatch.use_blockwise(check_attention_args(q64, q64, q64))
+
+
+def _pooled_sum_in_child(conn):
+    """A forked child's first pooled call (the parent's worker threads are not there)."""
+    out = []
+    threads_mod.run_units(range(8), lambda i, _s: out.append(i), 2)
+    conn.send(sorted(out))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_pool_works_in_a_forked_child():
+    """The worker threads are kept between calls; a forked child starts its own instead of
+    waiting forever on the parent's (which fork does not copy)."""
+    import multiprocessing
+
+    threads_mod.run_units(range(4), lambda i, _s: None, 2)  # the parent's workers exist
+    assert threads_mod._EXECUTOR is not None
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_pooled_sum_in_child, args=(child,))
+    p.start()
+    got = parent.recv() if parent.poll(60) else None
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+    assert got == list(range(8))
+
+
+def test_scratch_buffers_outlive_a_call():
+    """A kernel's per-thread buffers come back to its pool and the next call reuses them."""
+    pool = threads_mod.ScratchPool()
+    seen = []
+
+    def unit(i, scratch):
+        buf = scratch.setdefault("b", np.empty(16))
+        seen.append(id(buf))
+
+    threads_mod.run_units(range(2), unit, 1, scratch=pool)
+    threads_mod.run_units(range(2), unit, 1, scratch=pool)
+    assert len(set(seen)) == 1

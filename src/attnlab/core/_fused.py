@@ -249,13 +249,15 @@ def backward_dscores(dp, p, d):
 
 
 @nb.njit(**_JIT)
-def softmax_rows(s, mode, mask, lim0, inv):
+def softmax_rows(s, mode, mask, lim0, inv, scale):
     """Softmax along the last axis of ``s`` (n, rows, cols), in place, mask included: the
     row pass of :mod:`attnlab.core.rows` between its two matmuls.
 
-    ``s`` holds scaled scores and leaves holding the probabilities; per row one loop for
-    the mask and the maximum, one for ``exp`` and the sum, one for the product with
-    ``1 / sum``. Mask modes as :func:`forward_tile` (``mask`` (n, rows, cols), any strides;
+    ``s`` holds unscaled scores ``q k^T`` and leaves holding the probabilities of
+    ``scale * s + mask`` (the factor goes on the scores here, in the pass that reads them
+    anyway, as torch's CPU flash kernel does, instead of on a scaled copy of the
+    queries); per row one loop for the mask and the maximum, one for ``exp`` and the sum,
+    one for the product with ``1 / sum``. Mask modes as :func:`forward_tile` (``mask`` (n, rows, cols), any strides;
     causal: row ``r`` sees columns ``< lim0 + r``). A row with nothing visible gives zeros,
     a row with a NaN score (visible) NaN everywhere, as NumPy's path and torch.
 
@@ -272,21 +274,31 @@ def softmax_rows(s, mode, mask, lim0, inv):
             row = s[b, r]
             vis = _visible(mode, lim0, r, cols)
             mt = _NEG_INF
+            sc = scale  # the factor still to apply in the exp loop
             if mode == MODE_BOOL:
                 mk = mask[b, r]
                 for j in range(cols):
-                    x = row[j] if mk[j] else _NEG_INF
+                    x = row[j] * scale if mk[j] else _NEG_INF
                     row[j] = x
                     mt = _maxnum(mt, x)
+                sc = _F(1.0)
             elif mode == MODE_FLOAT:
                 mk = mask[b, r]
                 for j in range(cols):
-                    x = row[j] + mk[j]
+                    x = row[j] * scale + mk[j]
                     row[j] = x
                     mt = _maxnum(mt, x)
-            else:
+                sc = _F(1.0)
+            elif scale > _F(0.0):  # max(scale * s) = scale * max(s), exactly
                 for j in range(vis):
                     mt = _maxnum(mt, row[j])
+                mt = mt * scale
+            else:  # a zero, negative or NaN factor: apply it first
+                for j in range(vis):
+                    x = row[j] * scale
+                    row[j] = x
+                    mt = _maxnum(mt, x)
+                sc = _F(1.0)
             if mt == _NEG_INF:  # nothing visible, or only NaN beside -inf
                 fill = _F(0.0)
                 for j in range(vis):
@@ -299,7 +311,7 @@ def softmax_rows(s, mode, mask, lim0, inv):
                 continue
             total = _F(0.0)
             for j in range(vis):
-                y = _exp(row[j] - mt)
+                y = _exp(row[j] * sc - mt)
                 row[j] = y
                 total += y
             for j in range(vis, cols):

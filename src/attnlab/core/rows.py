@@ -37,13 +37,14 @@ import math
 import numpy as np
 
 from attnlab._cpu import cpu_info
-from attnlab._threads import pool_threads, run_units
+from attnlab._threads import ScratchPool, pool_threads, run_units
 from attnlab.core.blockwise import fused_planned, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 _NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
 _NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
+_SCRATCH = ScratchPool()  # the blocks' buffers, kept between calls
 
 # Calls with fewer scores (all heads together) stay on the naive NumPy path: they cost
 # microseconds either way, take no numba import (~0.3 s once per process), and give
@@ -153,9 +154,10 @@ def _min_scores_per_thread() -> int:
 
 class _Layout:
     """Per-call arrays (internal), with the leading batch dims and the key/value heads
-    flattened into ``NH`` heads: queries times scale ``(NH, G, L, E)`` (one contiguous
-    pass), keys/values ``(NH, S, E|Ev)`` (views where the strides allow), mask
-    ``(NH, G, L, S)`` (a view, or per leading index where it cannot be flattened)."""
+    flattened into ``NH`` heads: queries ``(NH, G, L, E)`` (unscaled: the row pass applies
+    the scale to the scores) and keys/values ``(NH, S, E|Ev)`` (views where the strides
+    allow), mask ``(NH, G, L, S)`` (a view, or per leading index where it cannot be
+    flattened)."""
 
     def __init__(self, spec: AttentionSpec, *, backward: bool = False):
         self.spec = spec
@@ -168,9 +170,8 @@ class _Layout:
         self.Hkv = Hkv = batch[-1] // G
         self.lead = lead = batch[:-1]
         self.NH = NH = math.prod(lead) * Hkv
-        self.scale = np.float32(spec.scale)
-        self.qs = np.empty((NH, G, L, E), dtype=np.float32)  # q * scale
-        np.multiply(_broadcast(spec.query, (*batch, L, E)), self.scale, out=self.qs.reshape(*batch, L, E))
+        self.scale = np.float32(spec.scale)  # applied to the scores by the row pass
+        self.q = _flat(_broadcast(spec.query, (*batch, L, E)), (NH, G, L, E))
         # The caller's key/value heads, each serving G consecutive query heads.
         self.k = _flat(_broadcast(spec.key, (*lead, Hkv, S, E)), (NH, S, E))
         self.v = _flat(_broadcast(spec.value, (*lead, Hkv, S, Ev)), (NH, S, Ev))
@@ -230,18 +231,19 @@ class _Layout:
         return self.mode, m.reshape((f1 - f0) * self.G, a1 - a0, kend), 0
 
     def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):
-        """``(q * scale (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block
-        (the second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the
-        rows are left unnormalised and ``inv`` gets their ``1 / sum``."""
+        """``(q (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block (the
+        second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the rows are
+        left unnormalised and ``inv`` gets their ``1 / sum``."""
         nh, rows, G = f1 - f0, a1 - a0, self.G
-        qs = self.qs[f0:f1, :, a0:a1]
-        qs = qs.reshape(nh, G * rows, self.E) if rows == self.L or G == 1 else \
-            np.ascontiguousarray(qs).reshape(nh, G * rows, self.E)
+        q = self.q[f0:f1, :, a0:a1]
+        q = _merged(q, (nh, G * rows, self.E))
+        if q is None:  # a group's rows are not one run of memory: stack them
+            q = np.ascontiguousarray(self.q[f0:f1, :, a0:a1]).reshape(nh, G * rows, self.E)
         s = _buf(scratch, "s", (nh, G * rows, kend))
-        np.matmul(qs, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
+        np.matmul(q, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
         mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
-        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv)
-        return qs, s
+        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv, self.scale)
+        return q, s
 
 
 def _run(units: list, run, threads: int) -> None:
@@ -249,11 +251,14 @@ def _run(units: list, run, threads: int) -> None:
     plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch)."""
     threads = min(threads, len(units))
     if threads > 1:
-        run_units(units, run, threads)
+        run_units(units, run, threads, scratch=_SCRATCH)
         return
-    scratch: dict = {}
-    for unit in units:
-        run(unit, scratch)
+    scratch = _SCRATCH.take()
+    try:
+        for unit in units:
+            run(unit, scratch)
+    finally:
+        _SCRATCH.give(scratch)
 
 
 def _kernels():
@@ -337,7 +342,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         for a0, a1 in lay.row_chunks[c::split]:
             rows = a1 - a0
             kend = lay.key_end(a1)
-            qs, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+            q, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
             g = go[f0:f1, :, a0:a1]
             g = g.reshape(nh, G * rows, Ev) if rows == L or G == 1 else \
                 np.ascontiguousarray(g).reshape(nh, G * rows, Ev)
@@ -345,7 +350,8 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
             dp = _buf(scratch, "dp", (nh, G * rows, kend))
             np.matmul(g, v[:, :kend].swapaxes(-1, -2), out=dp)
             K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
-            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), qs, out=_buf(scratch, "dk", (nh, kend, E)))
+            # dk without the factor scale (applied once at the end)
+            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), q, out=_buf(scratch, "dk", (nh, kend, E)))
             dq_b = dq[f0:f1, :, a0:a1]
             if rows == L or G == 1:
                 dq_b = dq_b.reshape((nh, G * rows, E), copy=False)
@@ -362,6 +368,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         f0, f1 = heads[n]
         dk[f0:f1] += pk
         dv[f0:f1] += pv
+    dk *= lay.scale
     dq = dq.reshape(*batch, L, E)
     dk = dk.reshape(*batch[:-1], lay.Hkv, S, E)
     dv = dv.reshape(*batch[:-1], lay.Hkv, S, Ev)
