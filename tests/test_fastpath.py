@@ -446,3 +446,81 @@ def test_scratch_buffers_outlive_a_call():
     threads_mod.run_units(range(2), unit, 1, scratch=pool)
     threads_mod.run_units(range(2), unit, 1, scratch=pool)
     assert len(set(seen)) == 1
+
+
+# --------------------------------------------------------------------------- pooled products
+
+
+@pytest.mark.parametrize(
+    "M, K, N",
+    [(2048, 64, 128), (512, 576, 1536), (100, 300, 4000), (5000, 40, 90), (64, 576, 192), (8, 64, 64)],
+)
+def test_matmul_equals_numpy(M, K, N):
+    """attnlab._threads.matmul splits large products over the pool (by rows or by columns),
+    runs mid-sized ones on one BLAS thread and small ones as they are: the same numbers as
+    one np.matmul in every case (each element is still one dot product over K)."""
+    rng = np.random.default_rng(M + K + N)
+    a = rng.standard_normal((M, K), dtype=np.float32)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    want = np.matmul(a, w.T)
+    got = threads_mod.matmul(a, w.T)  # a transposed (F-ordered) right operand, as F.linear passes
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    assert got.shape == (M, N) and got.dtype == np.float32
+    out = np.full((M, N), np.nan, dtype=np.float32)
+    assert threads_mod.matmul(a, w.T, out=out) is out
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+def test_large_products_run_on_the_pool_with_one_blas_thread(monkeypatch):
+    """A product over POOL_MATMUL_MIN is split into one unit per thread, each run while BLAS
+    is held to one thread (so BLAS's own threads never wake to spin beside the pool)."""
+    calls = []
+    real = threads_mod.run_units
+
+    def spy(units, run_unit, threads, **kwargs):
+        units = list(units)
+        calls.append((len(units), threads))
+
+        def checked(unit, scratch):
+            assert threads_mod.BLAS_LIMITER.users >= 1
+            run_unit(unit, scratch)
+
+        return real(units, checked, threads, **kwargs)
+
+    monkeypatch.setattr(threads_mod, "run_units", spy)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((512, 576), dtype=np.float32)
+    b = rng.standard_normal((576, 1536), dtype=np.float32)
+    with threads_mod_threads(2):
+        threads_mod.matmul(a, b)
+        assert calls == [(2, 2)]
+        threads_mod.matmul(a[:8], b)  # 8 rows: a matrix-vector-like product, BLAS's way
+        assert calls == [(2, 2)]
+    with threads_mod_threads(1):
+        threads_mod.matmul(a, b)
+        assert calls == [(2, 2)]
+
+
+@contextlib.contextmanager
+def threads_mod_threads(n):
+    old = threads_mod._num_threads
+    threads_mod.set_num_threads(n)
+    try:
+        yield
+    finally:
+        threads_mod._num_threads = old
+
+
+def test_blas_limiter_restores_the_thread_count():
+    from threadpoolctl import threadpool_info
+
+    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    threads_mod.BLAS_LIMITER.acquire()
+    threads_mod.BLAS_LIMITER.acquire()
+    inside = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    threads_mod.BLAS_LIMITER.release()
+    still = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    threads_mod.BLAS_LIMITER.release()
+    after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    assert inside == [1] * len(before) and still == [1] * len(before)
+    assert after == before

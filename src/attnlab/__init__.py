@@ -13,6 +13,7 @@ Axis legend (every docstring): ``...`` batch dims, ``Hq``/``H`` query/key-value 
 Boolean masks are True where a query may attend to a key.
 """
 
+from attnlab._memory import freed_memory_kept, keep_freed_memory
 from attnlab._threads import get_num_threads, set_num_threads
 from attnlab.core import (
     attention_scores,
@@ -81,9 +82,11 @@ __all__ = [
     "SelfAttention",
     "Sequential",
     "TransformerBlock",
-    # threads of attnlab's own parallel loops (like torch.set_num_threads)
+    # threads of attnlab's own parallel loops (like torch.set_num_threads), and memory reuse
     "get_num_threads",
     "set_num_threads",
+    "keep_freed_memory",
+    "freed_memory_kept",
     # step-by-step record of one attention call
     "Trace",
     "TraceStep",

@@ -111,7 +111,9 @@ class _BlasLimiter:
         self._lock = threading.Lock()
         self._users = 0
         self._controller = None  # threadpoolctl controller of the BLAS libraries
-        self._limiter = None  # what restores the original limits
+        self._limiter = None  # what restores the original limits (threadpoolctl's limit())
+        self._direct_calls = None  # see _direct()
+        self._saved = None  # the thread counts to restore (direct calls)
 
     def _blas(self):
         if self._controller is None:
@@ -126,19 +128,46 @@ class _BlasLimiter:
             if clear is not None:
                 clear(force=True)
 
+    def _direct(self):
+        """``[(get, set)]`` of each BLAS library's thread count, straight to the library
+        (threadpoolctl >= 3.6's per-library setter: about 1 us a change, against 15 us
+        through ``limit()``), or None where threadpoolctl has no such setter."""
+        if self._direct_calls is None:
+            calls = []
+            for lib in self._blas().lib_controllers:
+                setter = getattr(lib, "_real_set_num_threads", None)
+                if setter is None:
+                    calls = False
+                    break
+                calls.append((lib.get_num_threads, setter))
+            self._direct_calls = calls
+        return self._direct_calls or None
+
     def acquire(self) -> None:
         with self._lock:
             if self._users == 0 and have_threadpoolctl():
-                blas = self._blas()
-                self._free_controlling_thread(blas)
-                self._limiter = blas.limit(limits=1)
-                self._free_controlling_thread(blas)
+                direct = self._direct()
+                if direct is not None:
+                    self._saved = [get() for get, _ in direct]
+                    for (_, set_threads), n in zip(direct, self._saved, strict=True):
+                        if n is not None and n != 1:
+                            set_threads(1)
+                else:
+                    blas = self._blas()
+                    self._free_controlling_thread(blas)
+                    self._limiter = blas.limit(limits=1)
+                    self._free_controlling_thread(blas)
             self._users += 1
 
     def release(self) -> None:
         with self._lock:
             self._users -= 1
-            if self._users == 0 and self._limiter is not None:
+            if self._users == 0 and self._saved is not None:
+                for (_, set_threads), n in zip(self._direct(), self._saved, strict=True):
+                    if n is not None and n != 1:
+                        set_threads(n)
+                self._saved = None
+            elif self._users == 0 and self._limiter is not None:
                 blas = self._blas()
                 self._free_controlling_thread(blas)
                 self._limiter.restore_original_limits()
@@ -159,6 +188,22 @@ def blas_limit(threads: int):
     """BLAS held to one thread while the block runs, through the process-wide
     :data:`BLAS_LIMITER` (a no-op for ``threads == 1``, where nothing else competes)."""
     if threads == 1:
+        yield
+        return
+    BLAS_LIMITER.acquire()
+    try:
+        yield
+    finally:
+        BLAS_LIMITER.release()
+
+
+@contextmanager
+def one_blas_thread():
+    """BLAS held to one thread while the block runs (through :data:`BLAS_LIMITER`; a
+    no-op without ``threadpoolctl``): for BLAS calls that must not wake BLAS's own
+    threads, whose idle spin would then compete with attnlab's pool (see :func:`matmul`).
+    """
+    if not have_threadpoolctl():
         yield
         return
     BLAS_LIMITER.acquire()
@@ -268,3 +313,75 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
         finally:
             for f in futures:
                 f.result()
+
+
+# Matrix products at least this large (M * N * K multiply-adds) are split over attnlab's
+# threads instead of BLAS's own (see matmul()); smaller ones with at least _MATMUL_MIN_ROWS
+# rows run on one BLAS thread. Measured on a 2-core AVX-512 EPYC, microseconds per product
+# back to back, one held BLAS thread / attnlab's 2 threads: 64x64x128 21 / 84, 256x64x128
+# 55 / 118, 64x576x192 (7.1M) 197 / 190, 2048x64x128 363 / 276, 64x576x576 560 / 391; a
+# pool call costs about 50-100 us of thread wake-ups on this virtual machine.
+POOL_MATMUL_MIN = 1 << 23
+# Fewest rows of the product per thread: below, the row blocks lose BLAS's rate.
+_MATMUL_MIN_ROWS = 32
+# OpenBLAS threads a product from this many multiply-adds on (GEMM_MULTITHREAD_THRESHOLD 4
+# times 65536): below, a product runs on the calling thread anyway.
+_BLAS_THREADS_FROM = 1 << 18
+
+
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``a @ b`` for 2-D NumPy arrays ``(M, K) @ (K, N) -> (M, N)``, large products split
+    over attnlab's threads (by rows of ``a`` or columns of ``b``), each part a one-thread
+    BLAS call.
+
+    Why not BLAS's own threads: OpenBLAS's idle worker threads spin (on x86-64 with no
+    yield) for about 2^28 cycles, a tenth of a second, after every multi-threaded call. A
+    layer that follows a BLAS-threaded projection with attnlab's pool (the attention
+    kernel, element-wise passes) then runs its threads beside a spinning one on the same
+    cores: measured on a 2-core machine, ``MultiheadAttention(512, 8)`` forward+backward
+    at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
+    here keeps every thread of a layer in one pool, whose idle threads sleep.
+
+    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds) run on one BLAS
+    thread, where a pool call's thread wake-ups would cost more than the second thread
+    saves. Products with fewer than ``2 * 32`` rows (a decoding step's matrix-vector
+    products, which keep BLAS's threads), calls inside a pool's unit, one thread, and
+    other ranks take one plain ``np.matmul``.
+
+    >>> a = np.arange(6.0).reshape(2, 3)
+    >>> matmul(a, a.T)
+    array([[ 5., 14.],
+           [14., 50.]])
+    """
+    M, K = a.shape[-2:] if a.ndim >= 2 else (1, a.shape[-1])
+    N = b.shape[-1] if b.ndim >= 2 else 1
+    threads = get_num_threads()
+    if (a.ndim != 2 or b.ndim != 2 or threads == 1 or M < 2 * _MATMUL_MIN_ROWS or in_pool()
+            or not (have_threadpoolctl() or blas_single_threaded_by_env())):
+        return np.matmul(a, b, out=out)
+    if M * N * K < POOL_MATMUL_MIN:
+        if M * N * K < _BLAS_THREADS_FROM:
+            return np.matmul(a, b, out=out)
+        with one_blas_thread():
+            return np.matmul(a, b, out=out)
+    if out is None:
+        out = np.empty((M, N), dtype=np.result_type(a, b))
+    # Each thread packs (copies into BLAS's layout) all of the operand it does not split:
+    # split the larger one. A prompt's activations against a weight matrix (M < N) split
+    # the weight's columns, so each thread reads half the weights.
+    by_rows = M > N
+    n = M if by_rows else N
+    parts = min(threads, max(1, n // _MATMUL_MIN_ROWS))
+    step = -(-n // parts)
+    step = -(-step // 16) * 16  # whole SIMD-friendly blocks
+    units = [(r, min(r + step, n)) for r in range(0, n, step)]
+
+    def unit(span, _scratch):
+        r0, r1 = span
+        if by_rows:
+            np.matmul(a[r0:r1], b, out=out[r0:r1])
+        else:
+            np.matmul(a, b[:, r0:r1], out=out[:, r0:r1])
+
+    run_units(units, unit, len(units))
+    return out

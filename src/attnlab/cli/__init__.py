@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             code = 0
         else:
+            if not getattr(args, "system_allocator", False):
+                from attnlab._memory import keep_freed_memory
+
+                keep_freed_memory()  # the command owns the process: reuse freed pages
             code = int(args.run(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at exit
         return code

@@ -110,6 +110,10 @@ def register(sub) -> None:
                         "(default 3; --full: 20)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens of the decode rows; 0 skips them (default 8; --full: 64)")
+    p.add_argument("--system-allocator", action="store_true",
+                   help="leave malloc as the system set it (returning freed memory at once) "
+                        "instead of attnlab.keep_freed_memory(), which every other command "
+                        "uses; either way both sides share it")
     p.set_defaults(run=run)
 
 
@@ -334,6 +338,11 @@ def _header(s: _Settings, torch) -> None:
         timing += "; also back to back"
     print(f"timing: {timing}")
     print(f"CPU: {cpu_info().describe()}; load average {_load()}")
+    from attnlab._memory import freed_memory_kept
+
+    print("memory: " + ("freed memory kept for reuse (attnlab.keep_freed_memory), in the one process both "
+                        "sides share" if freed_memory_kept() else
+                        "the system allocator's settings (freed memory returned at once), for both sides"))
     try:
         from attnlab.core import blockwise as bw
 

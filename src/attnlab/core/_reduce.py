@@ -12,6 +12,23 @@ import numpy as np
 
 from attnlab.core._namespace import namespace
 
+# A matrix-vector product this large with at least this many rows runs on one BLAS thread:
+# OpenBLAS would thread it (from 9216 elements) and leave its idle threads spinning beside
+# attnlab's pool (see attnlab._threads.matmul); a decoding step's single rows keep BLAS's
+# threads.
+_ONE_THREAD_MIN_SIZE = 9216
+_ONE_THREAD_MIN_ROWS = 64
+
+
+def _gemv(a: np.ndarray, w: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """``a @ w``, one of them the vector and ``matrix`` the other."""
+    if matrix.shape[0] >= _ONE_THREAD_MIN_ROWS and matrix.size >= _ONE_THREAD_MIN_SIZE:
+        from attnlab._threads import one_blas_thread
+
+        with one_blas_thread():
+            return a @ w
+    return a @ w
+
 # Below this many columns the halving max beats ``x.max(-1)``; from about 32 on NumPy's own
 # reduction is 1.6-4x faster (measured on float32 rows), so the shortcut stops there.
 _HALVING_MAX_BELOW = 32
@@ -27,7 +44,8 @@ def row_sum(x: np.ndarray, *, scale: float = 1.0) -> np.ndarray:
     if n == 0:  # reshape(-1, 0) is ambiguous; an empty sum is 0
         return np.zeros((*x.shape[:-1], 1), dtype=x.dtype)
     w = np.full(n, scale, dtype=x.dtype)
-    return (x.reshape(-1, n) @ w).reshape(*x.shape[:-1], 1)
+    x2 = x.reshape(-1, n)
+    return _gemv(x2, w, x2).reshape(*x.shape[:-1], 1)
 
 
 def row_mean(x: np.ndarray) -> np.ndarray:
@@ -37,7 +55,7 @@ def row_mean(x: np.ndarray) -> np.ndarray:
 
 def col_sum(x2: np.ndarray) -> np.ndarray:
     """``x2.sum(0)`` of a 2-D array as one vector-matrix product."""
-    return np.ones(x2.shape[0], dtype=x2.dtype) @ x2
+    return _gemv(np.ones(x2.shape[0], dtype=x2.dtype), x2, x2)
 
 
 def row_max(x: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ import math
 import numpy as np
 
 from attnlab._cpu import cpu_info
-from attnlab._threads import ScratchPool, pool_threads, run_units
+from attnlab._threads import ScratchPool, one_blas_thread, pool_threads, run_units
 from attnlab.core.blockwise import fused_planned, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
 
@@ -248,15 +248,19 @@ class _Layout:
 
 def _run(units: list, run, threads: int) -> None:
     """The units on the pool (:func:`attnlab._threads.run_units`), or, on one thread, in a
-    plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch)."""
+    plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch) on
+    one BLAS thread."""
     threads = min(threads, len(units))
     if threads > 1:
         run_units(units, run, threads, scratch=_SCRATCH)
         return
     scratch = _SCRATCH.take()
     try:
-        for unit in units:
-            run(unit, scratch)
+        # One BLAS thread here too: BLAS's own threads would stay spinning beside the pool
+        # of the layer that comes next (see attnlab._threads.matmul).
+        with one_blas_thread():
+            for unit in units:
+                run(unit, scratch)
     finally:
         _SCRATCH.give(scratch)
 

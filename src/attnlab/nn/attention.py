@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from attnlab._threads import matmul
 from attnlab._validation import (
     float_dtype,
     fmt_shape,
@@ -36,7 +37,7 @@ from attnlab.core import (
     scaled_dot_product_attention_backward,
 )
 from attnlab.core._namespace import add_, as_dtype, device, fill_forbidden, is_bool, is_floating, namespace
-from attnlab.core._reduce import row_sum
+from attnlab.core._reduce import col_sum, row_sum
 from attnlab.core.masks import sliding_window_mask
 from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
@@ -752,10 +753,10 @@ class Attention(Module):
             grads = (gx, None, None)
         else:
             g2 = g.reshape(N * L, -1)
-            gw = g2.T @ x.reshape(N * L, -1)
-            gb = np.ones(N * L, dtype=g.dtype) @ g2 if has_bias else None
+            gw = matmul(g2.T, x.reshape(N * L, -1))
+            gb = col_sum(g2) if has_bias else None
             cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
-            grads = tuple(np.matmul(g[..., a:b], w[a:b]) for a, b in cuts)
+            grads = tuple(matmul(g2[:, a:b], w[a:b]).reshape(N, L, -1) for a, b in cuts)
         self.in_proj_weight.accumulate(gw)
         if has_bias:
             self.in_proj_bias.accumulate(gb)

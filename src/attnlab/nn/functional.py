@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from attnlab._threads import matmul
 from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
 from attnlab.quant import QuantizedTensor, quantized_linear
@@ -24,8 +25,9 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     if not isinstance(x, np.ndarray):  # another array library: one broadcast matrix product there
         y = namespace(x).matmul(x, mT(weight))
         return y if bias is None else y + bias
-    # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out)
-    y = np.matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
+    # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out), split
+    # over attnlab's threads when large (attnlab._threads.matmul)
+    y = matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         y += bias
     return y
@@ -43,9 +45,9 @@ def linear_backward(
         raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
                         "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_w = g2.T @ x.reshape(-1, x.shape[-1])
-    grad_b = np.ones(g2.shape[0], dtype=g2.dtype) @ g2 if has_bias else None  # BLAS: fast
-    grad_x = (g2 @ weight).reshape(*grad_y.shape[:-1], weight.shape[1])
+    grad_w = matmul(g2.T, x.reshape(-1, x.shape[-1]))
+    grad_b = col_sum(g2) if has_bias else None  # a BLAS matrix-vector product: fast
+    grad_x = matmul(g2, weight).reshape(*grad_y.shape[:-1], weight.shape[1])
     return grad_x, grad_w, grad_b
 
 

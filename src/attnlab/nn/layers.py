@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from attnlab._threads import matmul
 from attnlab._validation import float_dtype, generator, positive_int, probability
 from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
 from attnlab.nn import functional as F
@@ -94,7 +95,7 @@ class Embedding(Module):
         V = self.num_embeddings
         if V * len(ids) <= 1 << 22:  # small table: one GEMM with the one-hot ids is fastest
             one_hot = ids[None, :] == np.arange(V)[:, None]  # (V, N)
-            grad = one_hot.astype(g.dtype) @ g
+            grad = matmul(one_hot.astype(g.dtype), g)
         else:
             grad = np.zeros_like(self.weight.data)
             np.add.at(grad, ids, g)
