@@ -316,17 +316,17 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
 
 
 # Matrix products at least this large (M * N * K multiply-adds) are split over attnlab's
-# threads instead of BLAS's own (see matmul()); smaller ones with at least _MATMUL_MIN_ROWS
-# rows run on one BLAS thread. Measured on a 2-core AVX-512 EPYC, microseconds per product
-# back to back, one held BLAS thread / attnlab's 2 threads: 64x64x128 21 / 84, 256x64x128
-# 55 / 118, 64x576x192 (7.1M) 197 / 190, 2048x64x128 363 / 276, 64x576x576 560 / 391; a
-# pool call costs about 50-100 us of thread wake-ups on this virtual machine.
-POOL_MATMUL_MIN = 1 << 23
+# threads instead of BLAS's own (see matmul()). A pool call costs about 100 us of thread
+# wake-ups on a 2-core cloud machine against BLAS's ~10 us (its threads spin), so smaller
+# products keep BLAS's threads. Measured there, microseconds per product back to back,
+# BLAS's 2 threads / attnlab's: 2048x64x64 99 / 199, 2048x64x192 278 / 403, 64x576x576 305
+# / 391, 512x576x1536 (453M) 4650 / 5250 alone; but beside the attention kernel's pool
+# the spin costs more: MultiheadAttention(512, 8) forward+backward at L=512 took 43-62 ms
+# with BLAS's threads, 32.5 ms with attnlab's. A TinyTransformer training step (products
+# up to 25M) ran 50-51 steps/s with BLAS's threads below 2^25, 31-37 with the pool from 2^21.
+POOL_MATMUL_MIN = 1 << 27
 # Fewest rows of the product per thread: below, the row blocks lose BLAS's rate.
 _MATMUL_MIN_ROWS = 32
-# OpenBLAS threads a product from this many multiply-adds on (GEMM_MULTITHREAD_THRESHOLD 4
-# times 65536): below, a product runs on the calling thread anyway.
-_BLAS_THREADS_FROM = 1 << 18
 
 
 def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -342,11 +342,10 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
     here keeps every thread of a layer in one pool, whose idle threads sleep.
 
-    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds) run on one BLAS
-    thread, where a pool call's thread wake-ups would cost more than the second thread
-    saves. Products with fewer than ``2 * 32`` rows (a decoding step's matrix-vector
-    products, which keep BLAS's threads), calls inside a pool's unit, one thread, and
-    other ranks take one plain ``np.matmul``.
+    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds, where a pool call's
+    thread wake-ups would cost more than the spin does), products with fewer than
+    ``2 * 32`` rows (a decoding step's matrix-vector products), calls inside a pool's
+    unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's threads.
 
     >>> a = np.arange(6.0).reshape(2, 3)
     >>> matmul(a, a.T)
@@ -357,13 +356,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     N = b.shape[-1] if b.ndim >= 2 else 1
     threads = get_num_threads()
     if (a.ndim != 2 or b.ndim != 2 or threads == 1 or M < 2 * _MATMUL_MIN_ROWS or in_pool()
-            or not (have_threadpoolctl() or blas_single_threaded_by_env())):
+            or M * N * K < POOL_MATMUL_MIN or not (have_threadpoolctl() or blas_single_threaded_by_env())):
         return np.matmul(a, b, out=out)
-    if M * N * K < POOL_MATMUL_MIN:
-        if M * N * K < _BLAS_THREADS_FROM:
-            return np.matmul(a, b, out=out)
-        with one_blas_thread():
-            return np.matmul(a, b, out=out)
     if out is None:
         out = np.empty((M, N), dtype=np.result_type(a, b))
     # Each thread packs (copies into BLAS's layout) all of the operand it does not split:
