@@ -524,3 +524,33 @@ def test_blas_limiter_restores_the_thread_count():
     after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     assert inside == [1] * len(before) and still == [1] * len(before)
     assert after == before
+
+
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_layer_norm_backward_compiled_equals_numpy(dtype, with_weight, monkeypatch):
+    """LayerNorm's backward in one compiled pass per row gives NumPy's eight-pass numbers."""
+    from attnlab.core import _fused
+    from attnlab.nn import functional as F
+
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((4, 512, 64)).astype(dtype) * 3 + 1
+    w = rng.standard_normal(64).astype(dtype) if with_weight else None
+    g = rng.standard_normal((4, 512, 64)).astype(dtype)
+    _, x_hat, rstd = F.layer_norm(x, w, None, 1e-5)
+    calls = []
+    real = _fused.layer_norm_backward
+    monkeypatch.setattr(_fused, "layer_norm_backward", lambda *a: calls.append(1) or real(*a))
+    got = F.layer_norm_backward(g, x_hat, rstd, w)
+    assert calls == [1]
+    with kernel_tuning(False):
+        want = F.layer_norm_backward(g, x_hat, rstd, w)
+    assert calls == [1]  # turned off: NumPy's passes
+    tol = 2e-5 if dtype == np.float32 else 1e-12
+    for a, b in zip(got, want, strict=True):
+        if b is None:
+            assert a is None
+            continue
+        assert a.dtype == dtype and a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())

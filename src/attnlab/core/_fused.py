@@ -335,3 +335,31 @@ def softmax_rows_backward(dp, p):
             d += p[r, j] * dp[r, j]
         for j in range(cols):
             dp[r, j] = p[r, j] * (dp[r, j] - d)
+
+
+@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+def layer_norm_backward(g, x_hat, rstd, w, gx, gw, gb):
+    """LayerNorm's backward pass over rows, in one compiled pass per row: ``gx`` (rows, D)
+    gets ``(g w - mean(g w) - x_hat mean(g w x_hat)) * rstd``; ``gw`` and ``gb`` (D,)
+    float64 accumulate ``sum(g x_hat)`` and ``sum(g)`` over the rows. Row means are
+    accumulated in float64; ``w`` of length 0 means no weight (ones)."""
+    rows, D = g.shape
+    has_w = w.shape[0] > 0
+    for i in range(rows):
+        a = 0.0
+        c = 0.0
+        for j in range(D):
+            gj = g[i, j]
+            xh = x_hat[i, j]
+            gb[j] += gj
+            gw[j] += gj * xh
+            if has_w:
+                gj = gj * w[j]
+            a += gj
+            c += gj * xh
+        a /= D
+        c /= D
+        r = rstd[i]
+        for j in range(D):
+            gj = g[i, j] * w[j] if has_w else g[i, j]
+            gx[i, j] = (gj - a - x_hat[i, j] * c) * r

@@ -409,14 +409,51 @@ def layer_norm(
 def layer_norm_backward(
     grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, weight: np.ndarray | None
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """``(grad_x, grad_weight, grad_bias)`` for :func:`layer_norm` (batch dims summed)."""
+    """``(grad_x, grad_weight, grad_bias)`` for :func:`layer_norm` (batch dims summed).
+
+    float32 and float64 NumPy arrays take one compiled pass per row where numba is
+    installed (the ``fast`` extra; row means and the weight and bias gradients summed in
+    float64), else NumPy's eight passes over the array."""
     D = x_hat.shape[-1]
+    fused = _layer_norm_backward_fused(grad_y, x_hat, rstd, weight)
+    if fused is not None:
+        return fused
     g2 = grad_y.reshape(-1, D)
     grad_b = col_sum(g2)
     grad_w = col_sum(g2 * x_hat.reshape(-1, D)) if weight is not None else None
     gx_hat = grad_y * weight if weight is not None else grad_y
     grad_x = (gx_hat - row_mean(gx_hat) - x_hat * row_mean(gx_hat * x_hat)) * rstd
     return grad_x, grad_w, grad_b
+
+
+# A LayerNorm backward of at least this many elements takes the compiled pass (numba's
+# import, ~0.3 s once per process, is not worth it for a few rows).
+_LN_FUSED_MIN = 1 << 14
+
+
+def _layer_norm_backward_fused(grad_y, x_hat, rstd, weight):
+    """:func:`layer_norm_backward` in one compiled pass per row, or None where it does not
+    apply (another array library, other dtypes, numba absent or turned off, small)."""
+    from attnlab.core.blockwise import fused_planned
+
+    dtype = x_hat.dtype
+    if (type(grad_y) is not np.ndarray or type(x_hat) is not np.ndarray or dtype not in (np.float32, np.float64)
+            or grad_y.dtype != dtype or grad_y.shape != x_hat.shape or x_hat.size < _LN_FUSED_MIN
+            or not fused_planned(np.float32, x_hat.size, min_n=0)):
+        return None
+    D = x_hat.shape[-1]
+    from attnlab.core import _fused
+
+    g2 = np.ascontiguousarray(grad_y).reshape(-1, D)
+    xh = np.ascontiguousarray(x_hat).reshape(-1, D)
+    r = np.ascontiguousarray(rstd, dtype=dtype).reshape(-1)
+    w = np.zeros(0, dtype=dtype) if weight is None else np.ascontiguousarray(weight, dtype=dtype)
+    gx = np.empty_like(g2)
+    gw = np.zeros(D, dtype=np.float64)
+    gb = np.zeros(D, dtype=np.float64)
+    _fused.layer_norm_backward(g2, xh, r, w, gx, gw, gb)
+    return (gx.reshape(grad_y.shape), None if weight is None else gw.astype(dtype, copy=False),
+            gb.astype(dtype, copy=False))
 
 
 # ---- cross-entropy -------------------------------------------------------------------
