@@ -554,3 +554,34 @@ def test_layer_norm_backward_compiled_equals_numpy(dtype, with_weight, monkeypat
             continue
         assert a.dtype == dtype and a.shape == b.shape
         np.testing.assert_allclose(a, b, rtol=tol, atol=tol * np.abs(b).max())
+
+
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_layer_norm_compiled_equals_numpy_and_torch(dtype):
+    """LayerNorm's forward in one compiled pass per row: NumPy's numbers (within rounding),
+    torch's, and the same with and without x_hat (training and eval give equal outputs)."""
+    torch = pytest.importorskip("torch")
+    from attnlab.nn import LayerNorm
+    from attnlab.nn import functional as F
+
+    rng = np.random.default_rng(32)
+    x = (rng.standard_normal((3, 700, 96)) * 4 + 2).astype(dtype)
+    w, b = rng.standard_normal(96).astype(dtype), rng.standard_normal(96).astype(dtype)
+    y, x_hat, rstd = F.layer_norm(x, w, b, 1e-5)
+    with kernel_tuning(False):
+        y_np, x_hat_np, rstd_np = F.layer_norm(x, w, b, 1e-5)
+    tol = 3e-6 if dtype == np.float32 else 1e-13
+    for got, want in ((y, y_np), (x_hat, x_hat_np), (rstd, rstd_np)):
+        assert got.dtype == dtype and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    ref = torch.nn.functional.layer_norm(torch.from_numpy(x), (96,), torch.from_numpy(w), torch.from_numpy(b), 1e-5)
+    np.testing.assert_allclose(y, ref.numpy(), rtol=tol, atol=tol * 10)
+    y_eval, none, _ = F.layer_norm(x, w, b, 1e-5, keep_x_hat=False)
+    assert none is None
+    np.testing.assert_array_equal(y_eval, y)
+    layer = LayerNorm(96, dtype=dtype)
+    layer.weight.data[...], layer.bias.data[...] = w, b
+    want = layer(x)
+    layer.eval()
+    np.testing.assert_array_equal(layer(x), want)

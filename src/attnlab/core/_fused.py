@@ -363,3 +363,35 @@ def layer_norm_backward(g, x_hat, rstd, w, gx, gw, gb):
         for j in range(D):
             gj = g[i, j] * w[j] if has_w else g[i, j]
             gx[i, j] = (gj - a - x_hat[i, j] * c) * r
+
+
+@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+def layer_norm_forward(x, w, b, eps, y, x_hat, rstd):
+    """LayerNorm over rows in one compiled pass per row: ``rstd`` (rows,) gets
+    ``1 / sqrt(var + eps)`` (biased variance of the row about its mean, both accumulated in
+    float64), ``x_hat`` (rows, D; or (0, 0): not kept) ``(x - mean) * rstd``, ``y`` (rows,
+    D) ``x_hat * w + b``; ``w``/``b`` of length 0 mean none. ``y`` may be ``x``."""
+    rows, D = x.shape
+    has_w = w.shape[0] > 0
+    has_b = b.shape[0] > 0
+    keep = x_hat.shape[0] > 0
+    for i in range(rows):
+        s = 0.0
+        for j in range(D):
+            s += x[i, j]
+        mean = s / D
+        v = 0.0
+        for j in range(D):
+            d = x[i, j] - mean
+            v += d * d
+        r = 1.0 / np.sqrt(v / D + eps)
+        rstd[i] = r
+        for j in range(D):
+            h = (x[i, j] - mean) * r
+            if keep:
+                x_hat[i, j] = h
+            if has_w:
+                h = h * w[j]
+            if has_b:
+                h = h + b[j]
+            y[i, j] = h

@@ -385,7 +385,13 @@ def layer_norm(
 ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
     """Normalise over the last axis: ``(y, x_hat, rstd)`` with ``y = x_hat * weight + bias``
     (biased variance, as torch). With ``keep_x_hat=False`` (NumPy) ``y`` is computed in
-    place in one fresh array (the same numbers) and ``x_hat`` is None."""
+    place in one fresh array (the same numbers) and ``x_hat`` is None. float32 and float64
+    NumPy arrays take one compiled pass per row where numba is installed (mean and
+    variance accumulated in float64), with or without ``x_hat``: the same numbers either
+    way."""
+    fused = _layer_norm_fused(x, weight, bias, eps, keep_x_hat)
+    if fused is not None:
+        return fused
     xp = namespace(x)
     xc = x - row_mean(x)
     rstd = 1.0 / xp.sqrt(row_mean(xc * xc) + eps)  # a Python eps keeps x's dtype
@@ -429,6 +435,29 @@ def layer_norm_backward(
 # A LayerNorm backward of at least this many elements takes the compiled pass (numba's
 # import, ~0.3 s once per process, is not worth it for a few rows).
 _LN_FUSED_MIN = 1 << 14
+
+
+def _layer_norm_fused(x, weight, bias, eps, keep_x_hat):
+    """:func:`layer_norm` in one compiled pass per row, or None where it does not apply."""
+    from attnlab.core.blockwise import fused_planned
+
+    dtype = getattr(x, "dtype", None)
+    if (type(x) is not np.ndarray or dtype not in (np.float32, np.float64) or x.size < _LN_FUSED_MIN or x.ndim == 0
+            or any(p is not None and (type(p) is not np.ndarray or p.dtype != dtype) for p in (weight, bias))
+            or not fused_planned(np.float32, x.size, min_n=0)):
+        return None
+    from attnlab.core import _fused
+
+    D = x.shape[-1]
+    x2 = np.ascontiguousarray(x).reshape(-1, D)
+    none = np.zeros(0, dtype=dtype)
+    y = np.empty_like(x2)
+    x_hat = np.empty_like(x2) if keep_x_hat else np.zeros((0, 0), dtype=dtype)
+    rstd = np.empty(x2.shape[0], dtype=dtype)
+    _fused.layer_norm_forward(x2, none if weight is None else np.ascontiguousarray(weight),
+                              none if bias is None else np.ascontiguousarray(bias), float(eps), y, x_hat, rstd)
+    shape = x.shape
+    return (y.reshape(shape), x_hat.reshape(shape) if keep_x_hat else None, rstd.reshape(*shape[:-1], 1))
 
 
 def _layer_norm_backward_fused(grad_y, x_hat, rstd, weight):
