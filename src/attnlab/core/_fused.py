@@ -337,7 +337,7 @@ def softmax_rows_backward(dp, p):
             dp[r, j] = p[r, j] * (dp[r, j] - d)
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+@nb.njit(**_JIT)  # fast-math "reassoc": the row sums vectorise
 def layer_norm_backward(g, x_hat, rstd, w, gx, gw, gb):
     """LayerNorm's backward pass over rows, in one compiled pass per row: ``gx`` (rows, D)
     gets ``(g w - mean(g w) - x_hat mean(g w x_hat)) * rstd``; ``gw`` and ``gb`` (D,)
@@ -365,7 +365,7 @@ def layer_norm_backward(g, x_hat, rstd, w, gx, gw, gb):
             gx[i, j] = (gj - a - x_hat[i, j] * c) * r
 
 
-@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+@nb.njit(**_JIT)  # fast-math "reassoc": the row sums vectorise
 def layer_norm_forward(x, w, b, eps, y, x_hat, rstd):
     """LayerNorm over rows in one compiled pass per row: ``rstd`` (rows,) gets
     ``1 / sqrt(var + eps)`` (biased variance of the row about its mean, both accumulated in
