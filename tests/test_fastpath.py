@@ -512,18 +512,26 @@ def threads_mod_threads(n):
 
 
 def test_blas_limiter_restores_the_thread_count():
+    """NumPy's BLAS is held to one thread from the first acquire to the last release, then
+    set back (the limiter's libraries: those loaded when it was first used, NumPy's among
+    them)."""
     from threadpoolctl import threadpool_info
 
-    before = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    def numpy_blas():
+        return [i["num_threads"] for i in threadpool_info()
+                if i["user_api"] == "blas" and "numpy" in i["filepath"]]
+
+    libs = threads_mod.BLAS_LIMITER._blas().lib_controllers
+    before, mine = numpy_blas(), [lib.get_num_threads() for lib in libs]
     threads_mod.BLAS_LIMITER.acquire()
     threads_mod.BLAS_LIMITER.acquire()
-    inside = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    inside, inside_mine = numpy_blas(), [lib.get_num_threads() for lib in libs]
     threads_mod.BLAS_LIMITER.release()
-    still = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
+    still = numpy_blas()
     threads_mod.BLAS_LIMITER.release()
-    after = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
-    assert inside == [1] * len(before) and still == [1] * len(before)
-    assert after == before
+    assert before and inside == [1] * len(before) and still == inside
+    assert inside_mine == [1] * len(libs)
+    assert numpy_blas() == before and [lib.get_num_threads() for lib in libs] == mine
 
 
 @pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")

@@ -35,11 +35,19 @@ _num_threads: int | None = None
 _local = threading.local()  # .in_pool: this thread runs units of a pool
 
 
+_cpus: int | None = None
+
+
 def available_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # not on Linux
-        return max(1, os.cpu_count() or 1)
+    """The CPUs this process may run on (its affinity mask), looked up once per process
+    (a system call, and layers ask for every product); a forked child looks again."""
+    global _cpus
+    if _cpus is None:
+        try:
+            _cpus = max(1, len(os.sched_getaffinity(0)))
+        except (AttributeError, OSError):  # not on Linux
+            _cpus = max(1, os.cpu_count() or 1)
+    return _cpus
 
 
 def get_num_threads() -> int:
@@ -234,9 +242,10 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 
 
 def _forget_executor() -> None:
-    """In a forked child the parent's worker threads do not exist: start afresh."""
-    global _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK
-    _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK = None, 0, threading.Lock()
+    """In a forked child the parent's worker threads do not exist: start afresh (and look
+    at the CPUs again: the child may be pinned elsewhere)."""
+    global _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK, _cpus
+    _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK, _cpus = None, 0, threading.Lock(), None
 
 
 if hasattr(os, "register_at_fork"):
