@@ -496,9 +496,19 @@ def test_large_products_run_on_the_pool_with_one_blas_thread(monkeypatch):
         assert calls == [(2, 2)]
         threads_mod.matmul(a[:8], b)  # 8 rows: a matrix-vector-like product, BLAS's way
         assert calls == [(2, 2)]
+        w = rng.standard_normal((1536, 576), dtype=np.float32)
+        x64 = rng.standard_normal((64, 576), dtype=np.float32)
+        threads_mod.matmul(x64, w.T)  # 64 tokens (57M multiply-adds): BLAS's threads
+        assert calls == [(2, 2)]
+        g = rng.standard_normal((512, 1536), dtype=np.float32)
+        got = threads_mod.matmul(g.T, a, tokens=512)  # a weight gradient over 512 tokens
+        assert calls == [(2, 2), (2, 2)]
+        np.testing.assert_allclose(got, g.T @ a, rtol=1e-4, atol=1e-3)
+        threads_mod.matmul(g[:128].T, a[:128], tokens=128)  # over 128 tokens: BLAS's way
+        assert calls == [(2, 2), (2, 2)]
     with threads_mod_threads(1):
         threads_mod.matmul(a, b)
-        assert calls == [(2, 2)]
+        assert calls == [(2, 2), (2, 2)]
 
 
 @contextlib.contextmanager

@@ -324,21 +324,26 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
                 f.result()
 
 
-# Matrix products at least this large (M * N * K multiply-adds) are split over attnlab's
-# threads instead of BLAS's own (see matmul()). A pool call costs about 100 us of thread
-# wake-ups on a 2-core cloud machine against BLAS's ~10 us (its threads spin), so smaller
-# products keep BLAS's threads. Measured there, microseconds per product back to back,
-# BLAS's 2 threads / attnlab's: 2048x64x64 99 / 199, 2048x64x192 278 / 403, 64x576x576 305
-# / 391, 512x576x1536 (453M) 4650 / 5250 alone; but beside the attention kernel's pool
-# the spin costs more: MultiheadAttention(512, 8) forward+backward at L=512 took 43-62 ms
-# with BLAS's threads, 32.5 ms with attnlab's. A TinyTransformer training step (products
-# up to 25M) ran 50-51 steps/s with BLAS's threads below 2^25, 31-37 with the pool from 2^21.
-POOL_MATMUL_MIN = 1 << 27
-# Fewest rows of the product per thread: below, the row blocks lose BLAS's rate.
+# When matmul() splits a product over attnlab's threads instead of BLAS's own: at least
+# POOL_MATMUL_MIN multiply-adds and at least POOL_MATMUL_MIN_TOKENS tokens (the rows of a
+# projection, the inner dimension of a weight gradient). A pool call
+# costs about 100 us of thread wake-ups on a 2-core cloud machine against BLAS's ~10 us
+# (its threads spin), so small products keep BLAS's threads; and the rule depends on the
+# tokens first so that all the products of one layer call take the same side (BLAS's
+# threads spinning after one product slow the pool's next one). Measured there,
+# microseconds per product back to back, BLAS's 2 threads / attnlab's: 2048x64x64 99 /
+# 199, 2048x64x192 278 / 403, 64x576x576 305 / 391, 512x576x1536 (453M) 4650 / 5250
+# alone; but beside the attention kernel's pool: MultiheadAttention(512, 8)
+# forward+backward at L=512 took 43-62 ms with BLAS's threads, 32.5 ms with attnlab's;
+# a TinyTransformer training step (products up to 25M) ran 50-51 steps/s with BLAS's
+# threads, 31-37 on the pool.
+POOL_MATMUL_MIN = 1 << 25
+POOL_MATMUL_MIN_TOKENS = 256
+# Fewest rows (columns) of the product per thread: below, the blocks lose BLAS's rate.
 _MATMUL_MIN_ROWS = 32
 
 
-def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, tokens: int | None = None) -> np.ndarray:
     """``a @ b`` for 2-D NumPy arrays ``(M, K) @ (K, N) -> (M, N)``, large products split
     over attnlab's threads (by rows of ``a`` or columns of ``b``), each part a one-thread
     BLAS call.
@@ -351,10 +356,14 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
     here keeps every thread of a layer in one pool, whose idle threads sleep.
 
-    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds, where a pool call's
-    thread wake-ups would cost more than the spin does), products with fewer than
-    ``2 * 32`` rows (a decoding step's matrix-vector products), calls inside a pool's
-    unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's threads.
+    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds, or over fewer than
+    :data:`POOL_MATMUL_MIN_TOKENS` tokens: where a pool call's thread wake-ups would cost
+    more than the spin does), a decoding step's matrix-vector products, calls inside a
+    pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
+    threads.
+
+    ``tokens``: the length of the token axis of the product (None: its rows, ``M``, as in
+    a projection; a weight gradient ``grad^T @ x`` passes its inner dimension).
 
     >>> a = np.arange(6.0).reshape(2, 3)
     >>> matmul(a, a.T)
@@ -364,15 +373,16 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.nd
     M, K = a.shape[-2:] if a.ndim >= 2 else (1, a.shape[-1])
     N = b.shape[-1] if b.ndim >= 2 else 1
     threads = get_num_threads()
-    if (a.ndim != 2 or b.ndim != 2 or threads == 1 or M < 2 * _MATMUL_MIN_ROWS or in_pool()
-            or M * N * K < POOL_MATMUL_MIN or not (have_threadpoolctl() or blas_single_threaded_by_env())):
+    by_rows = M > N  # see below
+    if (a.ndim != 2 or b.ndim != 2 or threads == 1 or (M if by_rows else N) < 2 * _MATMUL_MIN_ROWS
+            or M * N * K < POOL_MATMUL_MIN or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS or in_pool()
+            or not (have_threadpoolctl() or blas_single_threaded_by_env())):
         return np.matmul(a, b, out=out)
     if out is None:
         out = np.empty((M, N), dtype=np.result_type(a, b))
     # Each thread packs (copies into BLAS's layout) all of the operand it does not split:
     # split the larger one. A prompt's activations against a weight matrix (M < N) split
     # the weight's columns, so each thread reads half the weights.
-    by_rows = M > N
     n = M if by_rows else N
     parts = min(threads, max(1, n // _MATMUL_MIN_ROWS))
     step = -(-n // parts)

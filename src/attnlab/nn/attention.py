@@ -753,7 +753,7 @@ class Attention(Module):
             grads = (gx, None, None)
         else:
             g2 = g.reshape(N * L, -1)
-            gw = matmul(g2.T, x.reshape(N * L, -1))
+            gw = matmul(g2.T, x.reshape(N * L, -1), tokens=N * L)
             gb = col_sum(g2) if has_bias else None
             cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
             grads = tuple(matmul(g2[:, a:b], w[a:b]).reshape(N, L, -1) for a, b in cuts)

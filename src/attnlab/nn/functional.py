@@ -45,7 +45,7 @@ def linear_backward(
         raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
                         "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_w = matmul(g2.T, x.reshape(-1, x.shape[-1]))
+    grad_w = matmul(g2.T, x.reshape(-1, x.shape[-1]), tokens=g2.shape[0])
     grad_b = col_sum(g2) if has_bias else None  # a BLAS matrix-vector product: fast
     grad_x = matmul(g2, weight).reshape(*grad_y.shape[:-1], weight.shape[1])
     return grad_x, grad_w, grad_b

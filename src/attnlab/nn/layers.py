@@ -95,7 +95,7 @@ class Embedding(Module):
         V = self.num_embeddings
         if V * len(ids) <= 1 << 22:  # small table: one GEMM with the one-hot ids is fastest
             one_hot = ids[None, :] == np.arange(V)[:, None]  # (V, N)
-            grad = matmul(one_hot.astype(g.dtype), g)
+            grad = matmul(one_hot.astype(g.dtype), g, tokens=len(ids))
         else:
             grad = np.zeros_like(self.weight.data)
             np.add.at(grad, ids, g)
