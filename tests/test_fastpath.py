@@ -603,3 +603,31 @@ def test_layer_norm_compiled_equals_numpy_and_torch(dtype):
     want = layer(x)
     layer.eval()
     np.testing.assert_array_equal(layer(x), want)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs and Linux's affinity calls")
+def test_pool_keeps_caller_and_workers_on_different_cpus():
+    """During a pool call the caller stays on its CPU and the workers run elsewhere (after
+    idling, Linux would otherwise wake them onto one CPU); the caller's mask comes back."""
+    import threading
+    import time
+
+    before = os.sched_getaffinity(0)
+    caller = threading.get_native_id()
+    seen = []
+
+    def unit(i, _scratch):
+        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        time.sleep(0.02)  # long enough that the worker takes units too
+
+    with threads_mod_threads(2):
+        threads_mod.run_units(range(8), unit, 2)
+        threads_mod.run_units(range(8), unit, 2)  # the workers exist now: they are kept apart
+    assert os.sched_getaffinity(0) == before
+    mine = {mask for tid, mask in seen[8:] if tid == caller}
+    theirs = {mask for tid, mask in seen[8:] if tid != caller}
+    assert len(mine) == 1 and len(next(iter(mine))) == 1
+    assert theirs, "the worker took no unit"
+    (cpu,) = next(iter(mine))
+    assert all(cpu not in mask for mask in theirs)

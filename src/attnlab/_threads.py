@@ -35,19 +35,28 @@ _num_threads: int | None = None
 _local = threading.local()  # .in_pool: this thread runs units of a pool
 
 
-_cpus: int | None = None
+_cpus: set[int] | None = None
 
 
-def available_cpus() -> int:
+def _allowed_cpus() -> set[int]:
     """The CPUs this process may run on (its affinity mask), looked up once per process
     (a system call, and layers ask for every product); a forked child looks again."""
     global _cpus
     if _cpus is None:
         try:
-            _cpus = max(1, len(os.sched_getaffinity(0)))
+            _cpus = set(os.sched_getaffinity(0)) or {0}
         except (AttributeError, OSError):  # not on Linux
-            _cpus = max(1, os.cpu_count() or 1)
+            _cpus = set(range(max(1, os.cpu_count() or 1)))
     return _cpus
+
+
+def available_cpus() -> int:
+    """How many CPUs this process may run on (see :func:`_allowed_cpus`).
+
+    >>> available_cpus() >= 1
+    True
+    """
+    return len(_allowed_cpus())
 
 
 def get_num_threads() -> int:
@@ -236,16 +245,93 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         if _EXECUTOR is None or _EXECUTOR_WORKERS < workers:
             if _EXECUTOR is not None:
                 _EXECUTOR.shutdown(wait=False)
-            _EXECUTOR = ThreadPoolExecutor(workers, thread_name_prefix="attnlab")
+            _EXECUTOR = ThreadPoolExecutor(workers, thread_name_prefix="attnlab", initializer=_register_worker)
             _EXECUTOR_WORKERS = workers
         return _EXECUTOR
+
+
+# Where the workers may run. When a call starts after the machine has been idle, Linux
+# wakes a worker on the CPU of the thread that woke it (the caller's), and the two share
+# that CPU until the load balancer moves one, milliseconds later: measured on a 2-core
+# virtual machine, a causal attention call (8 heads, L=1024) took 16-20 ms after a 0.1 s
+# pause against 9.4 ms back to back, with both threads busy all along; with the two
+# threads kept apart, 9.8-11.7 ms (the worker alone kept off the caller's CPU: 16 ms, as
+# the caller itself then moves). So each pool call holds the caller on its CPU and the
+# workers off it (_caller_and_workers_apart: a few system calls per call).
+_WORKER_TIDS: list[int] = []
+_WORKERS_OFF: list[int | None] = [None]  # the CPU the workers are kept off now
+_TIDS_LOCK = threading.Lock()
+
+
+def _register_worker() -> None:
+    with _TIDS_LOCK:
+        _WORKER_TIDS.append(threading.get_native_id())
+        _WORKERS_OFF[0] = None  # the new worker is not kept off anything yet
+
+
+def _sched_getcpu():
+    """glibc's ``sched_getcpu`` (the CPU the calling thread runs on), or None."""
+    global _GETCPU
+    if _GETCPU is None:
+        _GETCPU = False
+        if hasattr(os, "sched_setaffinity"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None).sched_getcpu
+                fn.restype = ctypes.c_int
+                fn.argtypes = []
+                _GETCPU = fn
+            except (OSError, AttributeError):
+                pass
+    return _GETCPU or None
+
+
+_GETCPU = None
+
+
+@contextmanager
+def _caller_and_workers_apart():
+    """While the block runs, the calling thread stays on the CPU it is on and the workers
+    are kept off that CPU (their mask changes only when the caller has moved); the
+    caller's own mask is restored after. A no-op where the system cannot tell the CPU."""
+    getcpu = _sched_getcpu()
+    cpu = getcpu() if getcpu is not None else -1
+    allowed = _allowed_cpus()
+    if cpu < 0 or cpu not in allowed or len(allowed) < 2:
+        yield
+        return
+    if cpu != _WORKERS_OFF[0] and _WORKER_TIDS:
+        with _TIDS_LOCK:
+            for tid in _WORKER_TIDS:
+                try:
+                    os.sched_setaffinity(tid, allowed - {cpu})
+                except OSError:  # a worker that has exited, or a mask the system refuses
+                    pass
+            _WORKERS_OFF[0] = cpu
+    try:
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {cpu})
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.sched_setaffinity(0, mine)
+        except OSError:
+            pass
 
 
 def _forget_executor() -> None:
     """In a forked child the parent's worker threads do not exist: start afresh (and look
     at the CPUs again: the child may be pinned elsewhere)."""
-    global _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK, _cpus
+    global _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK, _cpus, _TIDS_LOCK
     _EXECUTOR, _EXECUTOR_WORKERS, _EXECUTOR_LOCK, _cpus = None, 0, threading.Lock(), None
+    _WORKER_TIDS.clear()
+    _WORKERS_OFF[0] = None
+    _TIDS_LOCK = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
@@ -315,7 +401,7 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
         loop()
         return
     ex = _executor(threads - 1)
-    with blas_limit(threads):
+    with blas_limit(threads), _caller_and_workers_apart():
         futures = [ex.submit(loop) for _ in range(threads - 1)]
         try:
             loop()

@@ -83,6 +83,7 @@ _BACKWARD_MIN_ROWS = 128
 # (12 heads, L=1024): 46.4 / 104, 35.7 / 84.0, 35.4 / 82.1, 36.0 / 90.6; L=2048, 8 heads:
 # 86.2 / 214, 72.4 / 172, 65.9 / 169, 69.9 / 184.
 _CAUSAL_ROWS_RANGE = (64, 128)
+_CAUSAL_DIV = 8
 
 
 def max_keys(*, backward: bool = False) -> int:
@@ -200,7 +201,7 @@ class _Layout:
             rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
         if spec.is_causal:
             lo, hi = _CAUSAL_ROWS_RANGE
-            rows = min(rows, max(lo, min(hi, L // 8)))
+            rows = min(rows, max(lo, min(hi, L // _CAUSAL_DIV)))
         rows = min(rows, L)
         n_row_blocks = -(-L // rows)
         # Enough units for the threads (two each, so that they finish together).
