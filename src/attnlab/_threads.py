@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -201,33 +201,22 @@ BLAS_LIMITER = _BlasLimiter()
 
 
 @contextmanager
-def blas_limit(threads: int):
-    """BLAS held to one thread while the block runs, through the process-wide
-    :data:`BLAS_LIMITER` (a no-op for ``threads == 1``, where nothing else competes)."""
-    if threads == 1:
-        yield
-        return
-    BLAS_LIMITER.acquire()
-    try:
-        yield
-    finally:
-        BLAS_LIMITER.release()
-
-
-@contextmanager
 def one_blas_thread():
-    """BLAS held to one thread while the block runs (through :data:`BLAS_LIMITER`; a
-    no-op without ``threadpoolctl``): for BLAS calls that must not wake BLAS's own
-    threads, whose idle spin would then compete with attnlab's pool (see :func:`matmul`).
-    """
-    if not have_threadpoolctl():
-        yield
-        return
+    """BLAS held to one thread while the block runs, through the process-wide
+    :data:`BLAS_LIMITER` (without ``threadpoolctl`` it only counts): for a pool's units,
+    and for BLAS calls that must not wake BLAS's own threads, whose idle spin would then
+    compete with attnlab's pool (see :func:`matmul`)."""
     BLAS_LIMITER.acquire()
     try:
         yield
     finally:
         BLAS_LIMITER.release()
+
+
+def blas_limit(threads: int):
+    """:func:`one_blas_thread` for a pool of ``threads``; a no-op for ``threads == 1``,
+    where nothing else competes."""
+    return one_blas_thread() if threads > 1 else nullcontext()
 
 
 # The worker threads, kept between calls: starting threads for every call cost about
