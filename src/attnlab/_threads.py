@@ -234,6 +234,8 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         if _EXECUTOR is None or _EXECUTOR_WORKERS < workers:
             if _EXECUTOR is not None:
                 _EXECUTOR.shutdown(wait=False)
+                with _TIDS_LOCK:  # the old workers exit: never pin a thread id reused later
+                    _WORKER_TIDS.clear()
             _EXECUTOR = ThreadPoolExecutor(workers, thread_name_prefix="attnlab", initializer=_register_worker)
             _EXECUTOR_WORKERS = workers
         return _EXECUTOR
@@ -258,6 +260,9 @@ def _register_worker() -> None:
         _WORKERS_OFF[0] = None  # the new worker is not kept off anything yet
 
 
+_GETCPU = None  # glibc's sched_getcpu through ctypes; False where there is none
+
+
 def _sched_getcpu():
     """glibc's ``sched_getcpu`` (the CPU the calling thread runs on), or None."""
     global _GETCPU
@@ -274,9 +279,6 @@ def _sched_getcpu():
             except (OSError, AttributeError):
                 pass
     return _GETCPU or None
-
-
-_GETCPU = None
 
 
 @contextmanager
