@@ -492,6 +492,16 @@ class Llama(CausalLM):
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids))  # positions enter in every attention (rotary)
 
+    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
+        # A decoding step with quantized weights and nothing hooked: one compiled call a block.
+        if cache is not None:
+            from attnlab.models._decode_step import decode_step
+
+            logits = decode_step(self, input_ids, attention_mask, cache)
+            if logits is not None:
+                return logits
+        return super()._run(input_ids, attention_mask, cache, logits_to_keep)
+
     @property
     def max_positions(self) -> int:
         """The longest sequence the model takes (its context length)."""

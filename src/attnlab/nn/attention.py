@@ -225,19 +225,24 @@ class KVCache:
                     or value.shape[3] != self._value.shape[3]:
                 need = fmt_shape((*have.shape[:2], "S_new", have.shape[3]))
                 raise shape_error("key", key.shape, f"{need} ({have.dtype}) like the cached keys")
+        self._reserve(n, key, value)
+        self._key[:, :, self.length : self.length + n, :] = key
+        self._value[:, :, self.length : self.length + n, :] = value
+        self.length += n
+        return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
+
+    def _reserve(self, n: int, key_like, value_like) -> None:
+        """Room for ``n`` more tokens (the storage doubles when full; new storage takes the
+        layout, dtype and library of ``key_like``/``value_like (N, H, *, E)``)."""
         if self._key is None or self.length + n > self._key.shape[2]:
             capacity = max(16, 2 * (self.length + n))
             grown = []
-            for old, new in ((self._key, key), (self._value, value)):
+            for old, new in ((self._key, key_like), (self._value, value_like)):
                 buf = _full((*new.shape[:2], capacity, new.shape[3]), 0, new)  # in new's library
                 if old is not None:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
             self._key, self._value = grown
-        self._key[:, :, self.length : self.length + n, :] = key
-        self._value[:, :, self.length : self.length + n, :] = value
-        self.length += n
-        return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
 
 
 def _weights_times_values(weights, value):

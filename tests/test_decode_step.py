@@ -1,0 +1,163 @@
+"""The compiled decoding step of a Llama-family model with quantized weights
+(:mod:`attnlab.models._decode_step`): it must give the modules' logits, fill the cache as
+they do, and stand aside whenever something (a hook, the float32 weights, numba turned
+off) needs the modules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from attnlab import _decode_kernels  # noqa: E402
+from attnlab.core.blockwise import tuned  # noqa: E402
+from attnlab.models.llama import Llama, LlamaConfig  # noqa: E402
+from attnlab.quant import QuantizedTensor  # noqa: E402
+
+CONFIGS = {
+    "llama-gqa": {},
+    "biases": dict(qkv_bias=True, out_bias=True, mlp_bias=True),
+    "qk-norm": dict(qk_norm=True, num_key_value_heads=4),
+    "window-partial-rope": dict(sliding_windows=(3, None), partial_rotary_factor=0.5, num_key_value_heads=1),
+    "llama3-rope": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+}
+
+
+def quantized_llama(kind: str, seed: int = 0, **config) -> Llama:
+    """A 2-block Llama whose block weights are ``kind``, with norm weights and biases moved
+    away from their start values (so a step that skipped one would be caught)."""
+    cfg = LlamaConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                         **config})
+    model = Llama(cfg, rng=np.random.default_rng(seed))
+    rng = np.random.default_rng(seed + 1)
+    for name, p in model.named_parameters():
+        if p.data.ndim == 1:
+            p.data[...] = rng.uniform(0.5, 1.5, p.data.shape) if "norm" in name or "ln" in name \
+                else rng.normal(0.0, 0.1, p.data.shape)
+        elif name.startswith("blocks."):
+            p.data = QuantizedTensor.quantize(rng.normal(0.0, 0.15, p.data.shape).astype(np.float32), kind)
+    return model
+
+
+def modules_only(model):
+    """A hook that reads and changes nothing: the modules run (the compiled step stands aside)."""
+    return model.hooks([("blocks.0.hook_resid_pre", lambda x, name: None)])
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many times the compiled block ran."""
+    seen = []
+    real = _decode_kernels.decode_layer
+
+    def counting(*args):
+        seen.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(_decode_kernels, "decode_layer", counting)
+    return seen
+
+
+def _close(a, b):
+    return float(np.abs(a - b).max()) <= 1e-4 * max(1.0, float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_steps_give_the_modules_logits_and_cache(kind, config, calls):
+    model = quantized_llama(kind, **CONFIGS[config])
+    ids = np.array([[5, 9, 77, 3, 20, 8]])
+    fast, slow = model.new_cache(), model.new_cache()
+    logits = model(ids, cache=fast)
+    model(ids, cache=slow)
+    nxt = logits[:, -1:].argmax(-1)
+    for step in range(7):
+        got = model(nxt, cache=fast)
+        with modules_only(model):
+            want = model(nxt, cache=slow)
+        assert got.shape == want.shape == (1, 1, 96)
+        assert _close(got, want), (step, float(np.abs(got - want).max()))
+        nxt = want[:, -1:].argmax(-1)
+    assert len(calls) == 7 * 2  # every step, every block, compiled
+    for a, b in zip(fast, slow, strict=True):
+        assert len(a) == len(b) == 13
+        k_a, v_a = a._key[:, :, :13], a._value[:, :, :13]
+        np.testing.assert_allclose(k_a, b._key[:, :, :13], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(v_a, b._value[:, :, :13], rtol=1e-5, atol=1e-5)
+
+
+def test_a_left_padded_batch_generates_the_modules_tokens(calls):
+    model = quantized_llama("Q4_1", num_key_value_heads=1)
+    ids = np.array([[0, 0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
+    mask = (np.arange(6) >= np.array([[3], [0], [1]])).astype(np.int64)
+    got = model.generate(ids, 8, attention_mask=mask)
+    assert len(calls) == 7 * 2
+    with modules_only(model):
+        want = model.generate(ids, 8, attention_mask=mask)
+    np.testing.assert_array_equal(got, want)
+    # and one padded step's logits directly
+    cf, cs = model.new_cache(), model.new_cache()
+    model(ids, mask, cache=cf)
+    model(ids, mask, cache=cs)
+    step_mask = np.concatenate([mask, np.ones((3, 1), np.int64)], axis=1)
+    nxt = np.array([[3], [4], [5]])
+    got = model(nxt, step_mask, cache=cf)
+    with modules_only(model):
+        want = model(nxt, step_mask, cache=cs)
+    assert _close(got, want)
+
+
+def test_the_modules_run_when_a_hook_is_attached(calls):
+    model = quantized_llama("Q8_0")
+    seen = []
+    with model.hooks([("blocks.1.mlp.hook_post", lambda x, name: seen.append(x.shape))]):
+        model.generate(np.array([[1, 2, 3]]), 4)
+    assert calls == [] and seen == [(1, 3, 128)] + [(1, 1, 128)] * 3
+    model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 * 2  # detached: compiled again
+
+
+def test_float32_weights_and_numba_turned_off_take_the_modules(calls):
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    Llama(cfg, rng=np.random.default_rng(0)).generate(np.array([[1, 2, 3]]), 4)
+    assert calls == []
+    model = quantized_llama("Q4_0")
+    with tuned(fused=False):
+        a = model.generate(np.array([[1, 2, 3]]), 4)
+    assert calls == []
+    b = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 * 2
+    np.testing.assert_array_equal(a, b)
+
+
+def test_a_replaced_weight_is_seen(calls):
+    model = quantized_llama("Q4_1")
+    ids = np.array([[4, 5, 6]])
+    model.generate(ids, 3)  # the step's plan is built
+    rng = np.random.default_rng(7)
+    up = model.layers[1].mlp.up_proj.weight
+    up.data = QuantizedTensor.quantize(rng.normal(0.0, 0.3, up.data.shape).astype(np.float32), "Q8_0")
+    model.layers[0].ln_2.weight.data = np.full(64, 2.0, np.float32)
+    cf, cs = model.new_cache(), model.new_cache()
+    model(ids, cache=cf)
+    model(ids, cache=cs)
+    got = model(np.array([[9]]), cache=cf)
+    with modules_only(model):
+        want = model(np.array([[9]]), cache=cs)
+    assert _close(got, want)
+    assert len(calls) == 2 * 2 + 2
+
+
+def test_bad_input_gets_the_modules_errors():
+    model = quantized_llama("Q8_0")
+    cache = model.new_cache()
+    model(np.array([[1, 2, 3]]), cache=cache)
+    with pytest.raises(ValueError, match="input_ids"):
+        model(np.array([[96]]), cache=cache)  # out of the vocabulary
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(np.array([[1]]), np.array([[1, 1, 2, 1]]), cache=cache)
+    assert len(cache[0]) == 3  # nothing appended by a refused step
