@@ -157,6 +157,44 @@ def test_gqa_does_not_repeat_keys_in_the_kernel(blocks, torch):
     assert dk.shape == k.shape and dv.shape == v.shape
 
 
+def _projection_layout(a: np.ndarray) -> np.ndarray:
+    """``a (N, H, L, E)`` as the transposed view of an ``(N, L, H, E)`` projection (what
+    MultiheadAttention hands the kernel): its batch and head axes cannot be merged."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("case", [((3,), 4, 4, 40, 40, 16, 16, True, False), ((3,), 6, 2, 24, 30, 8, 8, False, True),
+                                  ((5,), 2, 2, 33, 33, 8, 8, False, False)], ids=_case_id)
+def test_heads_transposed_out_of_a_projection_are_not_copied(case, blocks, torch, monkeypatch):
+    """q, k, v and the gradient as views of (N, L, H, E) buffers: the blocks take whole batch
+    entries (or heads within one) of the two-level layout, with the numbers of torch."""
+    batch, hq, h, L, S, E, Ev, causal, gqa = case
+    rng = np.random.default_rng(45)
+    q, k, v, g = (_projection_layout(a) for a in attention_inputs(rng, batch, hq, h, L, S, E, Ev, np.float32))
+    layouts = []
+    real = rows._Layout
+
+    def spy(*args, **kwargs):
+        lay = real(*args, **kwargs)
+        layouts.append(lay)
+        return lay
+
+    monkeypatch.setattr(rows, "_Layout", spy)
+    copies = []
+    real_copy = np.ascontiguousarray
+    monkeypatch.setattr(rows.np, "ascontiguousarray", lambda a, *x, **kw: copies.append(a.shape) or real_copy(a, *x, **kw))
+    try:
+        _check(torch, q, k, v, g, is_causal=causal, enable_gqa=gqa)
+    finally:
+        monkeypatch.undo()
+    assert len(layouts) == 2 and all(lay.two_level and lay.q.ndim == 5 and lay.k.ndim == 4 for lay in layouts)
+    assert all(len(lay.head_chunks) >= 1 for lay in layouts)
+    whole = {tuple(a.shape) for a in (q, k, v, g)}
+    assert not whole & set(copies)  # neither the inputs nor the gradient were gathered into a copy
+    if not gqa:  # (with GQA a block stacks its group's query rows: a copy of the block)
+        assert copies == []
+
+
 def test_dispatch():
     rng = np.random.default_rng(45)
     q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores

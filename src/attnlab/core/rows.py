@@ -126,12 +126,14 @@ def _merged(a: np.ndarray, shape: tuple) -> np.ndarray | None:
         return None
 
 
-def _flat(a: np.ndarray, shape: tuple) -> np.ndarray:
-    """``a`` reshaped to ``shape``: a view where the strides allow, else a contiguous copy
-    (keys and values transposed out of a ``(N, S, H, D)`` projection: one pass over them,
-    against ``L`` passes' worth of attention)."""
-    view = _merged(a, shape)
-    return view if view is not None else np.ascontiguousarray(a).reshape(shape)
+def _heads(a: np.ndarray, flat_ndim: int, f0: int, f1: int, hkv: int, bd: tuple) -> np.ndarray:
+    """Heads ``f0:f1`` of a per-head array as ``(*bd, ...)``: ``a`` is flat ``(NH, ...)``
+    (``flat_ndim`` dims) or two-level ``(NB, Hkv, ...)``, and ``bd`` is ``(nh,)`` (heads of
+    one batch entry) or ``(nn, Hkv)`` (whole batch entries); always a view."""
+    if a.ndim == flat_ndim:
+        return a[f0:f1].reshape(*bd, *a.shape[1:])
+    n0, h0 = divmod(f0, hkv)
+    return a[n0, h0 : h0 + bd[0]] if len(bd) == 1 else a[n0 : n0 + bd[0]]
 
 
 def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
@@ -171,11 +173,13 @@ class _Layout:
         self.Hkv = Hkv = batch[-1] // G
         self.lead = lead = batch[:-1]
         self.NH = NH = math.prod(lead) * Hkv
+        self.NB = math.prod(lead)
         self.scale = np.float32(spec.scale)  # applied to the scores by the row pass
-        self.q = _flat(_broadcast(spec.query, (*batch, L, E)), (NH, G, L, E))
+        self.two_level = False  # set by per_head: some array keeps its batch and head axes apart
+        self.q = self.per_head(_broadcast(spec.query, (*batch, L, E)), (G, L, E))
         # The caller's key/value heads, each serving G consecutive query heads.
-        self.k = _flat(_broadcast(spec.key, (*lead, Hkv, S, E)), (NH, S, E))
-        self.v = _flat(_broadcast(spec.value, (*lead, Hkv, S, Ev)), (NH, S, Ev))
+        self.k = self.per_head(_broadcast(spec.key, (*lead, Hkv, S, E)), (S, E))
+        self.v = self.per_head(_broadcast(spec.value, (*lead, Hkv, S, Ev)), (S, Ev))
         self.mode, self.mask, self.mask_by_lead = _MODE_NONE, None, None
         if spec.is_causal:
             self.mode = _MODE_CAUSAL
@@ -210,9 +214,35 @@ class _Layout:
                 nh = -(-nh // 2)
         n_chunks = -(-span // nh)
         nh = -(-span // n_chunks)  # even chunks: 12 heads as 6 + 6, not 8 + 4
+        if self.two_level and span == NH:  # blocks of whole batch entries, or within one
+            span = Hkv if nh < Hkv else NH
+            nh = min(nh, Hkv) if nh < Hkv else nh // Hkv * Hkv
         self.head_chunks = [(f + h, f + min(h + nh, span)) for f in range(0, NH, span) for h in range(0, span, nh)]
         self.rows = rows
         self.row_chunks = [(a, min(a + rows, L)) for a in range(0, L, rows)]
+
+    def per_head(self, a: np.ndarray, tail: tuple) -> np.ndarray:
+        """``a`` (``(*lead, Hkv, *tail)``, ``Hkv`` the key/value heads) as a flat ``(NH,
+        *tail)`` view where the strides allow; else as a two-level ``(NB, Hkv, *tail)`` view
+        (heads transposed out of a ``(N, L, H, D)`` projection: blocks then take whole batch
+        entries, and nothing is copied); else copied flat."""
+        flat = _merged(a, (self.NH, *tail))
+        if flat is not None:
+            return flat
+        if not hasattr(self, "head_chunks") or self.two_level:  # chunks not made yet, or aligned
+            two = _merged(a, (self.NB, self.Hkv, *tail))
+            if two is not None:
+                self.two_level = True
+                return two
+        return np.ascontiguousarray(a).reshape(self.NH, *tail)
+
+    def block_dims(self, f0: int, f1: int) -> tuple:
+        """The batch dims of heads ``f0:f1``: ``(nh,)``, or ``(nn, Hkv)`` for whole batch
+        entries of a two-level layout."""
+        nh = f1 - f0
+        if not self.two_level or (nh <= self.Hkv and f0 // self.Hkv == (f1 - 1) // self.Hkv):
+            return (nh,)
+        return (nh // self.Hkv, self.Hkv)
 
     def key_end(self, a1: int) -> int:
         return min(self.S, a1) if self.spec.is_causal else self.S
@@ -232,16 +262,17 @@ class _Layout:
         return self.mode, m.reshape((f1 - f0) * self.G, a1 - a0, kend), 0
 
     def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):
-        """``(q (nh, G * rows, E), probabilities (nh, G * rows, kend))`` of a block (the
+        """``(q (*bd, G * rows, E), probabilities (*bd, G * rows, kend))`` of a block (the
         second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the rows are
         left unnormalised and ``inv`` gets their ``1 / sum``."""
         nh, rows, G = f1 - f0, a1 - a0, self.G
-        q = self.q[f0:f1, :, a0:a1]
-        q = _merged(q, (nh, G * rows, self.E))
+        bd = self.block_dims(f0, f1)
+        q4 = _heads(self.q, 4, f0, f1, self.Hkv, bd)[..., a0:a1, :]
+        q = _merged(q4, (*bd, G * rows, self.E))
         if q is None:  # a group's rows are not one run of memory: stack them
-            q = np.ascontiguousarray(self.q[f0:f1, :, a0:a1]).reshape(nh, G * rows, self.E)
-        s = _buf(scratch, "s", (nh, G * rows, kend))
-        np.matmul(q, self.k[f0:f1, :kend].swapaxes(-1, -2), out=s)
+            q = np.ascontiguousarray(q4).reshape(*bd, G * rows, self.E)
+        s = _buf(scratch, "s", (*bd, G * rows, kend))
+        np.matmul(q, _heads(self.k, 3, f0, f1, self.Hkv, bd)[..., :kend, :].swapaxes(-1, -2), out=s)
         mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
         K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv, self.scale)
         return q, s
@@ -290,19 +321,20 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
     def run(unit, scratch):
         f0, f1, a0, a1 = unit
         nh, rows = f1 - f0, a1 - a0
+        bd = lay.block_dims(f0, f1)
         kend = lay.key_end(a1)
         # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
         inv = _buf(scratch, "inv", (nh * G * rows,))
         _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
-        v = lay.v[f0:f1, :kend]
+        v = _heads(lay.v, 3, f0, f1, lay.Hkv, bd)[..., :kend, :]
         if rows == L or G == 1:  # the block's output rows are one (nh, G * rows) view
-            o = out[f0:f1, :, a0:a1].reshape((nh, G * rows, Ev), copy=False)
+            o = out[f0:f1, :, a0:a1].reshape((*bd, G * rows, Ev), copy=False)
             np.matmul(p, v, out=o)
-            o *= inv.reshape(nh, G * rows, 1)
+            o *= inv.reshape(*bd, G * rows, 1)
         else:
-            o = _buf(scratch, "o", (nh, G * rows, Ev))
+            o = _buf(scratch, "o", (*bd, G * rows, Ev))
             np.matmul(p, v, out=o)
-            o *= inv.reshape(nh, G * rows, 1)
+            o *= inv.reshape(*bd, G * rows, 1)
             out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
 
     _run(units, run, lay.threads)
@@ -321,7 +353,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
     lay = _Layout(spec, backward=True)
     G, L, S, E, Ev, NH = lay.G, lay.L, lay.S, lay.E, lay.Ev, lay.NH
     batch = spec.batch_shape or (1,)
-    go = _flat(_broadcast(grad_out, (*batch, L, Ev)), (NH, G, L, Ev))
+    go = lay.per_head(_broadcast(grad_out, (*batch, L, Ev)), (G, L, Ev))
     dq = np.empty((NH, G, L, E), dtype=np.float32)
     dk = np.zeros((NH, S, E), dtype=np.float32)
     dv = np.zeros((NH, S, Ev), dtype=np.float32)
@@ -342,29 +374,32 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         n, c = unit
         f0, f1 = heads[n]
         nh = f1 - f0
+        bd = lay.block_dims(f0, f1)
         dk_h, dv_h = (dk[f0:f1], dv[f0:f1]) if c == 0 else partial[n, c]
-        k, v = lay.k[f0:f1], lay.v[f0:f1]
+        dk_h, dv_h = dk_h.reshape(*bd, S, E), dv_h.reshape(*bd, S, Ev)
+        k, v = _heads(lay.k, 3, f0, f1, lay.Hkv, bd), _heads(lay.v, 3, f0, f1, lay.Hkv, bd)
+        go_h = _heads(go, 4, f0, f1, lay.Hkv, bd)
         for a0, a1 in lay.row_chunks[c::split]:
             rows = a1 - a0
             kend = lay.key_end(a1)
             q, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
-            g = go[f0:f1, :, a0:a1]
-            g = g.reshape(nh, G * rows, Ev) if rows == L or G == 1 else \
-                np.ascontiguousarray(g).reshape(nh, G * rows, Ev)
-            dv_h[:, :kend] += np.matmul(p.swapaxes(-1, -2), g, out=_buf(scratch, "dv", (nh, kend, Ev)))
-            dp = _buf(scratch, "dp", (nh, G * rows, kend))
-            np.matmul(g, v[:, :kend].swapaxes(-1, -2), out=dp)
+            g = go_h[..., a0:a1, :]
+            g = g.reshape(*bd, G * rows, Ev) if rows == L or G == 1 else \
+                np.ascontiguousarray(g).reshape(*bd, G * rows, Ev)
+            dv_h[..., :kend, :] += np.matmul(p.swapaxes(-1, -2), g, out=_buf(scratch, "dv", (*bd, kend, Ev)))
+            dp = _buf(scratch, "dp", (*bd, G * rows, kend))
+            np.matmul(g, v[..., :kend, :].swapaxes(-1, -2), out=dp)
             K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
             # dk without the factor scale (applied once at the end)
-            dk_h[:, :kend] += np.matmul(dp.swapaxes(-1, -2), q, out=_buf(scratch, "dk", (nh, kend, E)))
+            dk_h[..., :kend, :] += np.matmul(dp.swapaxes(-1, -2), q, out=_buf(scratch, "dk", (*bd, kend, E)))
             dq_b = dq[f0:f1, :, a0:a1]
             if rows == L or G == 1:
-                dq_b = dq_b.reshape((nh, G * rows, E), copy=False)
-                np.matmul(dp, k[:, :kend], out=dq_b)
+                dq_b = dq_b.reshape((*bd, G * rows, E), copy=False)
+                np.matmul(dp, k[..., :kend, :], out=dq_b)
                 dq_b *= lay.scale
             else:
-                o = _buf(scratch, "dq", (nh, G * rows, E))
-                np.matmul(dp, k[:, :kend], out=o)
+                o = _buf(scratch, "dq", (*bd, G * rows, E))
+                np.matmul(dp, k[..., :kend, :], out=o)
                 o *= lay.scale
                 dq_b[...] = o.reshape(nh, G, rows, E)
 
