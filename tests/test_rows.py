@@ -182,7 +182,12 @@ def test_heads_transposed_out_of_a_projection_are_not_copied(case, blocks, torch
     monkeypatch.setattr(rows, "_Layout", spy)
     copies = []
     real_copy = np.ascontiguousarray
-    monkeypatch.setattr(rows.np, "ascontiguousarray", lambda a, *x, **kw: copies.append(a.shape) or real_copy(a, *x, **kw))
+
+    def counted_copy(a, *args, **kwargs):
+        copies.append(a.shape)
+        return real_copy(a, *args, **kwargs)
+
+    monkeypatch.setattr(rows.np, "ascontiguousarray", counted_copy)
     try:
         _check(torch, q, k, v, g, is_causal=causal, enable_gqa=gqa)
     finally:
