@@ -608,8 +608,9 @@ def test_layer_norm_compiled_equals_numpy_and_torch(dtype):
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs and Linux's affinity calls")
 def test_pool_keeps_caller_and_workers_on_different_cpus():
-    """During a pool call the caller stays on its CPU and the workers run elsewhere (after
-    idling, Linux would otherwise wake them onto one CPU); the caller's mask comes back."""
+    """During a pool call after a pause the caller stays on its CPU and the workers run
+    elsewhere (after idling, Linux would otherwise wake them onto one CPU); the caller's
+    mask comes back. A call that follows another closely is left to the scheduler."""
     import threading
     import time
 
@@ -623,11 +624,14 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
 
     with threads_mod_threads(2):
         threads_mod.run_units(range(8), unit, 2)
+        time.sleep(2 * threads_mod._HOLD_AFTER_IDLE)
         threads_mod.run_units(range(8), unit, 2)  # the workers exist now: they are kept apart
+        threads_mod.run_units(range(8), unit, 2)  # right after the last: not held
     assert os.sched_getaffinity(0) == before
-    mine = {mask for tid, mask in seen[8:] if tid == caller}
-    theirs = {mask for tid, mask in seen[8:] if tid != caller}
+    mine = {mask for tid, mask in seen[8:16] if tid == caller}
+    theirs = {mask for tid, mask in seen[8:16] if tid != caller}
     assert len(mine) == 1 and len(next(iter(mine))) == 1
     assert theirs, "the worker took no unit"
     (cpu,) = next(iter(mine))
     assert all(cpu not in mask for mask in theirs)
+    assert {mask for tid, mask in seen[16:] if tid == caller} == {frozenset(before)}

@@ -21,8 +21,10 @@ Three rules keep this safe however many Python threads call attnlab at once:
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -247,8 +249,12 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 # virtual machine, a causal attention call (8 heads, L=1024) took 16-20 ms after a 0.1 s
 # pause against 9.4 ms back to back, with both threads busy all along; with the two
 # threads kept apart, 9.8-11.7 ms (the worker alone kept off the caller's CPU: 16 ms, as
-# the caller itself then moves). So each pool call holds the caller on its CPU and the
-# workers off it (_caller_and_workers_apart: a few system calls per call).
+# the caller itself then moves). So a pool call that starts after such a pause holds the
+# caller on its CPU and the workers off it (_caller_and_workers_apart: a few system calls
+# per call). Calls that follow one another closely are left to the scheduler: there the
+# threads are already spread, and holding the caller still cost a TinyTransformer
+# training step (a pool call every few milliseconds, BLAS's threads busy in between)
+# 19-20 ms against 16-17 ms unheld, measured on the same machine.
 _WORKER_TIDS: list[int] = []
 _WORKERS_OFF: list[int | None] = [None]  # the CPU the workers are kept off now
 _TIDS_LOCK = threading.Lock()
@@ -281,11 +287,29 @@ def _sched_getcpu():
     return _GETCPU or None
 
 
+# A pool call that starts within this many seconds of the last one's end is not held.
+_HOLD_AFTER_IDLE = 0.01
+_LAST_POOL_END = [-math.inf]
+
+
 @contextmanager
 def _caller_and_workers_apart():
     """While the block runs, the calling thread stays on the CPU it is on and the workers
     are kept off that CPU (their mask changes only when the caller has moved); the
-    caller's own mask is restored after. A no-op where the system cannot tell the CPU."""
+    caller's own mask is restored after. Only after a pause (no pool call ended in the
+    last :data:`_HOLD_AFTER_IDLE` seconds); a no-op where the system cannot tell the CPU."""
+    try:
+        if time.monotonic() - _LAST_POOL_END[0] < _HOLD_AFTER_IDLE:
+            yield
+        else:
+            with _held_apart():
+                yield
+    finally:
+        _LAST_POOL_END[0] = time.monotonic()
+
+
+@contextmanager
+def _held_apart():
     getcpu = _sched_getcpu()
     cpu = getcpu() if getcpu is not None else -1
     allowed = _allowed_cpus()
