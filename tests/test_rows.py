@@ -157,6 +157,28 @@ def test_gqa_does_not_repeat_keys_in_the_kernel(blocks, torch):
     assert dk.shape == k.shape and dv.shape == v.shape
 
 
+SMALL_HEAD_CASES = [  # E >= 32 and E * S <= 4096: multiplied by transposed copies of k and v
+    ((2,), 4, 4, 40, 40, 32, 32, True, False),
+    ((1,), 6, 2, 33, 33, 32, 32, False, True),
+    ((2,), 4, 2, 45, 20, 32, 16, True, True),
+    ((), 3, 3, 20, 60, 64, 64, True, False),
+]
+
+
+@pytest.mark.parametrize("case", SMALL_HEAD_CASES, ids=_case_id)
+def test_small_heads_multiply_by_their_own_transposed_copies(case, blocks, torch):
+    """Small heads multiply by transposed copies of the keys and values, made once per call
+    and block of heads and reused by its row blocks: torch's numbers, and a second call
+    with other keys and values of the same shapes never reuses the first call's copies."""
+    batch, hq, h, L, S, E, Ev, causal, gqa = case
+    rng = np.random.default_rng(46)
+    q, k, v, g = attention_inputs(rng, batch, hq, h, L, S, E, Ev, np.float32)
+    assert rows._Layout(check_attention_args(q, k, v, is_causal=causal, enable_gqa=gqa)).copy_transposed
+    _check(torch, q, k, v, g, is_causal=causal, enable_gqa=gqa)
+    _, k2, v2, _ = attention_inputs(np.random.default_rng(47), batch, hq, h, L, S, E, Ev, np.float32)
+    _check(torch, q, k2, v2, g, is_causal=causal, enable_gqa=gqa)
+
+
 def _projection_layout(a: np.ndarray) -> np.ndarray:
     """``a (N, H, L, E)`` as the transposed view of an ``(N, L, H, E)`` projection (what
     MultiheadAttention hands the kernel): its batch and head axes cannot be merged."""
