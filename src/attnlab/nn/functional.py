@@ -498,21 +498,24 @@ def cross_entropy(
     Returns:
         ``(loss, grad_logits)``; ``loss`` is NaN when every target is ignored (as torch).
     """
-    m = logits.max(axis=-1, keepdims=True)
-    shifted = logits - m
-    e = np.exp(shifted)
-    total = e.sum(axis=-1, keepdims=True)
-    logp = shifted - np.log(total)
     keep = target != ignore_index
     n = int(keep.sum())
     safe = np.where(keep, target, 0)
-    picked = np.take_along_axis(logp, safe[:, None], axis=-1)[:, 0]
+    e = logits - logits.max(axis=-1, keepdims=True)  # shifted; then exp in place
+    # log p of each target alone: its shifted score minus log(sum exp) of its row
+    picked = np.take_along_axis(e, safe[:, None], axis=-1)[:, 0]
+    np.exp(e, out=e)
+    total = e.sum(axis=-1, keepdims=True)
+    picked = picked - np.log(total[:, 0])
     with np.errstate(invalid="ignore", divide="ignore"):
         loss = float(-(picked * keep).sum() / n) if n else float("nan")
-    grad = e / total
+    grad = np.divide(e, total, out=e)
     rows = np.nonzero(keep)[0]
     grad[rows, target[rows]] -= 1.0
-    grad *= (keep / max(n, 1)).astype(logits.dtype)[:, None]
+    if n and n == len(target):  # every target counts: one factor 1/n for all rows
+        grad *= (keep[:1] / n).astype(logits.dtype)
+    else:
+        grad *= (keep / max(n, 1)).astype(logits.dtype)[:, None]
     return loss, grad.astype(logits.dtype, copy=False)
 
 
