@@ -222,6 +222,21 @@ def test_heads_transposed_out_of_a_projection_are_not_copied(case, blocks, torch
         assert copies == []
 
 
+def test_threads_follow_the_work_of_a_call(monkeypatch):
+    """The pool from min_scores_per_thread scores of E = 64 heads; E = 16 heads need four
+    times as many scores, and heads larger than 64 count as 64."""
+    monkeypatch.setattr(rows, "pool_threads", lambda n: 2)
+    need = rows._min_scores_per_thread()
+
+    def threads(n: int, E: int) -> int:  # n scores: n / 4096 heads of 64 x 64
+        q = np.zeros((n // 4096, 64, E), np.float32)
+        return rows._Layout(check_attention_args(q, q, q)).threads
+
+    assert threads(need, 64) == 2 and threads(need - 4096, 64) == 1
+    assert threads(need, 16) == 1 and threads(4 * need, 16) == 2
+    assert threads(need, 128) == 2 and threads(need - 4096, 128) == 1
+
+
 def test_dispatch():
     rng = np.random.default_rng(45)
     q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores

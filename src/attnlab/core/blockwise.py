@@ -82,7 +82,8 @@ class Tuning:
         block_k: key rows per tile of the backward pass.
         forward_block_k: key rows per tile of the forward pass (``0``: ``block_k``).
         min_scores_per_thread: calls with fewer scores (all heads together) run in one
-            thread; starting threads would cost more than it saves.
+            thread; starting threads would cost more than it saves. Scores of heads with
+            ``E + Ev < 128`` count in proportion in the rows kernel (E = 16: a quarter).
         fused_min_scores: float32 calls with at least this many scores use the compiled
             kernels when numba is installed (smaller ones stay on NumPy, whose first call
             costs nothing to import or compile).
@@ -125,7 +126,8 @@ _BLOCK_K_RANGE = (128, 2048)
 # of a full tile (measured: 128 rows 82 GF/s, 512 rows 86 GF/s on one core), while the
 # wasted work on the diagonal drops from block_k / 2 to 64 keys per row.
 _DIAG_ROWS = 128
-# Starting a pool (threads, BLAS limit) costs ~0.2 ms; a score costs ~1 ns per thread.
+# Starting a pool (threads, BLAS limit) costs ~0.2 ms; a score costs ~1 ns per thread
+# (E = Ev = 64; the rows kernel counts smaller heads by their work).
 _MIN_SCORES_PER_THREAD = 2**18
 # numba's import costs ~0.3 s per process: compiled kernels from about 0.1 s of work.
 _FUSED_MIN_SCORES = 2**23

@@ -199,7 +199,15 @@ class _Layout:
             if self.mask is None:  # e.g. a key-padding mask (N, 1, 1, S): per batch entry
                 self.mask_by_lead = m.reshape(*lead, Hkv, G, L, S)
         self.scores = math.prod(batch) * L * S
-        self.threads = pool_threads(None) if self.scores >= _min_scores_per_thread() else 1
+        # Threads from min_scores_per_thread scores of E = Ev = 64 heads; smaller heads do
+        # less work a score (2 (E + Ev) flops in the two products) and need more scores
+        # (E = 16: four times as many). Inside a layer a pool also starts beside BLAS's
+        # spinning threads: the TinyTransformer training step (E = 16, 262144 scores a
+        # call) ran at 0.996x torch's step time with its attention on one thread, 1.115x
+        # on two, though the call alone is faster on two. Larger heads count as E = 64
+        # (E = 128, 131072 scores: one thread 0.95 ms forward, two 1.03).
+        work = self.scores * min(E + Ev, 128) // 128
+        self.threads = pool_threads(None) if work >= _min_scores_per_thread() else 1
         # Block sizes: heads per block (nh) and rows per block.
         budget = _block_bytes() // (2 if backward else 1)
         per_row = 4 * G * S  # bytes of one query row of all G heads
