@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--models", default="gpt2,smollm2,minilm", help="comma-separated: gpt2, smollm2, minilm")
     p.add_argument("--profile", action="store_true", help="cProfile one attnlab prefill per model instead")
     p.add_argument("--out", default=".", help="folder of the --profile files (default: here)")
+    p.add_argument("--system-allocator", action="store_true",
+                   help="leave glibc returning freed memory to the system (default: attnlab.keep_freed_memory(), "
+                        "as the attnlab command runs; for the whole process, transformers included)")
     return p.parse_args(argv)
 
 
@@ -95,6 +98,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(threads)
     attnlab.set_num_threads(threads)
+    if not args.system_allocator:
+        attnlab.keep_freed_memory()
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     runs, errs = {}, {}
     for m in models:
@@ -128,6 +133,8 @@ def main(argv=None) -> int:
     print(f"threads {threads}; numpy {np.__version__}, torch {torch.__version__}; prompt {args.prompt} tokens, "
           f"batch 1, next-token logits only")
     print(f"load before {load_before}; after {machine_load()}")
+    print("memory: " + ("glibc's defaults (--system-allocator)" if args.system_allocator
+                        else "freed memory kept for reuse (attnlab.keep_freed_memory), both libraries"))
     print(f"median of {args.repeat} runs each, taken in turns:")
     print(f"  {'':<10} {'attnlab ms':>11} {'transformers ms':>16} {'time ratio':>11} {'max |diff|':>11}")
     for m in models:

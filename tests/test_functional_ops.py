@@ -121,8 +121,26 @@ def test_small_gelus_go_compiled_once_the_numpy_work_adds_up(monkeypatch):
     seen = []
     monkeypatch.setattr(blockwise, "fused_planned", lambda dtype, n, min_n=None, use=None: seen.append(min_n) or False)
     monkeypatch.setattr(F, "_gelu_numpy_elements", 0)
+    monkeypatch.setattr(F, "_numba_started", lambda: False)
     gelu(x)
     assert seen == [F._GELU_COMPILED_MIN] and F._gelu_numpy_elements == x.size
     monkeypatch.setattr(F, "_gelu_numpy_elements", F._GELU_COMPILED_AFTER)
     gelu(x)
     assert seen[-1] == F._GELU_COMPILED_SMALL
+    # Once another compiled kernel has started numba, small GELUs go compiled at once.
+    monkeypatch.setattr(F, "_gelu_numpy_elements", 0)
+    monkeypatch.setattr(F, "_numba_started", lambda: True)
+    gelu(x)
+    assert seen[-1] == F._GELU_COMPILED_SMALL
+
+
+def test_numba_counts_as_started_once_a_compiled_module_is_loaded(monkeypatch):
+    import sys
+
+    from attnlab.nn import functional as F
+
+    for name in F._COMPILED_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert not F._numba_started()
+    monkeypatch.setitem(sys.modules, "attnlab.core._fused", sys)
+    assert F._numba_started()

@@ -87,6 +87,30 @@ def test_silu_matches_torch_with_gradient(dtype):
     assert max_rel(act.backward(g), tx.grad) <= TOL[dtype]
 
 
+@pytest.mark.skipif(not __import__("attnlab").core.blockwise.fused_available(), reason="numba (the fast extra)")
+def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
+    """From F._SILU_COMPILED_MIN elements a C-contiguous float32 SiLU runs on the compiled
+    loop (exp of -|x| only): torch's numbers within 1e-6, inf, NaN and signed zeros as
+    torch, also in place; a strided array takes NumPy's path, also within 1e-6."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(F._SILU_COMPILED_MIN + 7) * 8).astype(np.float32)
+    x[:7] = [np.inf, -np.inf, np.nan, 0.0, -0.0, -200.0, 200.0]
+    calls = []
+    real = F._silu_compiled
+    monkeypatch.setattr(F, "_silu_compiled", lambda a, out: calls.append(a.size) or real(a, out))
+    want = torch.nn.functional.silu(torch.from_numpy(x)).numpy()
+    got = F.silu(x)
+    assert calls == [x.size] and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.signbit(got[:7]), np.signbit(want[:7]))
+    assert max_rel(got[3:], want[3:]) <= 1e-6 and got[0] == np.inf
+    inplace = x.copy()
+    assert F.silu(inplace, out=inplace) is inplace
+    np.testing.assert_array_equal(inplace, got)
+    strided = np.stack([x, x], axis=1)[:, 0]
+    assert max_rel(F.silu(strided)[3:], want[3:]) <= 1e-6 and calls == [x.size, x.size]
+
+
 class _Cfg:
     def __init__(self, d, f, act, bias):
         self.hidden_size, self.intermediate_size, self.hidden_act, self.mlp_bias = d, f, act, bias

@@ -6,6 +6,8 @@ The forwards also take arrays of another Array API library (the layers after
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from attnlab._threads import matmul
@@ -142,11 +144,24 @@ _BLOCK = 1 << 15
 # the same numbers bit for bit, about five times faster) once the work pays for numba's
 # import (~0.5 s, once per process): for an array of _GELU_COMPILED_MIN elements, or for
 # any array of _GELU_COMPILED_SMALL or more once this process has run _GELU_COMPILED_AFTER
-# elements (~0.25 s) through the NumPy loop (a model run on many small batches).
+# elements (~0.25 s) through the NumPy loop (a model run on many small batches), or once
+# another compiled kernel has run (the attention kernels: numba is started, and the loop
+# then starts in about 2 ms).
 _GELU_COMPILED_MIN = 1 << 21
 _GELU_COMPILED_SMALL = 1 << 12
 _GELU_COMPILED_AFTER = 1 << 25
 _gelu_numpy_elements = 0
+# float32 SiLUs of at least this many elements run on the compiled loop (attnlab.nn.
+# _compiled.silu32_, numba installed): a gated feed-forward of 512 tokens x 1536 took 1.8
+# ms in NumPy's four passes, 0.3 ms there. Not NumPy's numbers bit for bit (a few ulp), so
+# the choice goes by the size alone: a call gives the same numbers whatever ran before.
+_SILU_COMPILED_MIN = 1 << 18
+# attnlab's compiled modules: once one is loaded, numba is started.
+_COMPILED_MODULES = ("attnlab.core._fused", "attnlab.nn._compiled", "attnlab._quant_kernels")
+
+
+def _numba_started() -> bool:
+    return any(name in sys.modules for name in _COMPILED_MODULES)
 
 
 def _erf32_inplace(z: np.ndarray, scratch: list[np.ndarray] | None = None) -> np.ndarray:
@@ -313,7 +328,7 @@ def _elementwise(fn, arrays: tuple[np.ndarray, ...], n_scratch: int) -> None:
     def unit(start, scratch):
         blocks = tuple(v[start : start + step] for v in views)
         have = scratch.get("s")
-        if have is None or have[0].shape != blocks[-1].shape:
+        if have is None or (have and have[0].shape != blocks[-1].shape):
             have = scratch["s"] = [np.empty_like(blocks[-1]) for _ in range(n_scratch)]
         fn(blocks, have)
 
@@ -352,7 +367,8 @@ def _gelu_compiled(x: np.ndarray, out: np.ndarray) -> bool:
         return False
     from attnlab.core.blockwise import fused_planned
 
-    min_n = _GELU_COMPILED_SMALL if _gelu_numpy_elements >= _GELU_COMPILED_AFTER else _GELU_COMPILED_MIN
+    small = _gelu_numpy_elements >= _GELU_COMPILED_AFTER or _numba_started()
+    min_n = _GELU_COMPILED_SMALL if small else _GELU_COMPILED_MIN
     if not fused_planned(np.float32, x.size, min_n=min_n):
         _gelu_numpy_elements += x.size  # a count, not a lock: an estimate is enough
         return False
@@ -532,12 +548,41 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         xp = namespace(x)
         return x / (1.0 + xp.exp(-x))
     x = np.asarray(x)
+    if (x.dtype == np.float32 and x.flags.c_contiguous and (out is None or out.flags.c_contiguous)
+            and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
+        return _silu_compiled(x, np.empty_like(x) if out is None else out)
     if out is None:
-        with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+        # exp(-x) overflows to inf for x << 0: x / inf = -0; -inf / inf = NaN, as torch
+        with np.errstate(over="ignore", invalid="ignore"):
             d = np.exp(-x)
-        d += 1
-        return np.divide(x, d, out=d)
+            d += 1
+            return np.divide(x, d, out=d)
     _elementwise(_silu_block, (x, out), 1)
+    return out
+
+
+def _compiled_planned(n: int, min_n: int) -> bool:
+    """Whether ``n`` float32 elements go to a compiled element-wise loop from ``min_n`` on
+    (:func:`attnlab.core.blockwise.fused_planned`: numba installed and not turned off)."""
+    from attnlab.core.blockwise import fused_planned
+
+    return fused_planned(np.float32, n, min_n=min_n)
+
+
+def _silu_compiled(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """:func:`silu` of the C-contiguous float32 ``x`` into ``out`` (may be ``x``) on the
+    compiled loop, block by block (large arrays over attnlab's threads)."""
+    from attnlab.nn import _compiled  # imports numba
+
+    copy = out is not x
+
+    def fn(blocks, _scratch):
+        xb, ob = blocks
+        if copy:
+            np.copyto(ob, xb)
+        _compiled.silu32_(ob)
+
+    _elementwise(fn, (x, out), 0)
     return out
 
 
@@ -546,10 +591,11 @@ def _silu_block(blocks, scratch):
     xb, ob = blocks
     d = scratch[0]
     np.negative(xb, out=d)
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0: x / inf = -0
+    # exp(-x) overflows to inf for x << 0: x / inf = -0; -inf / inf = NaN, as torch
+    with np.errstate(over="ignore", invalid="ignore"):
         np.exp(d, out=d)
-    d += 1
-    np.divide(xb, d, out=ob)
+        d += 1
+        np.divide(xb, d, out=ob)
 
 
 def silu_backward(grad_y: np.ndarray, x: np.ndarray) -> np.ndarray:
