@@ -539,7 +539,9 @@ def cross_entropy(
 def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     """``x * sigmoid(x)`` (torch's ``F.silu``), elementwise, in the dtype of ``x``; with
     ``out`` (a NumPy array of ``x``'s shape and dtype, may be ``x``) written there, block by
-    block.
+    block. A C-contiguous float32 array of 2^18 elements or more runs on a compiled loop
+    where numba is installed (within a few float32 ulp of NumPy's ``x / (1 + exp(-x))``;
+    the choice goes by the size alone).
 
     >>> silu(np.array([-1.0, 0.0, 2.0], dtype=np.float32))
     array([-0.2689414,  0.       ,  1.761594 ], dtype=float32)
