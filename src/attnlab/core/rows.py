@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -315,7 +316,12 @@ class _Layout:
         return q, s
 
 
-def _run(units: list, run, threads: int) -> None:
+# OpenBLAS multiplies a product of at most 65536 x 4 multiply-adds on one thread whatever
+# its thread count (interface/gemm.c: SMP_THRESHOLD_MIN x GEMM_MULTITHREAD_THRESHOLD).
+_BLAS_ONE_THREAD_MACS = 65536 * 4
+
+
+def _run(units: list, run, threads: int, lay: _Layout) -> None:
     """The units on the pool (:func:`attnlab._threads.run_units`), or, on one thread, in a
     plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch) on
     one BLAS thread."""
@@ -326,8 +332,11 @@ def _run(units: list, run, threads: int) -> None:
     scratch = _SCRATCH.take()
     try:
         # One BLAS thread here too: BLAS's own threads would stay spinning beside the pool
-        # of the layer that comes next (see attnlab._threads.matmul).
-        with one_blas_thread():
+        # of the layer that comes next (see attnlab._threads.matmul). Products too small
+        # for BLAS to thread skip the switch (two calls into the library: 5 us back to
+        # back, about 0.1 ms after a pause, a sixth of an L=64 call).
+        small = lay.G * lay.rows * lay.S * max(lay.E, lay.Ev) <= _BLAS_ONE_THREAD_MACS
+        with nullcontext() if small else one_blas_thread():
             for unit in units:
                 run(unit, scratch)
     finally:
@@ -374,7 +383,7 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
             o *= inv.reshape(*bd, G * rows, 1)
             out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
 
-    _run(units, run, lay.threads)
+    _run(units, run, lay.threads, lay)
     return out.reshape(*spec.batch_shape, L, Ev)
 
 
@@ -440,7 +449,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
                 o *= lay.scale
                 dq_b[...] = o.reshape(nh, G, rows, E)
 
-    _run(units, run, lay.threads)
+    _run(units, run, lay.threads, lay)
     for (n, _), (pk, pv) in partial.items():
         f0, f1 = heads[n]
         dk[f0:f1] += pk
