@@ -789,7 +789,7 @@ def benchmark_sentences(n: int) -> list[str]:
             for _ in range(n)]
 
 
-_ENCODE_WARMUP = 8  # warm-up calls of the MiniLM encode row (see _minilm_fns)
+_ENCODE_WARMUP = 2  # warm-up calls of the MiniLM encode row (see _minilm_fns)
 
 
 def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
@@ -816,10 +816,9 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     def run_ours():
         return ours.encode(texts, batch_size=32)
 
-    # The steady state of a process that encodes many batches: attnlab's exact GELU moves
-    # from NumPy to its compiled loop (same numbers, numba installed) once 2**25 elements
-    # have gone through NumPy, about 8 calls of 32 short sentences; the first ones are
-    # ~20% slower. Both sides get the same warm-up calls.
+    # The steady state of a process that encodes many batches: attnlab's first call starts
+    # numba (its attention kernels, then its compiled GELU: ~0.5 s), sentence-transformers'
+    # first calls are slower too. Both sides get the same warm-up calls.
     for _ in range(_ENCODE_WARMUP):
         run_ours()
         run_torch()
