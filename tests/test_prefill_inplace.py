@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import attnlab
-from attnlab.nn import LayerNorm, RMSNorm
 from attnlab.core.blockwise import tuned
+from attnlab.nn import LayerNorm, RMSNorm
 from attnlab.nn import functional as F
 
 

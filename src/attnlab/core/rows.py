@@ -321,11 +321,11 @@ class _Layout:
 _BLAS_ONE_THREAD_MACS = 65536 * 4
 
 
-def _run(units: list, run, threads: int, lay: _Layout) -> None:
-    """The units on the pool (:func:`attnlab._threads.run_units`), or, on one thread, in a
-    plain loop (a short call's fixed cost: no pool bookkeeping, no error-state switch) on
-    one BLAS thread."""
-    threads = min(threads, len(units))
+def _run(units: list, run, lay: _Layout) -> None:
+    """The units on the pool of ``lay.threads`` (:func:`attnlab._threads.run_units`), or, on
+    one thread, in a plain loop (a short call's fixed cost: no pool bookkeeping, no
+    error-state switch) on one BLAS thread."""
+    threads = min(lay.threads, len(units))
     if threads > 1:
         run_units(units, run, threads, scratch=_SCRATCH)
         return
@@ -383,7 +383,7 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
             o *= inv.reshape(*bd, G * rows, 1)
             out[f0:f1, :, a0:a1] = o.reshape(nh, G, rows, Ev)
 
-    _run(units, run, lay.threads, lay)
+    _run(units, run, lay)
     return out.reshape(*spec.batch_shape, L, Ev)
 
 
@@ -449,7 +449,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
                 o *= lay.scale
                 dq_b[...] = o.reshape(nh, G, rows, E)
 
-    _run(units, run, lay.threads, lay)
+    _run(units, run, lay)
     for (n, _), (pk, pv) in partial.items():
         f0, f1 = heads[n]
         dk[f0:f1] += pk

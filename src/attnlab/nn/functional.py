@@ -365,11 +365,8 @@ def _gelu_compiled(x: np.ndarray, out: np.ndarray) -> bool:
         return False
     if not (x.flags.c_contiguous and out.flags.c_contiguous):
         return False
-    from attnlab.core.blockwise import fused_planned
-
     small = _gelu_numpy_elements >= _GELU_COMPILED_AFTER or _numba_started()
-    min_n = _GELU_COMPILED_SMALL if small else _GELU_COMPILED_MIN
-    if not fused_planned(np.float32, x.size, min_n=min_n):
+    if not _compiled_planned(x.size, _GELU_COMPILED_SMALL if small else _GELU_COMPILED_MIN):
         _gelu_numpy_elements += x.size  # a count, not a lock: an estimate is enough
         return False
     from attnlab.nn import _compiled  # imports numba
