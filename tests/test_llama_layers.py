@@ -109,6 +109,9 @@ def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
     np.testing.assert_array_equal(inplace, got)
     strided = np.stack([x, x], axis=1)[:, 0]
     assert max_rel(F.silu(strided)[3:], want[3:]) <= 1e-6 and calls == [x.size, x.size]
+    wide = np.empty(x.shape, np.float64)  # another dtype's out: NumPy's path writes it
+    F.silu(x, out=wide)
+    assert calls == [x.size, x.size] and max_rel(wide[3:].astype(np.float32), want[3:]) <= 1e-6
 
 
 class _Cfg:

@@ -547,7 +547,8 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         xp = namespace(x)
         return x / (1.0 + xp.exp(-x))
     x = np.asarray(x)
-    if (x.dtype == np.float32 and x.flags.c_contiguous and (out is None or out.flags.c_contiguous)
+    if (x.dtype == np.float32 and x.flags.c_contiguous
+            and (out is None or (out.dtype == np.float32 and out.flags.c_contiguous))
             and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
         return _silu_compiled(x, np.empty_like(x) if out is None else out)
     if out is None:
