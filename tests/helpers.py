@@ -65,6 +65,22 @@ WORDS = [*string.ascii_lowercase, *("##" + c for c in string.ascii_lowercase),
          "the", "bank", "river", "money", "cat", "sat", "on", "mat", ".", ",", "!", "?"]
 
 
+def pad_every_score_row(monkeypatch):
+    """Every scores buffer gets padded rows (:func:`attnlab.core.blockwise.score_stride`,
+    otherwise only for widths a multiple of 512), and every buffer is filled with NaN when
+    it is handed out: a kernel that read a pad column, or any entry it had not written,
+    would give NaN."""
+    monkeypatch.setattr(blockwise, "_ALIASED_ROW_BYTES", 4)
+    real = blockwise._buffer
+
+    def poisoned(scratch, name, shape, dtype):
+        buf = real(scratch, name, shape, dtype)
+        buf.base.fill(np.nan)
+        return buf
+
+    monkeypatch.setattr(blockwise, "_buffer", poisoned)
+
+
 def tiny_tokenizer(*, lowercase: bool = True, extra: int = 0):
     """A BERT word-piece ``tokenizers.Tokenizer`` over :data:`WORDS` (ids 0..68, plus
     ``extra`` more tokens)."""

@@ -22,7 +22,7 @@ from attnlab import (
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive, rows
 from attnlab.core import spec as attention_mod
-from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
+from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, pad_every_score_row, rel_err
 
 TOL = {np.float32: 1e-5, np.float64: 1e-12}
 inputs = attention_inputs
@@ -128,6 +128,19 @@ def test_small_problems_start_a_pool_under_test_tuning(fused, monkeypatch):
 def test_blocks_dividing_neither_L_nor_S(dtype, kind, L, S, fused):
     rng = np.random.default_rng(L * S)
     q, k, v, g = inputs(rng, (), 2, 2, L, S, 16, 12, dtype)
+    check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2, fused=fused)
+
+
+@pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
+@pytest.mark.parametrize("kind", ["none", "causal", "bottom-right", "bool", "float"])
+def test_padded_score_rows_are_never_read(kind, fused, monkeypatch):
+    """Tiles with padded rows (:func:`attnlab.core.blockwise.score_stride`; here every
+    width, the pads NaN) give the naive numbers: the compiled passes stop at the tile's
+    own width."""
+    pad_every_score_row(monkeypatch)
+    assert bw.score_stride(29) == 29 + 16
+    rng = np.random.default_rng(29)
+    q, k, v, g = inputs(rng, (), 2, 2, 70, 90, 16, 12, np.float32)
     check_against_naive(q, k, v, g, kind, rng, block_q=13, block_k=29, num_threads=2, fused=fused)
 
 

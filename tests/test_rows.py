@@ -15,7 +15,7 @@ from attnlab import scaled_dot_product_attention, scaled_dot_product_attention_b
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive, rows
 from attnlab.core.spec import check_attention_args
-from helpers import attention_inputs, grad_err, rel_err
+from helpers import attention_inputs, grad_err, pad_every_score_row, rel_err
 
 pytestmark = pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
 
@@ -40,11 +40,14 @@ def _torch64(torch, q, k, v, g, mask=None, *, wide=True, math=True, **kw):
     return out.detach().numpy().astype(np.float32), tuple(t.grad.numpy().astype(np.float32) for t in (tq, tk, tv))
 
 
-@pytest.fixture(params=["whole", "cut"])
+@pytest.fixture(params=["whole", "cut", "padded"])
 def blocks(request, monkeypatch):
     """``whole``: the machine's block sizes; ``cut``: blocks of a few KiB, so that calls
-    are cut into several heads' blocks, row blocks and split backward units, on 2 threads."""
+    are cut into several heads' blocks, row blocks and split backward units, on 2 threads;
+    ``padded``: the machine's blocks with every row of scores padded (and the pads NaN)."""
     monkeypatch.setattr(rows, "_MIN_SCORES", 0)  # the small test sizes take the kernel too
+    if request.param == "padded":
+        pad_every_score_row(monkeypatch)
     if request.param == "cut":
         monkeypatch.setattr(rows, "_block_bytes", lambda: 24 * 1024)
         monkeypatch.setattr(rows, "_MIN_ROWS", 8)

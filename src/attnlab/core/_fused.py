@@ -115,15 +115,17 @@ def _visible(mode, lim0, r, cols):
 
 
 @nb.njit(**_JIT)
-def forward_tile(s, mode, mask, lim0, m, l, alpha, bad):
+def forward_tile(s, mode, mask, lim0, m, l, alpha, bad, cols):
     """One key tile of the online softmax, in place.
 
-    ``s`` (rows, cols) holds scaled scores and leaves holding ``exp(score + mask - m_new)``
-    (0 where masked); per row ``m`` becomes the new running max, ``l`` the rescaled running
-    sum, ``alpha = exp(m_old - m_new)`` (<= 1, never overflowing) the factor the caller
+    ``s`` (rows, ld) holds in its first ``cols`` columns (``ld >= cols``: rows may be
+    padded, see :func:`attnlab.core.blockwise.score_stride`) scaled scores and leaves
+    holding ``exp(score + mask - m_new)`` (0 where masked); per row ``m`` becomes the new
+    running max, ``l`` the rescaled running sum, ``alpha = exp(m_old - m_new)`` (<= 1,
+    never overflowing) the factor the caller
     applies to its accumulator; ``bad`` becomes 1 for rows that met a NaN score.
     """
-    rows, cols = s.shape
+    rows = s.shape[0]
     for r in range(rows):
         row = s[r]
         n = _visible(mode, lim0, r, cols)
@@ -209,11 +211,11 @@ def accumulate(acc, pv, alpha):
 
 
 @nb.njit(**_JIT_ORDERED)
-def backward_probs(s, mode, mask, lim0, shift, logl):
-    """``s`` (scaled scores) becomes ``exp(score + mask - shift - logl)``: the forward
-    pass's probabilities, recomputed from two numbers per row (0 where masked or the row
-    saw nothing, ``shift = -inf``)."""
-    rows, cols = s.shape
+def backward_probs(s, mode, mask, lim0, shift, logl, cols):
+    """``s`` (rows, ld: scaled scores in the first ``cols`` columns) becomes ``exp(score +
+    mask - shift - logl)``: the forward pass's probabilities, recomputed from two numbers
+    per row (0 where masked or the row saw nothing, ``shift = -inf``)."""
+    rows = s.shape[0]
     for r in range(rows):
         row = s[r]
         c = shift[r]
@@ -239,9 +241,10 @@ def backward_probs(s, mode, mask, lim0, shift, logl):
 
 
 @nb.njit(**_JIT)
-def backward_dscores(dp, p, d):
-    """``dp = p * (dp - d[:, None])``: the scores' gradient (without the factor ``scale``)."""
-    rows, cols = dp.shape
+def backward_dscores(dp, p, d, cols):
+    """``dp = p * (dp - d[:, None])`` over the first ``cols`` columns of ``dp`` and ``p``
+    (rows, ld): the scores' gradient (without the factor ``scale``)."""
+    rows = dp.shape[0]
     for r in range(rows):
         dr = d[r]
         for j in range(cols):
@@ -249,9 +252,11 @@ def backward_dscores(dp, p, d):
 
 
 @nb.njit(**_JIT)
-def softmax_rows(s, mode, mask, lim0, inv, scale):
-    """Softmax along the last axis of ``s`` (n, rows, cols), in place, mask included: the
-    row pass of :mod:`attnlab.core.rows` between its two matmuls.
+def softmax_rows(s, mode, mask, lim0, inv, scale, cols):
+    """Softmax along the first ``cols`` columns of ``s`` (n, rows, ld), in place, mask
+    included: the row pass of :mod:`attnlab.core.rows` between its two matmuls (``ld >=
+    cols``: rows may be padded, see :func:`attnlab.core.blockwise.score_stride`; the columns
+    past ``cols`` are neither read nor written).
 
     ``s`` holds unscaled scores ``q k^T`` and leaves holding the probabilities of
     ``scale * s + mask`` (the factor goes on the scores here, in the pass that reads them
@@ -267,7 +272,7 @@ def softmax_rows(s, mode, mask, lim0, inv, scale):
     (0 for a row with nothing visible, NaN for a NaN row).
     """
     defer = inv.shape[0] > 0
-    n, rows, cols = s.shape
+    n, rows = s.shape[0], s.shape[1]
     nan = _F(np.nan)
     for b in range(n):
         for r in range(rows):
@@ -325,10 +330,11 @@ def softmax_rows(s, mode, mask, lim0, inv, scale):
 
 
 @nb.njit(**_JIT)
-def softmax_rows_backward(dp, p):
-    """``dp = p * (dp - sum(p * dp))`` row by row, in place (``dp``, ``p``: (rows, cols)):
-    the scores' gradient from the probabilities' (without the factor ``scale``)."""
-    rows, cols = dp.shape
+def softmax_rows_backward(dp, p, cols):
+    """``dp = p * (dp - sum(p * dp))`` row by row over the first ``cols`` columns, in place
+    (``dp``, ``p``: (rows, ld), ``ld >= cols``): the scores' gradient from the
+    probabilities' (without the factor ``scale``)."""
+    rows = dp.shape[0]
     for r in range(rows):
         d = _F(0.0)
         for j in range(cols):

@@ -260,6 +260,36 @@ def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
+# Rows of scores a multiple of 2 KiB apart (512 float32 columns) slow BLAS's products that
+# write them: the rows of a tile of the result fall into the same few sets of the L1 cache.
+# One thread, float32, 256 query rows, E = 64, GFLOP/s of q k^T for S keys, rows packed /
+# padded by 64 bytes: S = 512 92 / 99, 1024 78 / 97, 1536 87 / 97, 2048 70 / 96; other S
+# from 128 to 896 within 2 either way (the product with the values 91-100 both ways).
+_ALIASED_ROW_BYTES = 2048
+_ROW_PAD_BYTES = 64
+
+
+def score_stride(cols: int, itemsize: int = 4) -> int:
+    """The row stride (in elements) of a scores buffer of ``cols`` columns: ``cols``, or 64
+    bytes more where rows that far apart would alias in the L1 cache.
+
+    >>> score_stride(1000), score_stride(1024), score_stride(1024, 8)
+    (1000, 1040, 1032)
+    """
+    if cols and cols * itemsize % _ALIASED_ROW_BYTES == 0:
+        return cols + _ROW_PAD_BYTES // itemsize
+    return cols
+
+
+def scores_buffer(scratch: dict, name: str, lead: tuple, cols: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A reusable per-thread scores buffer ``(*lead, cols)`` with rows :func:`score_stride`
+    apart: ``(padded (*lead, stride), view (*lead, cols))``. The compiled passes take the
+    first (C-contiguous) with ``cols``; the matmuls write and read the second."""
+    dtype = np.dtype(dtype)
+    full = _buffer(scratch, name, (*lead, score_stride(cols, dtype.itemsize)), dtype)
+    return full, full[..., :cols]
+
+
 def compute_dtype(dtype) -> np.dtype:
     """The dtype attention is computed in: float32 for narrower floats (float16), else
     ``dtype`` itself.
@@ -494,9 +524,9 @@ def _forward_tile_fused(plan: _Plan, n: int, i0: int, i1: int, out, stats, scrat
             if how is None:
                 continue
             r = slice(a0 - i0, a1 - i0)
-            s = _buffer(scratch, "s", (a1 - a0, j1 - j0), dt)
+            full, s = scores_buffer(scratch, "s", (a1 - a0,), j1 - j0, dt)
             np.matmul(qs[r], k[j0:j1].T, out=s)
-            K.forward_tile(s, how[0], how[1], how[2], m[r], l[r], alpha[r], bad[r])
+            K.forward_tile(full, how[0], how[1], how[2], m[r], l[r], alpha[r], bad[r], j1 - j0)
             np.matmul(s, v[j0:j1], out=pv[r])
             K.accumulate(out[r], pv[r], alpha[r])
     K.finish_rows(out, stats, m, l, bad)
@@ -695,13 +725,13 @@ def _backward_unit_fused(plan: _Plan, n, tiles, go, shift, logl, D, dq, dk, dv, 
                     continue
                 rows, cols = a1 - a0, j1 - j0
                 kt, vt = k[j0:j1], v[j0:j1]
-                p = _buffer(scratch, "s", (rows, cols), dt)
+                p_full, p = scores_buffer(scratch, "s", (rows,), cols, dt)
                 np.matmul(qs[a0:a1], kt.T, out=p)
-                K.backward_probs(p, how[0], how[1], how[2], shift[a0:a1], logl[a0:a1])
+                K.backward_probs(p_full, how[0], how[1], how[2], shift[a0:a1], logl[a0:a1], cols)
                 dv[j0:j1] += np.matmul(p.T, g[a0:a1], out=_buffer(scratch, "dv", (cols, plan.Ev), dt))
-                dp = _buffer(scratch, "dp", (rows, cols), dt)
+                dp_full, dp = scores_buffer(scratch, "dp", (rows,), cols, dt)
                 np.matmul(g[a0:a1], vt.T, out=dp)
-                K.backward_dscores(dp, p, D[a0:a1])
+                K.backward_dscores(dp_full, p_full, D[a0:a1], cols)
                 dq[a0:a1] += np.matmul(dp, kt, out=_buffer(scratch, "dq", (rows, plan.E), dt))
                 dk[j0:j1] += np.matmul(dp.T, qs[a0:a1], out=_buffer(scratch, "dk", (cols, plan.E), dt))
 

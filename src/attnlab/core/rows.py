@@ -40,7 +40,7 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._threads import ScratchPool, one_blas_thread, pool_threads, run_units
-from attnlab.core.blockwise import fused_planned, tuning
+from attnlab.core.blockwise import fused_planned, scores_buffer, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
@@ -146,6 +146,7 @@ def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
     if buf is None or buf.size < size:
         buf = scratch[name] = np.empty(max(size, 1), dtype=np.float32)
     return buf[:size].reshape(shape)
+
 
 
 @functools.cache
@@ -300,20 +301,21 @@ class _Layout:
         return t
 
     def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):
-        """``(q (*bd, G * rows, E), probabilities (*bd, G * rows, kend))`` of a block (the
-        second in the thread's scratch buffer); with ``inv`` (nh * G * rows,) the rows are
-        left unnormalised and ``inv`` gets their ``1 / sum``."""
+        """``(q (*bd, G * rows, E), probabilities (*bd, G * rows, kend), the same padded)``
+        of a block, the last two in the thread's scratch buffer (rows
+        :func:`attnlab.core.blockwise.score_stride` apart); with ``inv`` (nh * G * rows,)
+        the rows are left unnormalised and ``inv`` gets their ``1 / sum``."""
         nh, rows, G = f1 - f0, a1 - a0, self.G
         bd = self.block_dims(f0, f1)
         q4 = _heads(self.q, 4, f0, f1, self.Hkv, bd)[..., a0:a1, :]
         q = _merged(q4, (*bd, G * rows, self.E))
         if q is None:  # a group's rows are not one run of memory: stack them
             q = np.ascontiguousarray(q4).reshape(*bd, G * rows, self.E)
-        s = _buf(scratch, "s", (*bd, G * rows, kend))
+        full, s = scores_buffer(scratch, "s", (*bd, G * rows), kend, np.float32)
         np.matmul(q, self.transposed("k^T", self.k, f0, f1, bd, scratch)[..., :kend], out=s)
         mode, mask, lim0 = self.mask_block(f0, f1, a0, a1, kend)
-        K.softmax_rows(s.reshape(nh * G, rows, kend), mode, mask, lim0, inv, self.scale)
-        return q, s
+        K.softmax_rows(full.reshape(nh * G, rows, -1), mode, mask, lim0, inv, self.scale, kend)
+        return q, s, full
 
 
 # OpenBLAS multiplies a product of at most 65536 x 4 multiply-adds on one thread whatever
@@ -371,7 +373,7 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
         kend = lay.key_end(a1)
         # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
         inv = _buf(scratch, "inv", (nh * G * rows,))
-        _, p = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
+        _, p, _ = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
         v = _heads(lay.v, 3, f0, f1, lay.Hkv, bd)[..., :kend, :]
         if rows == L or G == 1:  # the block's output rows are one (nh, G * rows) view
             o = out[f0:f1, :, a0:a1].reshape((*bd, G * rows, Ev), copy=False)
@@ -428,14 +430,14 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         for a0, a1 in lay.row_chunks[c::split]:
             rows = a1 - a0
             kend = lay.key_end(a1)
-            q, p = lay.probs(K, f0, f1, a0, a1, kend, scratch)
+            q, p, p_full = lay.probs(K, f0, f1, a0, a1, kend, scratch)
             g = go_h[..., a0:a1, :]
             g = g.reshape(*bd, G * rows, Ev) if rows == L or G == 1 else \
                 np.ascontiguousarray(g).reshape(*bd, G * rows, Ev)
             dv_h[..., :kend, :] += np.matmul(p.swapaxes(-1, -2), g, out=_buf(scratch, "dv", (*bd, kend, Ev)))
-            dp = _buf(scratch, "dp", (*bd, G * rows, kend))
+            dp_full, dp = scores_buffer(scratch, "dp", (*bd, G * rows), kend, np.float32)
             np.matmul(g, lay.transposed("v^T", lay.v, f0, f1, bd, scratch)[..., :kend], out=dp)
-            K.softmax_rows_backward(dp.reshape(-1, kend), p.reshape(-1, kend))
+            K.softmax_rows_backward(dp_full.reshape(-1, dp_full.shape[-1]), p_full.reshape(-1, p_full.shape[-1]), kend)
             # dk without the factor scale (applied once at the end)
             dk_h[..., :kend, :] += np.matmul(dp.swapaxes(-1, -2), q, out=_buf(scratch, "dk", (*bd, kend, E)))
             dq_b = dq[f0:f1, :, a0:a1]
