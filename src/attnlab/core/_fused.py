@@ -122,8 +122,8 @@ def forward_tile(s, mode, mask, lim0, m, l, alpha, bad, cols):
     padded, see :func:`attnlab.core.blockwise.score_stride`) scaled scores and leaves
     holding ``exp(score + mask - m_new)`` (0 where masked); per row ``m`` becomes the new
     running max, ``l`` the rescaled running sum, ``alpha = exp(m_old - m_new)`` (<= 1,
-    never overflowing) the factor the caller
-    applies to its accumulator; ``bad`` becomes 1 for rows that met a NaN score.
+    never overflowing) the factor the caller applies to its accumulator; ``bad`` becomes 1
+    for rows that met a NaN score.
     """
     rows = s.shape[0]
     for r in range(rows):
