@@ -46,6 +46,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import math
 import os
 import threading
 
@@ -252,7 +253,7 @@ def _fused_kernels(use: bool | None, dtype, n_scores: int):
 
 def _buffer(scratch: dict, name: str, shape: tuple, dtype) -> np.ndarray:
     """A reusable per-thread buffer of at least ``shape``, viewed as exactly ``shape``."""
-    size = int(np.prod(shape))
+    size = math.prod(shape)
     buf = scratch.get(name)
     if buf is None or buf.size < size or buf.dtype != dtype:
         buf = np.empty(max(size, 1), dtype=dtype)
@@ -285,8 +286,7 @@ def scores_buffer(scratch: dict, name: str, lead: tuple, cols: int, dtype) -> tu
     """A reusable per-thread scores buffer ``(*lead, cols)`` with rows :func:`score_stride`
     apart: ``(padded (*lead, stride), view (*lead, cols))``. The compiled passes take the
     first (C-contiguous) with ``cols``; the matmuls write and read the second."""
-    dtype = np.dtype(dtype)
-    full = _buffer(scratch, name, (*lead, score_stride(cols, dtype.itemsize)), dtype)
+    full = _buffer(scratch, name, (*lead, score_stride(cols, np.dtype(dtype).itemsize)), dtype)
     return full, full[..., :cols]
 
 
