@@ -54,7 +54,7 @@ def blocks(request, monkeypatch):
         monkeypatch.setattr(rows, "_FORWARD_MIN_ROWS", 8)
         monkeypatch.setattr(rows, "_BACKWARD_MIN_ROWS", 8)
         monkeypatch.setattr(rows, "_CAUSAL_ROWS_RANGE", (8, 16))
-        monkeypatch.setattr(rows, "_HEADS_L2_SHARE", 24 * 1024 / rows.cpu_info().l2)
+        monkeypatch.setattr(rows, "_heads_bytes", lambda: 24 * 1024)
         monkeypatch.setattr(rows, "pool_threads", lambda n: 2)
         monkeypatch.setattr(rows, "_min_scores_per_thread", lambda: 0)
     return request.param

@@ -155,6 +155,12 @@ def _block_bytes() -> int:
     return int(cpu_info().l2 * _BLOCK_L2_SHARE)
 
 
+@functools.cache
+def _heads_bytes() -> int:
+    """Bytes of float32 scores that several heads share in one block (see _HEADS_L2_SHARE)."""
+    return int(cpu_info().l2 * _HEADS_L2_SHARE)
+
+
 def _min_scores_per_thread() -> int:
     return tuning().min_scores_per_thread
 
@@ -218,7 +224,7 @@ class _Layout:
         span = Hkv if self.mask_by_lead is not None else NH
         if per_row * L <= budget:
             rows = L
-            nh = max(1, min(span, int(cpu_info().l2 * _HEADS_L2_SHARE) // (per_row * L)))
+            nh = max(1, min(span, _heads_bytes() // (per_row * L)))
         else:
             nh = 1
             rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
@@ -346,9 +352,18 @@ def _run(units: list, run, lay: _Layout) -> None:
 
 
 def _kernels():
-    from attnlab.core import _fused  # imports numba (planned() checked it is installed)
+    """:mod:`attnlab.core._fused` (imports numba: :func:`planned` checked it is installed),
+    kept after the first call (an import statement costs tens of us in a short call after
+    the machine idled)."""
+    global _FUSED
+    if _FUSED is None:
+        from attnlab.core import _fused
 
-    return _fused
+        _FUSED = _fused
+    return _FUSED
+
+
+_FUSED = None
 
 
 def forward(spec: AttentionSpec) -> np.ndarray:
@@ -379,7 +394,7 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
         return None
     NH = math.prod(lead) * (Hq // G)
     scores = NH * G * L * S
-    if 4 * scores > int(cpu_info().l2 * _HEADS_L2_SHARE) or 4 * G * L * S > _block_bytes() \
+    if 4 * scores > _heads_bytes() or 4 * G * L * S > _block_bytes() \
             or scores * min(E + Ev, 128) // 128 >= _min_scores_per_thread():
         return None
     K = _kernels()
