@@ -65,6 +65,32 @@ def test_products_equal_the_dequantized_product(kind, compiled):
             np.testing.assert_allclose(yb[0], y + bias, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_a_prompt_product_runs_its_chunks_on_the_pool(kind, compiled, monkeypatch):
+    """Past MATVEC_MAX_ROWS rows, the weight is dequantized and multiplied by chunks of rows
+    on attnlab's pool (every chunk once, two threads here), giving the dense product."""
+    import attnlab.quant as quant
+
+    monkeypatch.setattr(quant, "CHUNK_ROWS", 16)
+    monkeypatch.setattr(quant, "get_num_threads", lambda: 2)
+    calls = []
+    real = quant.run_units
+
+    def spy(units, run_unit, threads, **kw):
+        calls.append((list(units), threads))
+        return real(units, run_unit, threads, **kw)
+
+    monkeypatch.setattr(quant, "run_units", spy)
+    rng = np.random.default_rng(5)
+    w = QuantizedTensor.from_bytes(random_blocks(rng, kind, (100, 64)), kind, (100, 64))
+    x = rng.standard_normal((MATVEC_MAX_ROWS + 3, 64)).astype(np.float32)
+    y = quantized_linear(x, w)
+    assert calls == [(list(range(0, 100, 16)), 2)]
+    ref = x.astype(np.float64) @ w.dequantize().astype(np.float64).T
+    scale = np.abs(x).astype(np.float64) @ np.abs(w.dequantize()).astype(np.float64).T
+    assert np.all(np.abs(y - ref) <= 1e-5 * scale + 1e-7)
+
+
 def test_the_kernel_and_the_fallback_agree():
     if not fused_available():
         pytest.skip("numba (the fast extra) is not installed")
