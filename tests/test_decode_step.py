@@ -161,3 +161,28 @@ def test_bad_input_gets_the_modules_errors():
     with pytest.raises(ValueError, match="attention_mask"):
         model(np.array([[1]]), np.array([[1, 1, 2, 1]]), cache=cache)
     assert len(cache[0]) == 3  # nothing appended by a refused step
+
+
+@pytest.mark.parametrize("config", ["llama-gqa", "window-partial-rope"])
+def test_the_cache_past_its_length_is_never_read(config, calls, monkeypatch):
+    """A cache's storage past its length is left unfilled (attention.KVCache._reserve): with
+    that storage NaN, the compiled steps and the modules give the tokens and logits they give
+    with it zero, through the storage's growth (16, then 32 tokens) and a left-padded row."""
+    from attnlab.nn import attention
+
+    model = quantized_llama("Q4_1", **CONFIGS[config])
+    ids = np.array([[0, 0, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6]])
+    mask = (np.arange(6) >= np.array([[2], [0]])).astype(np.int64)
+    runs = {}
+    for fill in (0.0, np.nan):
+        monkeypatch.setattr(attention, "_empty", lambda shape, like, fill=fill: np.full(shape, fill, like.dtype))
+        fast = model.generate(ids, 14, attention_mask=mask)
+        with modules_only(model):
+            slow = model.generate(ids, 14, attention_mask=mask)
+        cache = model.new_cache()
+        logits = model(ids, mask, cache=cache)
+        runs[fill] = fast, slow, logits
+    assert calls and np.isfinite(runs[np.nan][2]).all()
+    for a, b in zip(runs[0.0], runs[np.nan], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(runs[np.nan][0], runs[np.nan][1])

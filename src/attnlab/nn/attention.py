@@ -72,6 +72,13 @@ def _concat(arrays: list, axis: int):
     return np.concatenate(arrays, axis=axis) if isinstance(a, np.ndarray) else namespace(a).concat(arrays, axis=axis)
 
 
+def _empty(shape: tuple[int, ...], like):
+    """A new uninitialised array of ``shape``, in ``like``'s library, device and dtype."""
+    if isinstance(like, np.ndarray):
+        return np.empty(shape, dtype=like.dtype)
+    return namespace(like).empty(shape, dtype=like.dtype, device=device(like))
+
+
 def _full(shape: tuple[int, ...], value, like):
     """A new array of ``shape`` filled with ``value``, in ``like``'s library, device and dtype."""
     if isinstance(like, np.ndarray):
@@ -233,12 +240,14 @@ class KVCache:
 
     def _reserve(self, n: int, key_like, value_like) -> None:
         """Room for ``n`` more tokens (the storage doubles when full; new storage takes the
-        layout, dtype and library of ``key_like``/``value_like (N, H, *, E)``)."""
+        layout, dtype and library of ``key_like``/``value_like (N, H, *, E)``). The storage
+        past ``length`` is never read, so it is left unfilled (filling a 512-token prompt's
+        1024-token storage with zeros took 2% of GPT-2 small's prefill)."""
         if self._key is None or self.length + n > self._key.shape[2]:
             capacity = max(16, 2 * (self.length + n))
             grown = []
             for old, new in ((self._key, key_like), (self._value, value_like)):
-                buf = _full((*new.shape[:2], capacity, new.shape[3]), 0, new)  # in new's library
+                buf = _empty((*new.shape[:2], capacity, new.shape[3]), new)  # in new's library
                 if old is not None:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
