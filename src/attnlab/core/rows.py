@@ -148,7 +148,6 @@ def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
-
 @functools.cache
 def _block_bytes() -> int:
     """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
@@ -159,6 +158,12 @@ def _block_bytes() -> int:
 def _heads_bytes() -> int:
     """Bytes of float32 scores that several heads share in one block (see _HEADS_L2_SHARE)."""
     return int(cpu_info().l2 * _HEADS_L2_SHARE)
+
+
+def _copies_transposed(E: int, S: int) -> bool:
+    """Whether heads of ``S`` keys of width ``E`` multiply by contiguous transposed copies
+    of the keys and values (see :meth:`_Layout.transposed`)."""
+    return E >= 32 and E * S <= 4096
 
 
 def _min_scores_per_thread() -> int:
@@ -191,7 +196,7 @@ class _Layout:
         # 32 (E = 32, S = 128: MiniLM's heads, 7% off a call; E = 64, S = 64: 5%). Larger
         # heads lost up to 5% (E = 32, S = 512 causal), and E = 16 heads of a projection
         # 2-5% (many tiny strided copies).
-        self.copy_transposed = self.E >= 32 and self.E * S <= 4096
+        self.copy_transposed = _copies_transposed(self.E, S)
         self.two_level = False  # set by per_head: some array keeps its batch and head axes apart
         self.q = self.per_head(_broadcast(spec.query, (*batch, L, E)), (G, L, E))
         # The caller's key/value heads, each serving G consecutive query heads.
@@ -329,6 +334,15 @@ class _Layout:
 _BLAS_ONE_THREAD_MACS = 65536 * 4
 
 
+def _blas_for(G: int, rows: int, S: int, E: int, Ev: int):
+    """One BLAS thread for a block's products (BLAS's own threads would stay spinning
+    beside the pool of the layer that comes next, see :func:`attnlab._threads.matmul`),
+    except where no product is large enough for BLAS to thread: the switch costs two calls
+    into the library (5 us back to back, about 0.1 ms after a pause, a sixth of an L=64
+    call)."""
+    return nullcontext() if G * rows * S * max(E, Ev) <= _BLAS_ONE_THREAD_MACS else one_blas_thread()
+
+
 def _run(units: list, run, lay: _Layout) -> None:
     """The units on the pool of ``lay.threads`` (:func:`attnlab._threads.run_units`), or, on
     one thread, in a plain loop (a short call's fixed cost: no pool bookkeeping, no
@@ -339,12 +353,7 @@ def _run(units: list, run, lay: _Layout) -> None:
         return
     scratch = _SCRATCH.take()
     try:
-        # One BLAS thread here too: BLAS's own threads would stay spinning beside the pool
-        # of the layer that comes next (see attnlab._threads.matmul). Products too small
-        # for BLAS to thread skip the switch (two calls into the library: 5 us back to
-        # back, about 0.1 ms after a pause, a sixth of an L=64 call).
-        small = lay.G * lay.rows * lay.S * max(lay.E, lay.Ev) <= _BLAS_ONE_THREAD_MACS
-        with nullcontext() if small else one_blas_thread():
+        with _blas_for(lay.G, lay.rows, lay.S, lay.E, lay.Ev):
             for unit in units:
                 run(unit, scratch)
     finally:
@@ -379,10 +388,11 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     the call is not one (then :func:`_forward` runs it): contiguous arrays without a mask
     or broadcast leading dims, all heads' scores within the L2 cache, too little work for a
     second thread, and at most one causal block of rows. The same operations as
-    :func:`_forward` on such a call, so the same numbers; a call's fixed cost is about
-    half of this size's compute (H=8, L=S=64: 0.16 ms back to back, 0.5 ms after the
-    machine idled, when every object the call touches is cold), and the layout was a
-    fifth of it."""
+    :func:`_forward` on such a call, so the same numbers. At such sizes the fixed cost of a
+    call is as large as its arithmetic, most of all after the machine idled (every object
+    the call touches is then cold): H=8, L=S=64, with the plain spec
+    (:func:`attnlab.core.spec.check_attention_args`), 162 -> 139 us back to back and
+    525 -> 445 us after a 0.1 s pause."""
     q, k, v = spec.query, spec.key, spec.value
     if spec.attn_mask is not None or q.ndim < 3 \
             or not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
@@ -402,9 +412,9 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     scratch = _SCRATCH.take()
     try:
         k3 = k.reshape(NH, S, E)[:, :kend]
-        if E >= 32 and E * S <= 4096:  # as _Layout.copy_transposed
+        if _copies_transposed(E, S):
             kt = _buf(scratch, "k^T", (NH, E, kend))
-            scratch["k^T of"] = None
+            scratch["k^T of"] = None  # no longer the copy _Layout.transposed made
             np.copyto(kt, k3.swapaxes(-1, -2))
         else:
             kt = k3.swapaxes(-1, -2)
@@ -412,7 +422,7 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
         inv = _buf(scratch, "inv", (NH * G * L,))
         out = np.empty((*lead, Hq, L, Ev), dtype=np.float32)
         o = out.reshape(NH, G * L, Ev)
-        with nullcontext() if G * L * S * max(E, Ev) <= _BLAS_ONE_THREAD_MACS else one_blas_thread():
+        with _blas_for(G, L, S, E, Ev):
             np.matmul(q.reshape(NH, G * L, E), kt, out=p)
             K.softmax_rows(full.reshape(NH * G, L, -1), _MODE_CAUSAL if spec.is_causal else _MODE_NONE,
                            _NO_MASK, int(spec.is_causal), inv, np.float32(spec.scale), kend)
