@@ -264,7 +264,6 @@ def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, torch, mo
     want, _ = _torch64(torch, q, k, v, g, is_causal=causal, enable_gqa=hq != h)
     assert rel_err(one, want) <= 3e-6
     monkeypatch.setattr(rows, "_forward", lambda spec: pytest.fail("the general path ran"))
-    assert rows.planned(spec) or np.prod(spec.batch_shape) * L * S < rows._MIN_SCORES
     np.testing.assert_array_equal(rows.forward(spec), one)
 
 
