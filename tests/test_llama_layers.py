@@ -96,8 +96,8 @@ def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
     x = (rng.standard_normal(F._SILU_COMPILED_MIN + 7) * 8).astype(np.float32)
     x[:7] = [np.inf, -np.inf, np.nan, 0.0, -0.0, -200.0, 200.0]
     calls = []
-    real = F._silu_compiled
-    monkeypatch.setattr(F, "_silu_compiled", lambda a, out: calls.append(a.size) or real(a, out))
+    real = F._run_compiled
+    monkeypatch.setattr(F, "_run_compiled", lambda k, a, out: calls.append(a.size) or real(k, a, out))
     want = torch.nn.functional.silu(torch.from_numpy(x)).numpy()
     got = F.silu(x)
     assert calls == [x.size] and got.dtype == np.float32
@@ -112,6 +112,36 @@ def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
     wide = np.empty(x.shape, np.float64)  # another dtype's out: NumPy's path writes it
     F.silu(x, out=wide)
     assert calls == [x.size, x.size] and max_rel(wide[3:].astype(np.float32), want[3:]) <= 1e-6
+
+
+@pytest.mark.skipif(not __import__("attnlab").core.blockwise.fused_available(), reason="numba (the fast extra)")
+def test_large_float32_tanh_gelu_runs_compiled_and_matches_torch(monkeypatch):
+    """From F._SILU_COMPILED_MIN elements a C-contiguous float32 tanh GELU runs on the
+    compiled loop (x sigmoid(2u)): torch's numbers within 1e-6 of their scale (and within
+    2e-7 of the float64 formula, closer than torch below u << 0, where 1 + tanh cancels),
+    inf and NaN as torch, also in place; a strided array takes NumPy's path."""
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(F._SILU_COMPILED_MIN + 6) * 4).astype(np.float32)
+    x[:6] = [np.inf, -np.inf, np.nan, 0.0, -30.0, 30.0]
+    calls = []
+    real = F._run_compiled
+    monkeypatch.setattr(F, "_run_compiled", lambda k, a, out: calls.append(k) or real(k, a, out))
+    want = torch.nn.functional.gelu(torch.from_numpy(x), approximate="tanh").numpy()
+    got = F.gelu(x, approximate="tanh")
+    assert calls == ["gelu_tanh32_"] and got.dtype == np.float32
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert got[0] == np.inf and got[3] == 0.0
+    assert np.abs(got[3:] - want[3:]).max() <= 1e-6 * max(1.0, np.abs(want[3:]).max())
+    x64 = x[3:].astype(np.float64)
+    exact = 0.5 * x64 * (1.0 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64**3)))
+    assert np.abs(got[3:] - exact).max() <= 2e-7 * max(1.0, np.abs(exact).max())
+    inplace = x.copy()
+    assert F.gelu(inplace, approximate="tanh", out=inplace) is inplace
+    np.testing.assert_array_equal(inplace, got)
+    strided = np.stack([x, x], axis=1)[:, 0]
+    numpy_path = F.gelu(strided, approximate="tanh")
+    assert calls == ["gelu_tanh32_", "gelu_tanh32_"]
+    assert np.abs(numpy_path[3:] - want[3:]).max() <= 1e-6 * max(1.0, np.abs(want[3:]).max())
 
 
 class _Cfg:

@@ -247,7 +247,9 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     once: within one ulp of the exact GELU for ``x >= -2`` and within 2.5e-7 everywhere
     (torch's float32 GELU: 1.1e-6); 0 below ``-4 sqrt(2)``, as torch's float32 GELU, and
     for ``-inf``. Large arrays run on a compiled loop when numba is installed (the
-    ``fast`` extra), with the same numbers bit for bit.
+    ``fast`` extra), with the same numbers bit for bit. The tanh form of a large
+    C-contiguous float32 array runs on one too (:func:`attnlab.nn._compiled.gelu_tanh32_`:
+    within a few ulp of torch's; the choice goes by the size alone).
 
     Args:
         x: ``(...)`` float array (of any Array API library: see :func:`erf`).
@@ -265,7 +267,11 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     if out is None:
         out = np.empty_like(x)
     if approximate == "tanh":
-        _gelu_tanh_blocks(x, out)
+        if (x.dtype == np.float32 and out.dtype == np.float32 and x.flags.c_contiguous
+                and out.flags.c_contiguous and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
+            _run_compiled("gelu_tanh32_", x, out)
+        else:
+            _gelu_tanh_blocks(x, out)
     elif x.dtype.type is np.float64:
         out[...] = 0.5 * x * (1.0 + erf(x * _INV_SQRT_2))
     elif _gelu_compiled(x, out):
@@ -550,7 +556,7 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
     if (x.dtype == np.float32 and x.flags.c_contiguous
             and (out is None or (out.dtype == np.float32 and out.flags.c_contiguous))
             and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
-        return _silu_compiled(x, np.empty_like(x) if out is None else out)
+        return _run_compiled("silu32_", x, np.empty_like(x) if out is None else out)
     if out is None:
         # exp(-x) overflows to inf for x << 0: x / inf = -0; -inf / inf = NaN, as torch
         with np.errstate(over="ignore", invalid="ignore"):
@@ -569,18 +575,20 @@ def _compiled_planned(n: int, min_n: int) -> bool:
     return fused_planned(np.float32, n, min_n=min_n)
 
 
-def _silu_compiled(x: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """:func:`silu` of the C-contiguous float32 ``x`` into ``out`` (may be ``x``) on the
-    compiled loop, block by block (large arrays over attnlab's threads)."""
+def _run_compiled(kernel: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """The in-place loop ``kernel`` of :mod:`attnlab.nn._compiled` on the C-contiguous
+    float32 ``x`` into ``out`` (may be ``x``), block by block (large arrays over attnlab's
+    threads)."""
     from attnlab.nn import _compiled  # imports numba
 
+    loop = getattr(_compiled, kernel)
     copy = out is not x
 
     def fn(blocks, _scratch):
         xb, ob = blocks
         if copy:
             np.copyto(ob, xb)
-        _compiled.silu32_(ob)
+        loop(ob)
 
     _elementwise(fn, (x, out), 0)
     return out
