@@ -134,6 +134,38 @@ def test_backward_matches_autograd(dtype, partial):
     assert dq.dtype == dtype and dk.dtype == dtype
 
 
+@pytest.mark.parametrize(("x_shape", "cos_shape"), [
+    ((1, 9, 512, 64), (512, 64)),  # one rotation for every row and head
+    ((2, 3, 512, 64), (2, 1, 512, 64)),  # per-row positions (a left-padded batch)
+    ((1, 4, 512, 64), (1, 1, 512, 32)),  # partial rotary: the last 32 dims pass through
+])
+def test_large_float32_rotations_run_compiled_with_the_same_numbers(x_shape, cos_shape, monkeypatch):
+    """From rotary._COMPILED_MIN elements a float32 rotation (forward and transposed, of a
+    head-transposed projection: strided) runs on the compiled loop, and gives the NumPy
+    path's numbers bit for bit; other shapes, dtypes and sizes keep the NumPy path."""
+    pytest.importorskip("numba")
+    from attnlab.core import rotary
+
+    rng = np.random.default_rng(9)
+    N, H, T, D = x_shape
+    x = rng.standard_normal((N, T, H, D)).astype(np.float32).transpose(0, 2, 1, 3)
+    cos, sin = (rng.standard_normal(cos_shape).astype(np.float32) for _ in range(2))
+    got = apply_rotary(x, cos, sin), apply_rotary_backward(x, cos, sin)
+    assert rotary._rotate_compiled(x, cos, sin, 1.0) is not None
+    monkeypatch.setattr(rotary, "_rotate_compiled", lambda *args: None)
+    want = apply_rotary(x, cos, sin), apply_rotary_backward(x, cos, sin)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.undo()
+    small = x[:, :, :8]
+    for args in ((x.astype(np.float64), cos, sin),  # float64
+                 (x, cos[..., :8, :], sin[..., :8, :]),  # positions of another length: NumPy decides
+                 (small, cos[..., :8, :], sin[..., :8, :]),  # too small
+                 (x[0], cos, sin)):  # 3-D
+        assert rotary._rotate_compiled(*args, 1.0) is None
+
+
 def test_rotation_keeps_norms_and_relative_positions():
     """A rotation keeps each vector's length, and q.k depends only on the position offset."""
     rng = np.random.default_rng(2)

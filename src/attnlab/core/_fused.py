@@ -1,4 +1,5 @@
-"""Compiled element-wise passes of the blockwise kernel (numba, the ``fast`` extra).
+"""Compiled element-wise passes of the attention kernels (numba, the ``fast`` extra), and
+the rotary rotation of their queries and keys (:func:`rotate32`).
 
 The blockwise kernel spends its time in two matmuls per tile (BLAS) and in the pass between
 them: mask, row maximum, ``exp`` and row sums. NumPy runs that pass as four or five
@@ -401,3 +402,27 @@ def layer_norm_forward(x, w, b, eps, y, x_hat, rstd):
             if has_b:
                 h = h + b[j]
             y[i, j] = h
+
+
+@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)  # no fast-math: NumPy's rounding
+def rotate32(x, cos, sin, sign, out):
+    """Rotary positions (:func:`attnlab.core.rotary.apply_rotary`) of ``x (N, H, T, D)``
+    (any strides) by ``cos``/``sin (Nc, T, R)`` (``Nc`` 1 or ``N``) into the C-contiguous
+    ``out``: ``x1 cos - (sign x2) sin`` and ``x2 cos + (sign x1) sin`` on the halves of the
+    first ``R`` dims, the rest copied; float32 ``sign`` (+1 forward, -1 the transpose). The
+    NumPy path's operations in its order, each rounded to float32: the same numbers bit for
+    bit, in one pass instead of eight."""
+    N, H, T, D = x.shape
+    R = cos.shape[2]
+    F2 = R // 2
+    for n in range(N):
+        c = n if cos.shape[0] > 1 else 0
+        for h in range(H):
+            for t in range(T):
+                for i in range(F2):
+                    x1 = x[n, h, t, i]
+                    x2 = x[n, h, t, F2 + i]
+                    out[n, h, t, i] = x1 * cos[c, t, i] - (sign * x2) * sin[c, t, i]
+                    out[n, h, t, F2 + i] = x2 * cos[c, t, F2 + i] + (sign * x1) * sin[c, t, F2 + i]
+                for i in range(R, D):
+                    out[n, h, t, i] = x[n, h, t, i]
