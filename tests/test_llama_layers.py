@@ -89,11 +89,11 @@ def test_silu_matches_torch_with_gradient(dtype):
 
 @pytest.mark.skipif(not __import__("attnlab").core.blockwise.fused_available(), reason="numba (the fast extra)")
 def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
-    """From F._SILU_COMPILED_MIN elements a C-contiguous float32 SiLU runs on the compiled
+    """From F._LOOP_COMPILED_MIN elements a C-contiguous float32 SiLU runs on the compiled
     loop (exp of -|x| only): torch's numbers within 1e-6, inf, NaN and signed zeros as
     torch, also in place; a strided array takes NumPy's path, also within 1e-6."""
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal(F._SILU_COMPILED_MIN + 7) * 8).astype(np.float32)
+    x = (rng.standard_normal(F._LOOP_COMPILED_MIN + 7) * 8).astype(np.float32)
     x[:7] = [np.inf, -np.inf, np.nan, 0.0, -0.0, -200.0, 200.0]
     calls = []
     real = F._run_compiled
@@ -116,12 +116,12 @@ def test_large_float32_silu_runs_compiled_and_matches_torch(monkeypatch):
 
 @pytest.mark.skipif(not __import__("attnlab").core.blockwise.fused_available(), reason="numba (the fast extra)")
 def test_large_float32_tanh_gelu_runs_compiled_and_matches_torch(monkeypatch):
-    """From F._SILU_COMPILED_MIN elements a C-contiguous float32 tanh GELU runs on the
+    """From F._LOOP_COMPILED_MIN elements a C-contiguous float32 tanh GELU runs on the
     compiled loop (x sigmoid(2u)): torch's numbers within 1e-6 of their scale (and within
     2e-7 of the float64 formula, closer than torch below u << 0, where 1 + tanh cancels),
     inf and NaN as torch, also in place; a strided array takes NumPy's path."""
     rng = np.random.default_rng(4)
-    x = (rng.standard_normal(F._SILU_COMPILED_MIN + 6) * 4).astype(np.float32)
+    x = (rng.standard_normal(F._LOOP_COMPILED_MIN + 6) * 4).astype(np.float32)
     x[:6] = [np.inf, -np.inf, np.nan, 0.0, -30.0, 30.0]
     calls = []
     real = F._run_compiled

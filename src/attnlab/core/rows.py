@@ -303,12 +303,10 @@ class _Layout:
         if not self.copy_transposed:
             return rows.swapaxes(-1, -2)
         key = (self.call, f0, f1)
-        shape = (*bd, rows.shape[-1], self.S)
-        if scratch.get(name + " of") == key:
-            return _buf(scratch, name, shape)
-        t = _buf(scratch, name, shape)
-        np.copyto(t, rows.swapaxes(-1, -2))
-        scratch[name + " of"] = key
+        t = _buf(scratch, name, (*bd, rows.shape[-1], self.S))
+        if scratch.get(name + " of") != key:
+            np.copyto(t, rows.swapaxes(-1, -2))
+            scratch[name + " of"] = key
         return t
 
     def probs(self, K, f0, f1, a0, a1, kend, scratch, inv=_NORMALISE):

@@ -152,11 +152,12 @@ _GELU_COMPILED_SMALL = 1 << 12
 _GELU_COMPILED_AFTER = 1 << 25
 _gelu_numpy_elements = 0
 # float32 SiLUs and tanh GELUs of at least this many elements run on the compiled loops
-# (attnlab.nn._compiled.silu32_ and gelu_tanh32_, numba installed): a gated feed-forward of
-# 512 tokens x 1536 took 1.8 ms in NumPy's four passes, 0.3 ms there; GPT-2's 512 x 3072
-# tanh GELU 1.57 ms in NumPy's blocks, 0.80 there. Not NumPy's numbers bit for bit (a few ulp), so
-# the choice goes by the size alone: a call gives the same numbers whatever ran before.
-_SILU_COMPILED_MIN = 1 << 18
+# (attnlab.nn._compiled.silu32_ and gelu_tanh32_, numba installed; see _takes_loop): a
+# gated feed-forward of 512 tokens x 1536 took 1.8 ms in NumPy's four passes, 0.3 ms
+# there; GPT-2's 512 x 3072 tanh GELU 1.57 ms in NumPy's blocks, 0.80 there. Not NumPy's
+# numbers bit for bit (a few ulp), so the choice goes by the size alone: a call gives the
+# same numbers whatever ran before.
+_LOOP_COMPILED_MIN = 1 << 18
 # attnlab's compiled modules: once one is loaded, numba is started.
 _COMPILED_MODULES = ("attnlab.core._fused", "attnlab.nn._compiled", "attnlab._quant_kernels")
 
@@ -268,8 +269,7 @@ def gelu(x: np.ndarray, *, approximate: str = "none", out: np.ndarray | None = N
     if out is None:
         out = np.empty_like(x)
     if approximate == "tanh":
-        if (x.dtype == np.float32 and out.dtype == np.float32 and x.flags.c_contiguous
-                and out.flags.c_contiguous and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
+        if _takes_loop(x, out):
             _run_compiled("gelu_tanh32_", x, out)
         else:
             _gelu_tanh_blocks(x, out)
@@ -554,9 +554,7 @@ def silu(x: np.ndarray, *, out: np.ndarray | None = None) -> np.ndarray:
         xp = namespace(x)
         return x / (1.0 + xp.exp(-x))
     x = np.asarray(x)
-    if (x.dtype == np.float32 and x.flags.c_contiguous
-            and (out is None or (out.dtype == np.float32 and out.flags.c_contiguous))
-            and _compiled_planned(x.size, _SILU_COMPILED_MIN)):
+    if _takes_loop(x, out):
         return _run_compiled("silu32_", x, np.empty_like(x) if out is None else out)
     if out is None:
         # exp(-x) overflows to inf for x << 0: x / inf = -0; -inf / inf = NaN, as torch
@@ -574,6 +572,15 @@ def _compiled_planned(n: int, min_n: int) -> bool:
     from attnlab.core.blockwise import fused_planned
 
     return fused_planned(np.float32, n, min_n=min_n)
+
+
+def _takes_loop(x: np.ndarray, out: np.ndarray | None) -> bool:
+    """Whether an element-wise op of ``x`` into ``out`` (None: a new array) runs on a
+    compiled loop of :func:`_run_compiled`: both C-contiguous float32, at least
+    :data:`_LOOP_COMPILED_MIN` elements, compiled kernels available."""
+    return (x.dtype == np.float32 and x.flags.c_contiguous
+            and (out is None or (out.dtype == np.float32 and out.flags.c_contiguous))
+            and _compiled_planned(x.size, _LOOP_COMPILED_MIN))
 
 
 def _run_compiled(kernel: str, x: np.ndarray, out: np.ndarray) -> np.ndarray:
