@@ -635,3 +635,42 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
     (cpu,) = next(iter(mine))
     assert all(cpu not in mask for mask in theirs)
     assert {mask for tid, mask in seen[16:] if tid == caller} == {frozenset(before)}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs and Linux's affinity calls")
+def test_pool_moves_workers_off_the_callers_new_cpu():
+    """Workers held off one CPU do not stay there when the caller has since moved onto
+    their CPU: a call that follows closely (so the caller is not held) still runs them
+    elsewhere, and leaves the caller's mask as it was."""
+    import threading
+    import time
+
+    before = os.sched_getaffinity(0)
+    caller = threading.get_native_id()
+    seen = []
+
+    def unit(i, _scratch):
+        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        time.sleep(0.02)
+
+    try:
+        with threads_mod_threads(2):
+            threads_mod.run_units(range(4), unit, 2)  # the workers exist now
+            time.sleep(2 * threads_mod._HOLD_AFTER_IDLE)
+            threads_mod.run_units(range(4), unit, 2)  # held: the workers are kept off the caller's CPU
+            off = threads_mod._WORKERS_OFF[0]
+            theirs = next(mask for tid, mask in seen[4:] if tid != caller)
+            assert off is not None and off not in theirs
+            moved_to = min(theirs)  # one of the workers' CPUs: the caller goes there
+            os.sched_setaffinity(0, {moved_to})
+            threads_mod._LAST_POOL_END[0] = time.monotonic()  # the next call follows closely: not held
+            seen.clear()
+            threads_mod.run_units(range(8), unit, 2)
+            assert os.sched_getaffinity(0) == {moved_to}  # a close call does not touch the caller's mask
+    finally:
+        os.sched_setaffinity(0, before)
+    workers = {mask for tid, mask in seen if tid != caller}
+    assert workers, "the worker took no unit"
+    assert all(moved_to not in mask for mask in workers)
+    assert threads_mod._WORKERS_OFF[0] == moved_to

@@ -251,10 +251,16 @@ def _executor(workers: int) -> ThreadPoolExecutor:
 # threads kept apart, 9.8-11.7 ms (the worker alone kept off the caller's CPU: 16 ms, as
 # the caller itself then moves). So a pool call that starts after such a pause holds the
 # caller on its CPU and the workers off it (_caller_and_workers_apart: a few system calls
-# per call). Calls that follow one another closely are left to the scheduler: there the
-# threads are already spread, and holding the caller still cost a TinyTransformer
-# training step (a pool call every few milliseconds, BLAS's threads busy in between)
-# 19-20 ms against 16-17 ms unheld, measured on the same machine.
+# per call). Calls that follow one another closely do not hold the caller: holding it
+# still cost a TinyTransformer training step (a pool call every few milliseconds, BLAS's
+# threads busy in between) 19-20 ms against 16-17 ms unheld, measured on the same machine.
+# But once held off a CPU the workers stay off it, and between calls the caller moves
+# freely: woken by a worker at the end of a call, or after serial work, it often lands on
+# the workers' CPU, and the next close call then shares that CPU with a worker that may
+# not leave it. So every call looks where the caller is (one sched_getcpu, about a
+# microsecond) and, where it has moved, keeps the workers off its new CPU. Measured on
+# that machine, SmolLM2's 512-token prefill: the first layers' products took 9-10 ms
+# where the rest took 5, the caller sharing the workers' CPU each time.
 _WORKER_TIDS: list[int] = []
 _WORKERS_OFF: list[int | None] = [None]  # the CPU the workers are kept off now
 _TIDS_LOCK = threading.Lock()
@@ -294,29 +300,34 @@ _LAST_POOL_END = [-math.inf]
 
 @contextmanager
 def _caller_and_workers_apart():
-    """While the block runs, the calling thread stays on the CPU it is on and the workers
-    are kept off that CPU (their mask changes only when the caller has moved); the
-    caller's own mask is restored after. Only after a pause (no pool call ended in the
-    last :data:`_HOLD_AFTER_IDLE` seconds); a no-op where the system cannot tell the CPU."""
+    """While the block runs, the workers are kept off the calling thread's CPU (their
+    masks change only when the caller has moved). After a pause (no pool call ended in
+    the last :data:`_HOLD_AFTER_IDLE` seconds) the caller is also held on its CPU, and its
+    own mask restored after. A no-op where the system cannot tell the CPU."""
     try:
-        if time.monotonic() - _LAST_POOL_END[0] < _HOLD_AFTER_IDLE:
-            yield
-        else:
+        if time.monotonic() - _LAST_POOL_END[0] >= _HOLD_AFTER_IDLE:
             with _held_apart():
                 yield
+        else:
+            if _WORKERS_OFF[0] is not None:  # workers held before: keep them off the caller's CPU
+                _workers_off_callers_cpu()
+            yield
     finally:
         _LAST_POOL_END[0] = time.monotonic()
 
 
-@contextmanager
-def _held_apart():
+def _workers_off_callers_cpu() -> int:
+    """Keep the workers off the CPU the calling thread runs on (their masks change only
+    when it differs from the last one); return that CPU, or -1 where the system cannot
+    tell it or there is no other CPU to send them to."""
     getcpu = _sched_getcpu()
     cpu = getcpu() if getcpu is not None else -1
+    if cpu == _WORKERS_OFF[0]:
+        return cpu
     allowed = _allowed_cpus()
     if cpu < 0 or cpu not in allowed or len(allowed) < 2:
-        yield
-        return
-    if cpu != _WORKERS_OFF[0] and _WORKER_TIDS:
+        return -1
+    if _WORKER_TIDS:
         with _TIDS_LOCK:
             for tid in _WORKER_TIDS:
                 try:
@@ -324,6 +335,15 @@ def _held_apart():
                 except OSError:  # a worker that has exited, or a mask the system refuses
                     pass
             _WORKERS_OFF[0] = cpu
+    return cpu
+
+
+@contextmanager
+def _held_apart():
+    cpu = _workers_off_callers_cpu()
+    if cpu < 0:
+        yield
+        return
     try:
         mine = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {cpu})
