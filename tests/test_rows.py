@@ -240,6 +240,24 @@ def test_threads_follow_the_work_of_a_call(monkeypatch):
     assert threads(need, 128) == 2 and threads(need - 4096, 128) == 1
 
 
+
+@pytest.mark.parametrize("hq, h, L", [(12, 12, 512), (9, 3, 512), (12, 12, 1024)])
+def test_causal_forward_blocks_take_several_heads(hq, h, L, monkeypatch):
+    """A causal forward block's rows are cut short, and then it takes as many heads as fit
+    the heads' share of the L2 cache at the keys a block sees on average (S / 2); the
+    backward pass keeps one head a block."""
+    monkeypatch.setattr(rows, "_heads_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(rows, "pool_threads", lambda n: 1)
+    q = np.zeros((1, hq, L, 64), np.float32)
+    kv = np.zeros((1, h, L, 64), np.float32)
+    spec = check_attention_args(q, kv, kv, is_causal=True, enable_gqa=hq != h)
+    fwd, bwd = rows._Layout(spec), rows._Layout(spec, backward=True)
+    per_block = 4 * (hq // h) * L * fwd.rows  # bytes of one key/value head's block, all keys
+    want = min(h, 2 * (1 << 20) // per_block)
+    assert fwd.rows < L and {f1 - f0 for f0, f1 in fwd.head_chunks} == {want} and want > 1
+    assert {f1 - f0 for f0, f1 in bwd.head_chunks} == {1}
+
+
 ONE_BLOCK_CASES = [  # batch, Hq, H, L, S, E, Ev, causal
     ((1,), 8, 8, 64, 64, 64, 64, False),  # copies k transposed (E * S <= 4096)
     ((1,), 8, 8, 64, 64, 64, 64, True),
