@@ -14,6 +14,7 @@ import pytest
 from attnlab import scaled_dot_product_attention, scaled_dot_product_attention_backward
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive, rows
+from attnlab.core._blas import sgemm_address
 from attnlab.core.spec import check_attention_args
 from helpers import attention_inputs, grad_err, pad_every_score_row, rel_err
 
@@ -268,21 +269,74 @@ ONE_BLOCK_CASES = [  # batch, Hq, H, L, S, E, Ev, causal
 ]
 
 
+def _one_block_path(direct: bool, monkeypatch) -> None:
+    """The compiled one-block call (NumPy's sgemm from compiled code), or the NumPy one."""
+    if not direct:
+        monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
+    elif not sgemm_address():
+        pytest.skip("NumPy's BLAS has no CBLAS sgemm with 64-bit integers")
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("case", ONE_BLOCK_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}-L{c[3]}-S{c[4]}-E{c[5]}")
-def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, torch, monkeypatch):
-    """Short calls skip the general layout (rows._forward_one_block) and give bit for bit
-    the general kernel's numbers (and torch's, to float32 rounding)."""
+def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, direct, torch, monkeypatch):
+    """Short calls skip the general layout (rows._forward_one_block) and give the general
+    kernel's numbers (and torch's, to float32 rounding): bit for bit through NumPy, and to
+    the last bit of a row's sum in one compiled call, whose row sums LLVM vectorises in
+    an order of its own."""
+    _one_block_path(direct, monkeypatch)
     batch, hq, h, L, S, E, Ev, causal = case
     rng = np.random.default_rng(47)
     q, k, v, g = attention_inputs(rng, batch, hq, h, L, S, E, Ev, np.float32)
     spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
     one = rows._forward_one_block(spec)
     assert one is not None
-    np.testing.assert_array_equal(one, rows._forward(spec))
+    if direct:
+        np.testing.assert_allclose(one, rows._forward(spec), rtol=1e-6, atol=1e-7)
+    else:
+        np.testing.assert_array_equal(one, rows._forward(spec))
     want, _ = _torch64(torch, q, k, v, g, is_causal=causal, enable_gqa=hq != h)
     assert rel_err(one, want) <= 3e-6
     monkeypatch.setattr(rows, "_forward", lambda spec: pytest.fail("the general path ran"))
     np.testing.assert_array_equal(rows.forward(spec), one)
+
+
+def test_the_compiled_block_takes_numpys_blas(monkeypatch):
+    """NumPy's wheels carry OpenBLAS with 64-bit integers: its sgemm is found, and a short
+    call is one compiled call; inf and NaN fall where the NumPy path puts them, without a
+    floating-point warning (no NumPy call checks the flags)."""
+    import warnings
+
+    blas = np.__config__.CONFIG["Build Dependencies"]["blas"]
+    wheel = blas.get("name") == "scipy-openblas" and "USE64BITINT" in (blas.get("openblas configuration") or "")
+    assert bool(sgemm_address()) == wheel
+    if not wheel:
+        pytest.skip("NumPy's BLAS is not scipy-openblas64")
+    from attnlab.core import _fused
+
+    calls = []
+    real = _fused.one_block_forward
+    monkeypatch.setattr(_fused, "one_block_forward", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(49)
+    q, k, v, _ = attention_inputs(rng, (1,), 8, 8, 64, 64, 64, 64, np.float32)
+    k[0, 0, 3] = 3e38  # overflowing scores: rows that see key 3 give inf - inf
+    v[0, 1, 5, 2] = np.inf  # inf times probabilities that are 0
+    q[0, 2, 7, 0] = np.nan
+    for causal in (False, True):
+        spec = check_attention_args(q, k, v, is_causal=causal)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = rows.forward(spec)
+        monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
+        want = rows.forward(spec)
+        monkeypatch.undo()
+        monkeypatch.setattr(_fused, "one_block_forward", lambda *a: calls.append(1) or real(*a))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+        ok = np.isfinite(want)
+        np.testing.assert_allclose(got[ok], want[ok], rtol=1e-6, atol=1e-7)
+        assert np.isnan(got[0, 2, 7]).all() and np.isnan(got[0, 0]).any() and np.isinf(got[0, 1, :, 2]).any()
+    assert len(calls) == 2
 
 
 def test_other_calls_take_the_general_layout():

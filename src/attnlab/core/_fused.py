@@ -86,6 +86,40 @@ def _rint(typingctx, a):
     return sig, codegen
 
 
+_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
+
+
+@intrinsic
+def _sgemm(typingctx, addr, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
+    """``c = a @ op(b)`` (``op(b) = b`` or ``b^T`` for ``trans_b``; row-major, leading
+    dimensions ``lda``, ``ldb``, ``ldc`` in elements) through the CBLAS ``sgemm`` with
+    64-bit integers at ``addr`` (:func:`attnlab.core._blas.sgemm_address`), called from
+    compiled code: no NumPy call, no GIL, no floating-point error check."""
+    sig = types.void(addr, trans_b, m, n, k, a, lda, b, ldb, c, ldc)
+
+    def codegen(context, builder, signature, args):
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        fp = f32.as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, i64, i64, i64, f32, fp, i64, fp, i64, f32, fp, i64])
+        tys = signature.args
+
+        def as_i64(i):
+            return context.cast(builder, args[i], tys[i], types.int64)
+
+        def data(i):
+            return builder.bitcast(context.make_array(tys[i])(context, builder, args[i]).data, fp)
+
+        fn = builder.inttoptr(as_i64(0), fnty.as_pointer())
+        tb = builder.select(builder.icmp_signed("!=", as_i64(1), ir.Constant(i64, 0)),
+                            ir.Constant(i32, _TRANS), ir.Constant(i32, _NO_TRANS))
+        builder.call(fn, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), tb, as_i64(2), as_i64(3),
+                          as_i64(4), ir.Constant(f32, 1.0), data(5), as_i64(6), data(7), as_i64(8),
+                          ir.Constant(f32, 0.0), data(9), as_i64(10)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @nb.njit(inline="always", fastmath=_FM)
 def _exp(x):
     """``exp(x)`` in float32 for ``x <= 0`` (and the small positive ``x`` that rounding
@@ -426,3 +460,43 @@ def rotate32(x, cos, sin, sign, out):
                     out[n, h, t, F2 + i] = x2 * cos[c, t, F2 + i] + (sign * x1) * sin[c, t, F2 + i]
                 for i in range(R, D):
                     out[n, h, t, i] = x[n, h, t, i]
+
+
+@nb.njit(**_JIT)
+def one_block_forward(sgemm, q, k, v, kt, s, inv, out, L, causal, no_mask, scale, kend):
+    """A short attention call in one compiled call (:func:`attnlab.core.rows.
+    _forward_one_block`): per key/value head ``h``, ``s[h] = q[h] @ k[h, :kend]^T`` (through
+    the contiguous transposed copy ``kt`` (NH, E, kend) where it has room for one, else
+    straight from ``k``), :func:`softmax_rows` on it (causal or no mask, rows left
+    unnormalised), ``out[h] = s[h] @ v[h, :kend]``, then ``out`` times each row's
+    ``1 / sum``. The products are NumPy's own BLAS ``sgemm`` at address ``sgemm``
+    (:func:`_sgemm`), called as ``np.matmul`` calls it, so they give its numbers bit for
+    bit; the row sums of the inlined :func:`softmax_rows` may round differently in the
+    last bit (LLVM vectorises them in this function's own order).
+
+    ``q`` (NH, G * L, E), ``k`` (NH, S, E), ``v`` (NH, S, Ev), ``out`` (NH, G * L, Ev):
+    C-contiguous; ``s`` (NH, G * L, ld) with ``ld >= kend`` (padded rows, see
+    :func:`attnlab.core.blockwise.score_stride`); ``inv`` (NH * G * L,); ``kt`` (NH, E,
+    kend), or (0, 0, 0) for no copy; ``L`` the rows of one query head (``G * L`` rows
+    stack ``G`` of them): with ``causal``, row ``r`` of each sees keys ``< r + 1``.
+    """
+    NH, GL, E = q.shape
+    Ev = v.shape[2]
+    ld = s.shape[2]
+    copy = kt.shape[0] > 0
+    for h in range(NH):
+        if copy:
+            for e in range(E):
+                for j in range(kend):
+                    kt[h, e, j] = k[h, j, e]
+            _sgemm(sgemm, 0, GL, kend, E, q[h], E, kt[h], kend, s[h], ld)
+        else:
+            _sgemm(sgemm, 1, GL, kend, E, q[h], E, k[h], E, s[h], ld)
+    mode, lim0 = (MODE_CAUSAL, 1) if causal else (MODE_NONE, 0)
+    softmax_rows(s.reshape(NH * (GL // L), L, ld), mode, no_mask, lim0, inv, scale, kend)
+    for h in range(NH):
+        _sgemm(sgemm, 0, GL, Ev, kend, s[h], ld, v[h], Ev, out[h], Ev)
+        for r in range(GL):
+            f = inv[h * GL + r]
+            for j in range(Ev):
+                out[h, r, j] *= f
