@@ -639,6 +639,43 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs and Linux's affinity calls")
+def test_a_new_worker_does_not_keep_the_held_callers_cpu():
+    """The pool's first call creates its worker while it holds the caller on one CPU; the
+    worker must not inherit that mask (a new thread takes its creator's): the next call,
+    close behind, runs it on another CPU than the caller's."""
+    import threading
+    import time
+
+    before = os.sched_getaffinity(0)
+    caller = threading.get_native_id()
+    seen = []
+
+    def unit(i, _scratch):
+        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        time.sleep(0.02)
+
+    old = threads_mod._EXECUTOR
+    if old is not None:
+        old.shutdown(wait=True)
+    threads_mod._forget_executor()  # a fresh pool, as in a new process
+    assert threads_mod._allowed_cpus() == before  # looked up before the caller is pinned
+    cpu = min(before)
+    try:
+        os.sched_setaffinity(0, {cpu})  # the caller stays on one CPU throughout
+        with threads_mod_threads(2):
+            threads_mod._LAST_POOL_END[0] = -float("inf")  # after a pause: held
+            threads_mod.run_units(range(4), unit, 2)  # creates the worker
+            seen.clear()
+            threads_mod.run_units(range(8), unit, 2)  # close behind: not held
+    finally:
+        os.sched_setaffinity(0, before)
+    workers = {mask for tid, mask in seen if tid != caller}
+    assert workers, "the worker took no unit"
+    assert all(cpu not in mask for mask in workers)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs and Linux's affinity calls")
 def test_pool_moves_workers_off_the_callers_new_cpu():
     """Workers held off one CPU do not stay there when the caller has since moved onto
     their CPU: a call that follows closely (so the caller is not held) still runs them

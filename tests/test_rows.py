@@ -339,6 +339,33 @@ def test_the_compiled_block_takes_numpys_blas(monkeypatch):
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("hq, h, causal", [(4, 4, False), (6, 2, True), (3, 1, False)])
+def test_the_backward_pass_as_compiled_blocks(hq, h, causal, monkeypatch):
+    """With no mask or a causal one, the backward pass runs as compiled blocks that call
+    NumPy's sgemm themselves (here with keys and values whose rows are 3 E apart, and
+    grouped queries): the NumPy blocks' gradients, to float32 rounding."""
+    if not sgemm_address():
+        pytest.skip("NumPy's BLAS has no CBLAS sgemm with 64-bit integers")
+    from attnlab.core import _fused
+
+    rng = np.random.default_rng(50)
+    L, E = 160, 32
+    q = rng.standard_normal((1, hq, L, E)).astype(np.float32)
+    kv = rng.standard_normal((1, h, L, 3 * E)).astype(np.float32)
+    k, v = kv[..., :E], kv[..., E : 2 * E]
+    g = rng.standard_normal((1, hq, L, E)).astype(np.float32)
+    spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
+    calls = []
+    real = _fused.backward_rows
+    monkeypatch.setattr(_fused, "backward_rows", lambda *a: calls.append(a[2].strides) or real(*a))
+    got = rows.backward(spec, g)
+    assert calls and all(st[1] == 3 * E * 4 for st in calls)  # the keys' rows as the caller has them
+    monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
+    want = rows.backward(spec, g)
+    for got_x, want_x in zip(got, want, strict=True):
+        np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=2e-6)
+
+
 def test_other_calls_take_the_general_layout():
     """Masks, strided or broadcast inputs, more than one causal block of rows, scores beyond
     the L2 cache and calls worth two threads take the general layout."""

@@ -267,6 +267,12 @@ _TIDS_LOCK = threading.Lock()
 
 
 def _register_worker() -> None:
+    # A new thread inherits its creator's CPU mask, and the pool's first call creates its
+    # workers while it holds the caller on one CPU: undo that, then the next call places it.
+    try:
+        os.sched_setaffinity(0, _allowed_cpus())
+    except (AttributeError, OSError):  # not on Linux, or a mask the system refuses
+        pass
     with _TIDS_LOCK:
         _WORKER_TIDS.append(threading.get_native_id())
         _WORKERS_OFF[0] = None  # the new worker is not kept off anything yet
@@ -309,7 +315,7 @@ def _caller_and_workers_apart():
             with _held_apart():
                 yield
         else:
-            if _WORKERS_OFF[0] is not None:  # workers held before: keep them off the caller's CPU
+            if _WORKER_TIDS:  # keep the workers off the CPU the caller has now
                 _workers_off_callers_cpu()
             yield
     finally:

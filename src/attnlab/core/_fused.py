@@ -90,12 +90,13 @@ _ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112  # CBLAS's enums
 
 
 @intrinsic
-def _sgemm(typingctx, addr, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
-    """``c = a @ op(b)`` (``op(b) = b`` or ``b^T`` for ``trans_b``; row-major, leading
-    dimensions ``lda``, ``ldb``, ``ldc`` in elements) through the CBLAS ``sgemm`` with
-    64-bit integers at ``addr`` (:func:`attnlab.core._blas.sgemm_address`), called from
-    compiled code: no NumPy call, no GIL, no floating-point error check."""
-    sig = types.void(addr, trans_b, m, n, k, a, lda, b, ldb, c, ldc)
+def _sgemm(typingctx, addr, trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc):
+    """``c = op(a) @ op(b) + beta * c`` (``op(x)`` is ``x`` or, where its flag is not 0,
+    ``x^T``; row-major, leading dimensions ``lda``, ``ldb``, ``ldc`` in elements, ``m x k
+    @ k x n``) through the CBLAS ``sgemm`` with 64-bit integers at ``addr``
+    (:func:`attnlab.core._blas.sgemm_address`), called from compiled code: no NumPy call,
+    no GIL, no floating-point error check. The arrays only give their first element."""
+    sig = types.void(addr, trans_a, trans_b, m, n, k, a, lda, b, ldb, beta, c, ldc)
 
     def codegen(context, builder, signature, args):
         i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -106,15 +107,17 @@ def _sgemm(typingctx, addr, trans_b, m, n, k, a, lda, b, ldb, c, ldc):
         def as_i64(i):
             return context.cast(builder, args[i], tys[i], types.int64)
 
+        def trans(i):
+            return builder.select(builder.icmp_signed("!=", as_i64(i), ir.Constant(i64, 0)),
+                                  ir.Constant(i32, _TRANS), ir.Constant(i32, _NO_TRANS))
+
         def data(i):
             return builder.bitcast(context.make_array(tys[i])(context, builder, args[i]).data, fp)
 
         fn = builder.inttoptr(as_i64(0), fnty.as_pointer())
-        tb = builder.select(builder.icmp_signed("!=", as_i64(1), ir.Constant(i64, 0)),
-                            ir.Constant(i32, _TRANS), ir.Constant(i32, _NO_TRANS))
-        builder.call(fn, [ir.Constant(i32, _ROW_MAJOR), ir.Constant(i32, _NO_TRANS), tb, as_i64(2), as_i64(3),
-                          as_i64(4), ir.Constant(f32, 1.0), data(5), as_i64(6), data(7), as_i64(8),
-                          ir.Constant(f32, 0.0), data(9), as_i64(10)])
+        builder.call(fn, [ir.Constant(i32, _ROW_MAJOR), trans(1), trans(2), as_i64(3), as_i64(4), as_i64(5),
+                          ir.Constant(f32, 1.0), data(6), as_i64(7), data(8), as_i64(9),
+                          context.cast(builder, args[10], tys[10], types.float32), data(11), as_i64(12)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -489,14 +492,60 @@ def one_block_forward(sgemm, q, k, v, kt, s, inv, out, L, causal, no_mask, scale
             for e in range(E):
                 for j in range(kend):
                     kt[h, e, j] = k[h, j, e]
-            _sgemm(sgemm, 0, GL, kend, E, q[h], E, kt[h], kend, s[h], ld)
+            _sgemm(sgemm, 0, 0, GL, kend, E, q[h], E, kt[h], kend, _F(0.0), s[h], ld)
         else:
-            _sgemm(sgemm, 1, GL, kend, E, q[h], E, k[h], E, s[h], ld)
+            _sgemm(sgemm, 0, 1, GL, kend, E, q[h], E, k[h], E, _F(0.0), s[h], ld)
     mode, lim0 = (MODE_CAUSAL, 1) if causal else (MODE_NONE, 0)
     softmax_rows(s.reshape(NH * (GL // L), L, ld), mode, no_mask, lim0, inv, scale, kend)
     for h in range(NH):
-        _sgemm(sgemm, 0, GL, Ev, kend, s[h], ld, v[h], Ev, out[h], Ev)
+        _sgemm(sgemm, 0, 0, GL, Ev, kend, s[h], ld, v[h], Ev, _F(0.0), out[h], Ev)
         for r in range(GL):
             f = inv[h * GL + r]
             for j in range(Ev):
                 out[h, r, j] *= f
+
+
+@nb.njit(**_JIT)
+def backward_rows(sgemm, q, k, v, go, dq, dk, dv, p, dp, chunks, causal, no_mask, scale):
+    """The backward pass of :mod:`attnlab.core.rows` for a block of heads, all in compiled
+    code (the products through NumPy's ``sgemm`` at ``sgemm``, see :func:`_sgemm`): no
+    NumPy call, so the pool's threads never wait for the GIL between the products. For
+    each head ``h`` and each block of query rows ``a0:a1`` in ``chunks`` (n, 2), keys
+    ``0:kend`` (``kend = min(S, a1)`` when ``causal``, else ``S``), per query head ``g``
+    of the group: ``p = softmax(scale * q k^T)`` (:func:`softmax_rows`), ``dv += p^T go``,
+    ``dp = go v^T``, then ``dp = p * (dp - sum(p * dp))`` (:func:`softmax_rows_backward`),
+    ``dk += dp^T q`` (without the factor ``scale``, which the caller applies once) and
+    ``dq = scale * dp k``.
+
+    ``q`` (nh, G, L, E), ``go`` (nh, G, L, Ev), ``dq`` (nh, G, L, E); ``k`` (nh, S, E),
+    ``v`` (nh, S, Ev), ``dk`` (nh, S, E), ``dv`` (nh, S, Ev) accumulated into; all with
+    unit strides along their last axis. ``p`` and ``dp`` (G * rows, ld) C-contiguous
+    scratch, ``ld >= S``.
+    """
+    nh, G, _, E = q.shape
+    S, Ev = k.shape[1], v.shape[2]
+    ld = p.shape[1]
+    lq, lg, ldq = q.strides[2] // 4, go.strides[2] // 4, dq.strides[2] // 4
+    lk, lv, ldk, ldv = k.strides[1] // 4, v.strides[1] // 4, dk.strides[1] // 4, dv.strides[1] // 4
+    normalise = np.empty(0, dtype=np.float32)
+    mode = MODE_CAUSAL if causal else MODE_NONE
+    one, zero = _F(1.0), _F(0.0)
+    for h in range(nh):
+        for ci in range(chunks.shape[0]):
+            a0, a1 = chunks[ci, 0], chunks[ci, 1]
+            rows = a1 - a0
+            kend = min(S, a1) if causal else S
+            pb, dpb = p[: G * rows], dp[: G * rows]
+            for g in range(G):
+                _sgemm(sgemm, 0, 1, rows, kend, E, q[h, g, a0:], lq, k[h], lk, zero, pb[g * rows:], ld)
+            softmax_rows(pb.reshape(G, rows, ld), mode, no_mask, a0 + 1 if causal else 0, normalise, scale, kend)
+            for g in range(G):
+                _sgemm(sgemm, 1, 0, kend, Ev, rows, pb[g * rows:], ld, go[h, g, a0:], lg, one, dv[h], ldv)
+                _sgemm(sgemm, 0, 1, rows, kend, Ev, go[h, g, a0:], lg, v[h], lv, zero, dpb[g * rows:], ld)
+            softmax_rows_backward(dpb, pb, kend)
+            for g in range(G):
+                _sgemm(sgemm, 1, 0, kend, E, rows, dpb[g * rows:], ld, q[h, g, a0:], lq, one, dk[h], ldk)
+                _sgemm(sgemm, 0, 0, rows, E, kend, dpb[g * rows:], ld, k[h], lk, zero, dq[h, g, a0:], ldq)
+                for r in range(a0, a1):
+                    for e in range(E):
+                        dq[h, g, r, e] *= scale

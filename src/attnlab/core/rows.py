@@ -41,7 +41,7 @@ import numpy as np
 from attnlab._cpu import cpu_info
 from attnlab._threads import ScratchPool, one_blas_thread, pool_threads, run_units
 from attnlab.core._blas import sgemm_address
-from attnlab.core.blockwise import fused_planned, scores_buffer, tuning
+from attnlab.core.blockwise import fused_planned, score_stride, scores_buffer, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
@@ -500,6 +500,23 @@ def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.
         return _backward(spec, grad_out)
 
 
+def _compiled_backward(lay: _Layout, go: np.ndarray) -> int:
+    """The address of NumPy's ``sgemm`` where the backward pass runs as compiled blocks
+    (:func:`attnlab.core._fused.backward_rows`), else 0: no mask or a causal one, every head
+    in one flat axis, rows of unit stride. A block of the NumPy path makes about ten NumPy
+    calls, each a moment where the other pool thread may wait for the GIL; here a unit of
+    work is one call. Measured on a 2-core AVX-512 EPYC, 2 threads, ms, NumPy blocks /
+    compiled: 12 heads at L = 512 causal 12.1-14.2 / 8.2-9.3, L = 1024 31.8-33.6 /
+    28.3-29.2; BERT-like 32 x 12 heads of 128 x 128, E = 64, 32.2-34.8 / 29.0-29.4;
+    8 heads at L = 1024 33.7-33.9 / 31.9-32.3."""
+    if lay.mode not in (_MODE_NONE, _MODE_CAUSAL) or lay.two_level:
+        return 0
+    arrays = (lay.q, lay.k, lay.v, go)
+    if any(a.ndim != n or a.strides[-1] != 4 for a, n in zip(arrays, (4, 3, 3, 4), strict=True)):
+        return 0
+    return sgemm_address()
+
+
 def _backward(spec: AttentionSpec, grad_out: np.ndarray):
     K = _kernels()
     lay = _Layout(spec, backward=True)
@@ -521,6 +538,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         for c in range(1, split):
             partial[n, c] = (np.zeros((f1 - f0, S, E), np.float32), np.zeros((f1 - f0, S, Ev), np.float32))
     units = [(n, c) for n in range(len(heads)) for c in range(split)]
+    sgemm = _compiled_backward(lay, go)
 
     def run(unit, scratch):
         n, c = unit
@@ -528,6 +546,13 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         nh = f1 - f0
         bd = lay.block_dims(f0, f1)
         dk_h, dv_h = (dk[f0:f1], dv[f0:f1]) if c == 0 else partial[n, c]
+        if sgemm:
+            ld = score_stride(S)
+            p, dp = _buf(scratch, "p", (G * lay.rows, ld)), _buf(scratch, "dp", (G * lay.rows, ld))
+            chunks = np.array(lay.row_chunks[c::split], dtype=np.int64).reshape(-1, 2)
+            K.backward_rows(sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], go[f0:f1], dq[f0:f1], dk_h, dv_h,
+                            p, dp, chunks, lay.mode == _MODE_CAUSAL, _NO_MASK, lay.scale)
+            return
         dk_h, dv_h = dk_h.reshape(*bd, S, E), dv_h.reshape(*bd, S, Ev)
         k = _heads(lay.k, 3, f0, f1, lay.Hkv, bd)
         go_h = _heads(go, 4, f0, f1, lay.Hkv, bd)
