@@ -282,8 +282,8 @@ def _one_block_path(direct: bool, monkeypatch) -> None:
 def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, direct, torch, monkeypatch):
     """Short calls skip the general layout (rows._forward_one_block) and give the general
     kernel's numbers (and torch's, to float32 rounding): bit for bit through NumPy, and to
-    the last bit of a row's sum in one compiled call, whose row sums LLVM vectorises in
-    an order of its own."""
+    float32 rounding as compiled calls (whose row sums LLVM vectorises in an order of its
+    own, and whose general blocks multiply a group's query heads one by one)."""
     _one_block_path(direct, monkeypatch)
     batch, hq, h, L, S, E, Ev, causal = case
     rng = np.random.default_rng(47)
@@ -291,8 +291,8 @@ def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, direct, t
     spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
     one = rows._forward_one_block(spec)
     assert one is not None
-    if direct:
-        np.testing.assert_allclose(one, rows._forward(spec), rtol=1e-6, atol=1e-7)
+    if direct:  # rounding: the group's rows in one product here, one product each there
+        assert rel_err(one, rows._forward(spec)) <= 1e-6
     else:
         np.testing.assert_array_equal(one, rows._forward(spec))
     want, _ = _torch64(torch, q, k, v, g, is_causal=causal, enable_gqa=hq != h)
@@ -339,32 +339,41 @@ def test_the_compiled_block_takes_numpys_blas(monkeypatch):
     assert len(calls) == 2
 
 
-@pytest.mark.parametrize("hq, h, causal", [(4, 4, False), (6, 2, True), (3, 1, False)])
-def test_the_backward_pass_as_compiled_blocks(hq, h, causal, monkeypatch):
-    """With no mask or a causal one, the backward pass runs as compiled blocks that call
-    NumPy's sgemm themselves (here with keys and values whose rows are 3 E apart, and
-    grouped queries): the NumPy blocks' gradients, to float32 rounding."""
+@pytest.mark.parametrize("batch, hq, h, L, E, causal", [
+    (1, 4, 4, 160, 32, False), (1, 6, 2, 160, 32, True), (1, 3, 1, 160, 32, False),
+    (16, 4, 4, 128, 32, False),  # heads small enough for the keys' transposed copy
+])
+def test_the_blocks_as_compiled_calls(batch, hq, h, L, E, causal, monkeypatch):
+    """With no mask or a causal one, the forward and backward blocks run as compiled calls
+    that call NumPy's sgemm themselves (here with keys and values whose rows are 3 E
+    apart, grouped queries, several causal blocks): the NumPy blocks' numbers, to float32
+    rounding."""
     if not sgemm_address():
         pytest.skip("NumPy's BLAS has no CBLAS sgemm with 64-bit integers")
     from attnlab.core import _fused
 
     rng = np.random.default_rng(50)
-    L, E = 160, 32
-    q = rng.standard_normal((1, hq, L, E)).astype(np.float32)
-    kv = rng.standard_normal((1, h, L, 3 * E)).astype(np.float32)
+    q = rng.standard_normal((batch, hq, L, E)).astype(np.float32)
+    kv = rng.standard_normal((batch, h, L, 3 * E)).astype(np.float32)
     k, v = kv[..., :E], kv[..., E : 2 * E]
-    g = rng.standard_normal((1, hq, L, E)).astype(np.float32)
+    g = rng.standard_normal((batch, hq, L, E)).astype(np.float32)
     spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
+    assert rows._forward_one_block(spec) is None
     calls = []
-    real = _fused.backward_rows
-    monkeypatch.setattr(_fused, "backward_rows", lambda *a: calls.append(a[2].strides) or real(*a))
-    got = rows.backward(spec, g)
-    assert calls and all(st[1] == 3 * E * 4 for st in calls)  # the keys' rows as the caller has them
-    monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
-    want = rows.backward(spec, g)
-    for got_x, want_x in zip(got, want, strict=True):
-        np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=2e-6)
+    for name in ("forward_rows", "backward_rows"):
+        real = getattr(_fused, name)
+        def counted(*a, real=real, name=name):
+            calls.append((name, a[2].strides))
+            return real(*a)
 
+        monkeypatch.setattr(_fused, name, counted)
+    got = (rows.forward(spec), *rows.backward(spec, g))
+    assert {name for name, _ in calls} == {"forward_rows", "backward_rows"}
+    assert all(st[1] == 3 * E * 4 for _, st in calls)  # the keys' rows as the caller has them
+    monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
+    want = (rows.forward(spec), *rows.backward(spec, g))
+    for got_x, want_x in zip(got, want, strict=True):
+        assert rel_err(got_x, want_x) <= 2e-6
 
 def test_other_calls_take_the_general_layout():
     """Masks, strided or broadcast inputs, more than one causal block of rows, scores beyond

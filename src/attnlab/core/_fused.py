@@ -549,3 +549,48 @@ def backward_rows(sgemm, q, k, v, go, dq, dk, dv, p, dp, chunks, causal, no_mask
                 for r in range(a0, a1):
                     for e in range(E):
                         dq[h, g, r, e] *= scale
+
+
+@nb.njit(**_JIT)
+def forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, no_mask, scale):
+    """One block of :mod:`attnlab.core.rows`'s forward pass, query rows ``a0:a1`` of a
+    block of heads, in compiled code (the products through NumPy's ``sgemm`` at
+    ``sgemm``, see :func:`_sgemm`): per head ``h`` and query head ``g`` of its group,
+    ``s = q k[:kend]^T`` (through the transposed copy ``kt`` (E, S) where it is not empty),
+    :func:`softmax_rows` (rows left unnormalised, ``1 / sum`` into ``inv``), ``out =
+    s v[:kend]`` times each row's ``1 / sum``; ``kend = min(S, a1)`` when ``causal``, else
+    ``S``.
+
+    ``q`` (nh, G, L, E), ``k`` (nh, S, E), ``v`` (nh, S, Ev), ``out`` (nh, G, L, Ev): unit
+    strides along their last axis. ``s`` (nh, G * rows, ld) C-contiguous scratch, ``ld >=
+    kend``; ``inv`` (nh * G * rows,).
+    """
+    nh, G, _, E = q.shape
+    S, Ev = k.shape[1], v.shape[2]
+    ld = s.shape[2]
+    rows = a1 - a0
+    kend = min(S, a1) if causal else S
+    lq, lo = q.strides[2] // 4, out.strides[2] // 4
+    lk, lv = k.strides[1] // 4, v.strides[1] // 4
+    copy = kt.shape[0] > 0
+    zero = _F(0.0)
+    for h in range(nh):
+        if copy:
+            for e in range(E):
+                for j in range(kend):
+                    kt[e, j] = k[h, j, e]
+        for g in range(G):
+            if copy:
+                _sgemm(sgemm, 0, 0, rows, kend, E, q[h, g, a0:], lq, kt, kt.shape[1], zero, s[h, g * rows:], ld)
+            else:
+                _sgemm(sgemm, 0, 1, rows, kend, E, q[h, g, a0:], lq, k[h], lk, zero, s[h, g * rows:], ld)
+    mode = MODE_CAUSAL if causal else MODE_NONE
+    softmax_rows(s.reshape(nh * G, rows, ld), mode, no_mask, a0 + 1 if causal else 0, inv, scale, kend)
+    for h in range(nh):
+        for g in range(G):
+            _sgemm(sgemm, 0, 0, rows, Ev, kend, s[h, g * rows:], ld, v[h], lv, zero, out[h, g, a0:], lo)
+            base = (h * G + g) * rows
+            for r in range(rows):
+                f = inv[base + r]
+                for e in range(Ev):
+                    out[h, g, a0 + r, e] *= f

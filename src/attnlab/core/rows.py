@@ -47,6 +47,7 @@ from attnlab.core.spec import AttentionSpec, reduce_to
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 _NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
 _NO_KT = np.zeros((0, 0, 0), dtype=np.float32)  # one_block_forward: no transposed copy
+_NO_KT2 = np.zeros((0, 0), dtype=np.float32)  # forward_rows: no transposed copy
 _NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
 _SCRATCH = ScratchPool()  # the blocks' buffers, kept between calls
 _CALLS = itertools.count()  # tells one call's cached transposes from another's
@@ -470,11 +471,21 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
     units = [(f0, f1, a0, a1) for f0, f1 in lay.head_chunks
              for a0, a1 in reversed(lay.row_chunks)]  # causal: the longest blocks first
 
+    sgemm = _compiled_blocks(lay)
+
     def run(unit, scratch):
         f0, f1, a0, a1 = unit
         nh, rows = f1 - f0, a1 - a0
         bd = lay.block_dims(f0, f1)
         kend = lay.key_end(a1)
+        if sgemm:
+            s = _buf(scratch, "s", (nh, G * rows, score_stride(kend)))
+            kt = _buf(scratch, "k^T", (lay.E, kend)) if lay.copy_transposed else _NO_KT2
+            scratch["k^T of"] = None  # not the copy _Layout.transposed made
+            K.forward_rows(sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], out[f0:f1], s,
+                           _buf(scratch, "inv", (nh * G * rows,)), kt, a0, a1, lay.mode == _MODE_CAUSAL, _NO_MASK,
+                           lay.scale)
+            return
         # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
         inv = _buf(scratch, "inv", (nh * G * rows,))
         _, p, _ = lay.probs(K, f0, f1, a0, a1, kend, scratch, inv)
@@ -500,10 +511,11 @@ def backward(spec: AttentionSpec, grad_out: np.ndarray) -> tuple[np.ndarray, np.
         return _backward(spec, grad_out)
 
 
-def _compiled_backward(lay: _Layout, go: np.ndarray) -> int:
-    """The address of NumPy's ``sgemm`` where the backward pass runs as compiled blocks
-    (:func:`attnlab.core._fused.backward_rows`), else 0: no mask or a causal one, every head
-    in one flat axis, rows of unit stride. A block of the NumPy path makes about ten NumPy
+def _compiled_blocks(lay: _Layout, go: np.ndarray | None = None) -> int:
+    """The address of NumPy's ``sgemm`` where the blocks run as compiled calls
+    (:func:`attnlab.core._fused.forward_rows`, :func:`attnlab.core._fused.backward_rows`),
+    else 0: no mask or a causal one, every head in one flat axis, rows of unit stride
+    (``go``: the backward pass's gradient of the output, per head). A block of the NumPy path makes about ten NumPy
     calls, each a moment where the other pool thread may wait for the GIL; here a unit of
     work is one call. Measured on a 2-core AVX-512 EPYC, 2 threads, ms, NumPy blocks /
     compiled: 12 heads at L = 512 causal 12.1-14.2 / 8.2-9.3, L = 1024 31.8-33.6 /
@@ -511,8 +523,8 @@ def _compiled_backward(lay: _Layout, go: np.ndarray) -> int:
     8 heads at L = 1024 33.7-33.9 / 31.9-32.3."""
     if lay.mode not in (_MODE_NONE, _MODE_CAUSAL) or lay.two_level:
         return 0
-    arrays = (lay.q, lay.k, lay.v, go)
-    if any(a.ndim != n or a.strides[-1] != 4 for a, n in zip(arrays, (4, 3, 3, 4), strict=True)):
+    arrays = (lay.q, lay.k, lay.v) + (() if go is None else (go,))
+    if any(a.ndim != n or a.strides[-1] != 4 for a, n in zip(arrays, (4, 3, 3, 4), strict=False)):
         return 0
     return sgemm_address()
 
@@ -538,7 +550,7 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
         for c in range(1, split):
             partial[n, c] = (np.zeros((f1 - f0, S, E), np.float32), np.zeros((f1 - f0, S, Ev), np.float32))
     units = [(n, c) for n in range(len(heads)) for c in range(split)]
-    sgemm = _compiled_backward(lay, go)
+    sgemm = _compiled_blocks(lay, go)
 
     def run(unit, scratch):
         n, c = unit
