@@ -375,6 +375,29 @@ def test_the_blocks_as_compiled_calls(batch, hq, h, L, E, causal, monkeypatch):
     for got_x, want_x in zip(got, want, strict=True):
         assert rel_err(got_x, want_x) <= 2e-6
 
+def test_rows_blas_cannot_take_stay_on_numpy(torch, monkeypatch):
+    """Keys with reversed rows, values with one row repeated (broadcast) and a gradient
+    with reversed rows: no compiled block (BLAS needs rows of positive stride), and the
+    numbers are torch's."""
+    from attnlab.core import _fused
+
+    monkeypatch.setattr(_fused, "forward_rows", lambda *a: pytest.fail("a compiled block ran"))
+    monkeypatch.setattr(_fused, "backward_rows", lambda *a: pytest.fail("a compiled block ran"))
+    rng = np.random.default_rng(51)
+    q, k, v, g = attention_inputs(rng, (1,), 4, 4, 160, 160, 32, 32, np.float32)
+    k = k[:, :, ::-1]
+    v = np.broadcast_to(v[:, :, :1], v.shape)
+    g = g[:, :, ::-1]
+    for causal in (False, True):
+        spec = check_attention_args(q, k, v, is_causal=causal)
+        assert rows.planned(spec) and rows.planned(spec, backward=True)
+        out, grads = rows.forward(spec), rows.backward(spec, g)
+        want, want_grads = _torch64(torch, *(np.ascontiguousarray(a) for a in (q, k, v, g)), is_causal=causal)
+        assert rel_err(out, want) <= 3e-6
+        for got_x, want_x in zip(grads, want_grads, strict=True):  # equal values: q's and k's near 0
+            assert np.abs(got_x - want_x).max() <= 3e-5 * max(1.0, float(np.abs(want_x).max()))
+
+
 def test_other_calls_take_the_general_layout():
     """Masks, strided or broadcast inputs, more than one causal block of rows, scores beyond
     the L2 cache and calls worth two threads take the general layout."""

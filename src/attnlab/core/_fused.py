@@ -14,7 +14,10 @@ code is kept on disk next to this file, or in numba's user cache directory, so a
 process loads it in well under a second). :mod:`attnlab.core.blockwise` imports it only
 for large float32 problems, and only when numba is installed.
 
-Every kernel works in place on float32 tiles and releases the GIL.
+Every kernel works in place on float32 tiles and releases the GIL. The rows kernel's
+blocks (:func:`one_block_forward`, :func:`forward_rows`, :func:`backward_rows`) also run
+their matrix products here, through NumPy's own BLAS ``sgemm`` called from compiled code
+(:func:`_sgemm`), so that a block is one call.
 
 Mask modes (``mode``): 0 none; 1 causal (row ``r`` sees columns ``< lim0 + r``); 2 a bool
 tile (True = takes part); 3 a float tile added to the scores.

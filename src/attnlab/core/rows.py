@@ -24,6 +24,13 @@ BLAS held to one thread meanwhile); the backward pass's units own key/value head
 their gradients need no locks), split by rows with partial gradients when there are
 fewer heads than threads.
 
+Where NumPy's BLAS is its wheels' OpenBLAS (:func:`attnlab.core._blas.sgemm_address`), a
+block with no mask or a causal one is a single compiled call that runs the products
+through that BLAS's ``sgemm`` itself (:func:`attnlab.core._fused.forward_rows`,
+:func:`attnlab.core._fused.backward_rows`): the pool's threads then never queue for the
+GIL between two products. Elsewhere the blocks are NumPy calls, with the same numbers to
+float32 rounding.
+
 Runs for float32 NumPy arrays when numba is installed (the ``fast`` extra); the
 dispatcher (:mod:`attnlab.core.dispatch`) picks it. Axis legend: see
 :mod:`attnlab.core.spec`.
@@ -404,8 +411,8 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     the call is not one (then :func:`_forward` runs it): contiguous arrays without a mask
     or broadcast leading dims, all heads' scores within the L2 cache, too little work for a
     second thread, and at most one causal block of rows. The same operations as
-    :func:`_forward` on such a call, so the same numbers (the compiled call below: to the
-    last bit of a row's sum). At such sizes the fixed cost of a
+    :func:`_forward` on such a call, so the same numbers through NumPy (as compiled calls,
+    see below, the same to float32 rounding). At such sizes the fixed cost of a
     call is as large as its arithmetic, most of all after the machine idled (every object
     the call touches is then cold): H=8, L=S=64, with the plain spec
     (:func:`attnlab.core.spec.check_attention_args`), 162 -> 139 us back to back and
@@ -515,16 +522,21 @@ def _compiled_blocks(lay: _Layout, go: np.ndarray | None = None) -> int:
     """The address of NumPy's ``sgemm`` where the blocks run as compiled calls
     (:func:`attnlab.core._fused.forward_rows`, :func:`attnlab.core._fused.backward_rows`),
     else 0: no mask or a causal one, every head in one flat axis, rows of unit stride
-    (``go``: the backward pass's gradient of the output, per head). A block of the NumPy path makes about ten NumPy
-    calls, each a moment where the other pool thread may wait for the GIL; here a unit of
-    work is one call. Measured on a 2-core AVX-512 EPYC, 2 threads, ms, NumPy blocks /
-    compiled: 12 heads at L = 512 causal 12.1-14.2 / 8.2-9.3, L = 1024 31.8-33.6 /
-    28.3-29.2; BERT-like 32 x 12 heads of 128 x 128, E = 64, 32.2-34.8 / 29.0-29.4;
-    8 heads at L = 1024 33.7-33.9 / 31.9-32.3."""
+    (``go``: the backward pass's gradient of the output, per head). A backward block of
+    the NumPy path makes about ten NumPy calls, each a moment where the other pool thread
+    may wait for the GIL; here a unit of work is one call. Measured on a 2-core AVX-512
+    EPYC, 2 threads, ms, NumPy blocks / compiled, backward: 12 heads at L = 512 causal
+    12.1-14.2 / 8.2-9.3, L = 1024 31.8-33.6 / 28.3-29.2; BERT-like 32 x 12 heads of 128 x
+    128, E = 64, 32.2-34.8 / 29.0-29.4; 8 heads at L = 1024 33.7-33.9 / 31.9-32.3;
+    forward: 12 heads at L = 512 causal 4.2-4.6 / 3.8-3.9, BERT-like E = 32 7.2-7.4 /
+    6.5, 8 heads at L = 256 causal 1.0 / 0.77."""
     if lay.mode not in (_MODE_NONE, _MODE_CAUSAL) or lay.two_level:
         return 0
     arrays = (lay.q, lay.k, lay.v) + (() if go is None else (go,))
-    if any(a.ndim != n or a.strides[-1] != 4 for a, n in zip(arrays, (4, 3, 3, 4), strict=False)):
+    # BLAS takes a matrix as rows of unit stride at least a row apart: never reversed,
+    # repeated (a broadcast row) or overlapping rows.
+    if any(a.ndim != n or a.strides[-1] != 4 or a.strides[-2] < 4 * a.shape[-1]
+           for a, n in zip(arrays, (4, 3, 3, 4), strict=False)):
         return 0
     return sgemm_address()
 
