@@ -605,23 +605,36 @@ def test_layer_norm_compiled_equals_numpy_and_torch(dtype):
     np.testing.assert_array_equal(layer(x), want)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two CPUs and Linux's affinity calls")
+_TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                               reason="needs two CPUs and Linux's affinity calls")
+
+
+def _affinity_recorder():
+    """``(seen, unit)``: a pool unit that records ``(thread id, CPU mask)`` into ``seen``
+    and sleeps long enough that the worker takes units too."""
+    import threading
+    import time
+
+    seen = []
+
+    def unit(i, _scratch):
+        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
+        time.sleep(0.02)
+
+    return seen, unit
+
+
+@_TWO_CPUS
 def test_pool_keeps_caller_and_workers_on_different_cpus():
     """During a pool call after a pause the caller stays on its CPU and the workers run
     elsewhere (after idling, Linux would otherwise wake them onto one CPU); the caller's
-    mask comes back. A call that follows another closely is left to the scheduler."""
+    mask comes back. A call that follows another closely leaves the caller's mask alone."""
     import threading
     import time
 
     before = os.sched_getaffinity(0)
     caller = threading.get_native_id()
-    seen = []
-
-    def unit(i, _scratch):
-        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
-        time.sleep(0.02)  # long enough that the worker takes units too
-
+    seen, unit = _affinity_recorder()
     with threads_mod_threads(2):
         threads_mod.run_units(range(8), unit, 2)
         time.sleep(2 * threads_mod._HOLD_AFTER_IDLE)
@@ -637,23 +650,16 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
     assert {mask for tid, mask in seen[16:] if tid == caller} == {frozenset(before)}
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two CPUs and Linux's affinity calls")
+@_TWO_CPUS
 def test_a_new_worker_does_not_keep_the_held_callers_cpu():
     """The pool's first call creates its worker while it holds the caller on one CPU; the
     worker must not inherit that mask (a new thread takes its creator's): the next call,
     close behind, runs it on another CPU than the caller's."""
     import threading
-    import time
 
     before = os.sched_getaffinity(0)
     caller = threading.get_native_id()
-    seen = []
-
-    def unit(i, _scratch):
-        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
-        time.sleep(0.02)
-
+    seen, unit = _affinity_recorder()
     old = threads_mod._EXECUTOR
     if old is not None:
         old.shutdown(wait=True)
@@ -674,8 +680,7 @@ def test_a_new_worker_does_not_keep_the_held_callers_cpu():
     assert all(cpu not in mask for mask in workers)
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
-                    reason="needs two CPUs and Linux's affinity calls")
+@_TWO_CPUS
 def test_pool_moves_workers_off_the_callers_new_cpu():
     """Workers held off one CPU do not stay there when the caller has since moved onto
     their CPU: a call that follows closely (so the caller is not held) still runs them
@@ -685,12 +690,7 @@ def test_pool_moves_workers_off_the_callers_new_cpu():
 
     before = os.sched_getaffinity(0)
     caller = threading.get_native_id()
-    seen = []
-
-    def unit(i, _scratch):
-        seen.append((threading.get_native_id(), frozenset(os.sched_getaffinity(0))))
-        time.sleep(0.02)
-
+    seen, unit = _affinity_recorder()
     try:
         with threads_mod_threads(2):
             threads_mod.run_units(range(4), unit, 2)  # the workers exist now
