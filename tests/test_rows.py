@@ -280,10 +280,9 @@ def _one_block_path(direct: bool, monkeypatch) -> None:
 @pytest.mark.parametrize("direct", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("case", ONE_BLOCK_CASES, ids=lambda c: f"{c[0]}x{c[1]}/{c[2]}-L{c[3]}-S{c[4]}-E{c[5]}")
 def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, direct, torch, monkeypatch):
-    """Short calls skip the general layout (rows._forward_one_block) and give the general
-    kernel's numbers (and torch's, to float32 rounding): bit for bit through NumPy, and to
-    float32 rounding as compiled calls (whose row sums LLVM vectorises in an order of its
-    own, and whose general blocks multiply a group's query heads one by one)."""
+    """Short calls skip the general layout (rows._forward_one_block) and give bit for bit
+    the general kernel's numbers (and torch's, to float32 rounding), whether the blocks
+    are compiled calls or NumPy's."""
     _one_block_path(direct, monkeypatch)
     batch, hq, h, L, S, E, Ev, causal = case
     rng = np.random.default_rng(47)
@@ -291,10 +290,7 @@ def test_a_short_call_runs_as_one_block_with_the_general_numbers(case, direct, t
     spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
     one = rows._forward_one_block(spec)
     assert one is not None
-    if direct:  # rounding: the group's rows in one product here, one product each there
-        assert rel_err(one, rows._forward(spec)) <= 1e-6
-    else:
-        np.testing.assert_array_equal(one, rows._forward(spec))
+    np.testing.assert_array_equal(one, rows._forward(spec))
     want, _ = _torch64(torch, q, k, v, g, is_causal=causal, enable_gqa=hq != h)
     assert rel_err(one, want) <= 3e-6
     monkeypatch.setattr(rows, "_forward", lambda spec: pytest.fail("the general path ran"))
@@ -315,8 +311,8 @@ def test_the_compiled_block_takes_numpys_blas(monkeypatch):
     from attnlab.core import _fused
 
     calls = []
-    real = _fused.one_block_forward
-    monkeypatch.setattr(_fused, "one_block_forward", lambda *a: calls.append(1) or real(*a))
+    real = _fused.forward_rows
+    monkeypatch.setattr(_fused, "forward_rows", lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng(49)
     q, k, v, _ = attention_inputs(rng, (1,), 8, 8, 64, 64, 64, 64, np.float32)
     k[0, 0, 3] = 3e38  # overflowing scores: rows that see key 3 give inf - inf
@@ -330,7 +326,7 @@ def test_the_compiled_block_takes_numpys_blas(monkeypatch):
         monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
         want = rows.forward(spec)
         monkeypatch.undo()
-        monkeypatch.setattr(_fused, "one_block_forward", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(_fused, "forward_rows", lambda *a: calls.append(1) or real(*a))
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
         ok = np.isfinite(want)

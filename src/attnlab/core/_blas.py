@@ -1,5 +1,5 @@
 """NumPy's own BLAS ``sgemm``, for compiled kernels that multiply without coming back to
-Python (:func:`attnlab.core._fused.one_block_forward`).
+Python (:func:`attnlab.core._fused.forward_rows`, :func:`attnlab.core._fused.backward_rows`).
 
 NumPy's wheels (2.0 and later) carry OpenBLAS as ``scipy-openblas64``, whose CBLAS
 functions take 64-bit integers and have the symbol ``scipy_cblas_sgemm64_``. Where NumPy

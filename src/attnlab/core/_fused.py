@@ -15,7 +15,7 @@ process loads it in well under a second). :mod:`attnlab.core.blockwise` imports 
 for large float32 problems, and only when numba is installed.
 
 Every kernel works in place on float32 tiles and releases the GIL. The rows kernel's
-blocks (:func:`one_block_forward`, :func:`forward_rows`, :func:`backward_rows`) also run
+blocks (:func:`forward_rows`, :func:`backward_rows`) also run
 their matrix products here, through NumPy's own BLAS ``sgemm`` called from compiled code
 (:func:`_sgemm`), so that a block is one call.
 
@@ -469,46 +469,6 @@ def rotate32(x, cos, sin, sign, out):
 
 
 @nb.njit(**_JIT)
-def one_block_forward(sgemm, q, k, v, kt, s, inv, out, L, causal, no_mask, scale, kend):
-    """A short attention call in one compiled call (:func:`attnlab.core.rows.
-    _forward_one_block`): per key/value head ``h``, ``s[h] = q[h] @ k[h, :kend]^T`` (through
-    the contiguous transposed copy ``kt`` (NH, E, kend) where it has room for one, else
-    straight from ``k``), :func:`softmax_rows` on it (causal or no mask, rows left
-    unnormalised), ``out[h] = s[h] @ v[h, :kend]``, then ``out`` times each row's
-    ``1 / sum``. The products are NumPy's own BLAS ``sgemm`` at address ``sgemm``
-    (:func:`_sgemm`), called as ``np.matmul`` calls it, so they give its numbers bit for
-    bit; the row sums of the inlined :func:`softmax_rows` may round differently in the
-    last bit (LLVM vectorises them in this function's own order).
-
-    ``q`` (NH, G * L, E), ``k`` (NH, S, E), ``v`` (NH, S, Ev), ``out`` (NH, G * L, Ev):
-    C-contiguous; ``s`` (NH, G * L, ld) with ``ld >= kend`` (padded rows, see
-    :func:`attnlab.core.blockwise.score_stride`); ``inv`` (NH * G * L,); ``kt`` (NH, E,
-    kend), or (0, 0, 0) for no copy; ``L`` the rows of one query head (``G * L`` rows
-    stack ``G`` of them): with ``causal``, row ``r`` of each sees keys ``< r + 1``.
-    """
-    NH, GL, E = q.shape
-    Ev = v.shape[2]
-    ld = s.shape[2]
-    copy = kt.shape[0] > 0
-    for h in range(NH):
-        if copy:
-            for e in range(E):
-                for j in range(kend):
-                    kt[h, e, j] = k[h, j, e]
-            _sgemm(sgemm, 0, 0, GL, kend, E, q[h], E, kt[h], kend, _F(0.0), s[h], ld)
-        else:
-            _sgemm(sgemm, 0, 1, GL, kend, E, q[h], E, k[h], E, _F(0.0), s[h], ld)
-    mode, lim0 = (MODE_CAUSAL, 1) if causal else (MODE_NONE, 0)
-    softmax_rows(s.reshape(NH * (GL // L), L, ld), mode, no_mask, lim0, inv, scale, kend)
-    for h in range(NH):
-        _sgemm(sgemm, 0, 0, GL, Ev, kend, s[h], ld, v[h], Ev, _F(0.0), out[h], Ev)
-        for r in range(GL):
-            f = inv[h * GL + r]
-            for j in range(Ev):
-                out[h, r, j] *= f
-
-
-@nb.njit(**_JIT)
 def backward_rows(sgemm, q, k, v, go, dq, dk, dv, p, dp, chunks, causal, no_mask, scale):
     """The backward pass of :mod:`attnlab.core.rows` for a block of heads, all in compiled
     code (the products through NumPy's ``sgemm`` at ``sgemm``, see :func:`_sgemm`): no
@@ -556,8 +516,8 @@ def backward_rows(sgemm, q, k, v, go, dq, dk, dv, p, dp, chunks, causal, no_mask
 
 @nb.njit(**_JIT)
 def forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, no_mask, scale):
-    """One block of :mod:`attnlab.core.rows`'s forward pass, query rows ``a0:a1`` of a
-    block of heads, in compiled code (the products through NumPy's ``sgemm`` at
+    """One block of :mod:`attnlab.core.rows`'s forward pass (or a whole short call), query
+    rows ``a0:a1`` of a block of heads, in compiled code (the products through NumPy's ``sgemm`` at
     ``sgemm``, see :func:`_sgemm`): per head ``h`` and query head ``g`` of its group,
     ``s = q k[:kend]^T`` (through the transposed copy ``kt`` (E, S) where it is not empty),
     :func:`softmax_rows` (rows left unnormalised, ``1 / sum`` into ``inv``), ``out =
@@ -566,7 +526,9 @@ def forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, no_mask, scale
 
     ``q`` (nh, G, L, E), ``k`` (nh, S, E), ``v`` (nh, S, Ev), ``out`` (nh, G, L, Ev): unit
     strides along their last axis. ``s`` (nh, G * rows, ld) C-contiguous scratch, ``ld >=
-    kend``; ``inv`` (nh * G * rows,).
+    kend``; ``inv`` (nh * G * rows,). Against NumPy's blocks the numbers differ by float32
+    rounding: LLVM vectorises the inlined row sums in an order of its own, and a group's
+    query heads are multiplied one by one, not stacked into one product.
     """
     nh, G, _, E = q.shape
     S, Ev = k.shape[1], v.shape[2]

@@ -53,8 +53,7 @@ from attnlab.core.spec import AttentionSpec, reduce_to
 
 _MODE_NONE, _MODE_CAUSAL, _MODE_BOOL, _MODE_FLOAT = 0, 1, 2, 3  # as in _fused
 _NO_MASK = np.zeros((1, 1, 1), dtype=np.float32)
-_NO_KT = np.zeros((0, 0, 0), dtype=np.float32)  # one_block_forward: no transposed copy
-_NO_KT2 = np.zeros((0, 0), dtype=np.float32)  # forward_rows: no transposed copy
+_NO_KT = np.zeros((0, 0), dtype=np.float32)  # forward_rows: no transposed copy of the keys
 _NORMALISE = np.zeros(0, dtype=np.float32)  # softmax_rows: normalise the rows in place
 _SCRATCH = ScratchPool()  # the blocks' buffers, kept between calls
 _CALLS = itertools.count()  # tells one call's cached transposes from another's
@@ -411,19 +410,18 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     the call is not one (then :func:`_forward` runs it): contiguous arrays without a mask
     or broadcast leading dims, all heads' scores within the L2 cache, too little work for a
     second thread, and at most one causal block of rows. The same operations as
-    :func:`_forward` on such a call, so the same numbers through NumPy (as compiled calls,
-    see below, the same to float32 rounding). At such sizes the fixed cost of a
+    :func:`_forward` on such a call, so the same numbers. At such sizes the fixed cost of a
     call is as large as its arithmetic, most of all after the machine idled (every object
     the call touches is then cold): H=8, L=S=64, with the plain spec
     (:func:`attnlab.core.spec.check_attention_args`), 162 -> 139 us back to back and
     525 -> 445 us after a 0.1 s pause.
 
     Where NumPy's BLAS has a CBLAS ``sgemm`` with 64-bit integers (its wheels:
-    :func:`attnlab.core._blas.sgemm_address`), the whole block is one compiled call
-    (:func:`attnlab.core._fused.one_block_forward`) that calls that ``sgemm`` itself: no
-    NumPy call between the products, and no floating-point error state to set, since no
-    NumPy call checks it. Its row sums may round differently in the last bit (see there).
-    Same machine: 138 -> 123 us back to back, 446 -> 380 us after a pause."""
+    :func:`attnlab.core._blas.sgemm_address`), the whole block is one compiled call, as
+    the general blocks are (:func:`attnlab.core._fused.forward_rows`), that calls that
+    ``sgemm`` itself: no NumPy call between the products, and no floating-point error
+    state to set, since no NumPy call checks it. Same machine: 138 -> 123 us back to
+    back, 446 -> 380 us after a pause."""
     q, k, v = spec.query, spec.key, spec.value
     if spec.attn_mask is not None or q.ndim < 3 \
             or not (q.flags.c_contiguous and k.flags.c_contiguous and v.flags.c_contiguous):
@@ -444,7 +442,6 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     scratch = _SCRATCH.take()
     try:
         copy = _copies_transposed(E, S)
-        kt = _buf(scratch, "k^T", (NH, E, kend)) if copy else None
         if copy:
             scratch["k^T of"] = None  # no longer the copy _Layout.transposed made
         full, p = scores_buffer(scratch, "s", (NH, G * L), kend, np.float32)
@@ -454,13 +451,16 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
         q3, k3, v3 = q.reshape(NH, G * L, E), k.reshape(NH, S, E), v.reshape(NH, S, Ev)
         with _blas_for(G, L, S, E, Ev):
             if sgemm:  # one compiled call: no NumPy call between the products
-                K.one_block_forward(sgemm, q3, k3, v3, kt if copy else _NO_KT, full, inv, o, L, spec.is_causal,
-                                    _NO_MASK, np.float32(spec.scale), kend)
+                K.forward_rows(sgemm, q.reshape(NH, G, L, E), k3, v3, out.reshape(NH, G, L, Ev), full, inv,
+                               _buf(scratch, "k^T", (E, kend)) if copy else _NO_KT, 0, L, spec.is_causal, _NO_MASK,
+                               np.float32(spec.scale))
                 return out
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
+                kt = k3[:, :kend].swapaxes(-1, -2)
                 if copy:
+                    kt = _buf(scratch, "k^T", (NH, E, kend))
                     np.copyto(kt, k3[:, :kend].swapaxes(-1, -2))
-                np.matmul(q3, kt if copy else k3[:, :kend].swapaxes(-1, -2), out=p)
+                np.matmul(q3, kt, out=p)
                 K.softmax_rows(full.reshape(NH * G, L, -1), _MODE_CAUSAL if spec.is_causal else _MODE_NONE,
                                _NO_MASK, int(spec.is_causal), inv, np.float32(spec.scale), kend)
                 np.matmul(p, v3[:, :kend], out=o)
@@ -487,7 +487,7 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
         kend = lay.key_end(a1)
         if sgemm:
             s = _buf(scratch, "s", (nh, G * rows, score_stride(kend)))
-            kt = _buf(scratch, "k^T", (lay.E, kend)) if lay.copy_transposed else _NO_KT2
+            kt = _buf(scratch, "k^T", (lay.E, kend)) if lay.copy_transposed else _NO_KT
             scratch["k^T of"] = None  # not the copy _Layout.transposed made
             K.forward_rows(sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], out[f0:f1], s,
                            _buf(scratch, "inv", (nh * G * rows,)), kt, a0, a1, lay.mode == _MODE_CAUSAL, _NO_MASK,
