@@ -442,8 +442,6 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     scratch = _SCRATCH.take()
     try:
         copy = _copies_transposed(E, S)
-        if copy:
-            scratch["k^T of"] = None  # no longer the copy _Layout.transposed made
         full, p = scores_buffer(scratch, "s", (NH, G * L), kend, np.float32)
         inv = _buf(scratch, "inv", (NH * G * L,))
         out = np.empty((*lead, Hq, L, Ev), dtype=np.float32)
@@ -451,15 +449,16 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
         q3, k3, v3 = q.reshape(NH, G * L, E), k.reshape(NH, S, E), v.reshape(NH, S, Ev)
         with _blas_for(G, L, S, E, Ev):
             if sgemm:  # one compiled call: no NumPy call between the products
-                K.forward_rows(sgemm, q.reshape(NH, G, L, E), k3, v3, out.reshape(NH, G, L, Ev), full, inv,
-                               _buf(scratch, "k^T", (E, kend)) if copy else _NO_KT, 0, L, spec.is_causal, _NO_MASK,
-                               np.float32(spec.scale))
+                _compiled_forward(K, sgemm, q.reshape(NH, G, L, E), k3, v3, out.reshape(NH, G, L, Ev), full, inv,
+                                  0, L, kend, spec.is_causal, np.float32(spec.scale), copy, scratch)
                 return out
             with np.errstate(over="ignore", invalid="ignore", divide="ignore"):  # inf and NaN propagate
                 kt = k3[:, :kend].swapaxes(-1, -2)
                 if copy:
-                    kt = _buf(scratch, "k^T", (NH, E, kend))
-                    np.copyto(kt, k3[:, :kend].swapaxes(-1, -2))
+                    scratch["k^T of"] = None  # no longer the copy _Layout.transposed made
+                    buf = _buf(scratch, "k^T", (NH, E, kend))
+                    np.copyto(buf, kt)
+                    kt = buf
                 np.matmul(q3, kt, out=p)
                 K.softmax_rows(full.reshape(NH * G, L, -1), _MODE_CAUSAL if spec.is_causal else _MODE_NONE,
                                _NO_MASK, int(spec.is_causal), inv, np.float32(spec.scale), kend)
@@ -468,6 +467,18 @@ def _forward_one_block(spec: AttentionSpec) -> np.ndarray | None:
     finally:
         _SCRATCH.give(scratch)
     return out
+
+
+def _compiled_forward(K, sgemm, q, k, v, out, s, inv, a0, a1, kend, causal, scale, copy, scratch) -> None:
+    """:func:`attnlab.core._fused.forward_rows` on one block (query rows ``a0:a1``, keys
+    ``0:kend``); with ``copy`` (small heads, see :func:`_copies_transposed`) the keys'
+    transposed copy goes in the thread's ``"k^T"`` buffer, which then no longer holds
+    :meth:`_Layout.transposed`'s copy."""
+    kt = _NO_KT
+    if copy:
+        kt = _buf(scratch, "k^T", (q.shape[-1], kend))
+        scratch["k^T of"] = None
+    K.forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, _NO_MASK, scale)
 
 
 def _forward(spec: AttentionSpec) -> np.ndarray:
@@ -486,12 +497,10 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
         bd = lay.block_dims(f0, f1)
         kend = lay.key_end(a1)
         if sgemm:
-            s = _buf(scratch, "s", (nh, G * rows, score_stride(kend)))
-            kt = _buf(scratch, "k^T", (lay.E, kend)) if lay.copy_transposed else _NO_KT
-            scratch["k^T of"] = None  # not the copy _Layout.transposed made
-            K.forward_rows(sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], out[f0:f1], s,
-                           _buf(scratch, "inv", (nh * G * rows,)), kt, a0, a1, lay.mode == _MODE_CAUSAL, _NO_MASK,
-                           lay.scale)
+            _compiled_forward(K, sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], out[f0:f1],
+                              _buf(scratch, "s", (nh, G * rows, score_stride(kend))),
+                              _buf(scratch, "inv", (nh * G * rows,)), a0, a1, kend, lay.mode == _MODE_CAUSAL,
+                              lay.scale, lay.copy_transposed, scratch)
             return
         # Unnormalised probabilities; 1 / sum goes on the (rows, Ev) product instead.
         inv = _buf(scratch, "inv", (nh * G * rows,))
