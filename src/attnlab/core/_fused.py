@@ -444,6 +444,30 @@ def layer_norm_forward(x, w, b, eps, y, x_hat, rstd):
             y[i, j] = h
 
 
+@nb.njit(**_JIT)  # fast-math "reassoc": the row sums vectorise
+def rms_normalize(x, eps, w, y, rstd):
+    """RMS normalisation over rows in one compiled pass per row: ``rstd`` (rows,) gets
+    ``1 / sqrt(mean(x^2) + eps)`` (the mean accumulated in float64, then rounded to
+    ``x``'s dtype), ``y`` (rows, D) ``x * rstd`` in ``x``'s dtype (NumPy's product of the
+    two), then times ``w`` (D,) unless ``w`` is empty (NumPy's ``x_hat * w``). ``y`` may
+    be ``x``."""
+    rows, D = x.shape
+    has_w = w.shape[0] > 0
+    for i in range(rows):
+        s = 0.0
+        for j in range(D):
+            v = np.float64(x[i, j])
+            s += v * v
+        rstd[i] = 1.0 / np.sqrt(s / D + eps)
+        r = rstd[i]
+        if has_w:
+            for j in range(D):
+                y[i, j] = (x[i, j] * r) * w[j]
+        else:
+            for j in range(D):
+                y[i, j] = x[i, j] * r
+
+
 @nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)  # no fast-math: NumPy's rounding
 def rotate32(x, cos, sin, sign, out):
     """Rotary positions (:func:`attnlab.core.rotary.apply_rotary`) of ``x (N, H, T, D)``
