@@ -318,7 +318,7 @@ class GatedFeedForward(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         gate = self._pre(self.gate_proj(x))
         up = self._pre_linear(self.up_proj(x))
-        if not self.training and not self.hook_pre._fns and type(gate) is np.ndarray:
+        if not self.training and not self.hook_pre._fns and type(gate) is np.ndarray and up is not gate:
             # Inference, the gate's projection fresh and seen by no hook: the activation and
             # the product overwrite it (no temporaries).
             act = self._activation_in_place(gate)
