@@ -371,14 +371,52 @@ def test_the_blocks_as_compiled_calls(batch, hq, h, L, E, causal, monkeypatch):
     for got_x, want_x in zip(got, want, strict=True):
         assert rel_err(got_x, want_x) <= 2e-6
 
+@pytest.mark.parametrize("batch, hq, h, L, E, causal, by_entry", [
+    (64, 4, 4, 32, 16, True, True),  # a TinyTransformer training step's attention: blocks of whole entries
+    (8, 6, 2, 96, 32, True, True),  # grouped queries
+    (4, 8, 8, 160, 64, False, False),  # blocks within one entry
+])
+def test_heads_of_a_projection_run_as_compiled_blocks(batch, hq, h, L, E, causal, by_entry, monkeypatch):
+    """Heads transposed out of one ``(N, L, (Hq + 2 H) E)`` projection have no flat head
+    axis (the two-level layout): their blocks run as the same compiled calls, a block of
+    whole batch entries one call per entry. The numbers are those of the same heads made
+    contiguous and the NumPy blocks', to float32 rounding."""
+    if not sgemm_address():
+        pytest.skip("NumPy's BLAS has no CBLAS sgemm with 64-bit integers")
+    from attnlab.core import _fused
+
+    rng = np.random.default_rng(52)
+    qkv = rng.standard_normal((batch, L, (hq + 2 * h) * E)).astype(np.float32)
+    q = qkv[..., : hq * E].reshape(batch, L, hq, E).transpose(0, 2, 1, 3)
+    k = qkv[..., hq * E : (hq + h) * E].reshape(batch, L, h, E).transpose(0, 2, 1, 3)
+    v = qkv[..., (hq + h) * E :].reshape(batch, L, h, E).transpose(0, 2, 1, 3)
+    g = rng.standard_normal((batch, hq, L, E)).astype(np.float32)
+    spec = check_attention_args(q, k, v, is_causal=causal, enable_gqa=hq != h)
+    assert rows._Layout(spec).two_level
+    calls = []
+    for name in ("forward_rows", "backward_rows", "forward_rows_by_entry", "backward_rows_by_entry"):
+        real = getattr(_fused, name)
+        monkeypatch.setattr(_fused, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    got = (rows.forward(spec), *rows.backward(spec, g))
+    kinds = {"forward_rows_by_entry", "backward_rows_by_entry"} if by_entry else {"forward_rows", "backward_rows"}
+    assert set(calls) == kinds
+    flat = check_attention_args(*(np.ascontiguousarray(a) for a in (q, k, v)), is_causal=causal,
+                                enable_gqa=hq != h)
+    for got_x, want_x in zip(got, (rows.forward(flat), *rows.backward(flat, g)), strict=True):
+        assert rel_err(got_x, want_x) <= 2e-6  # BLAS may round other leading dimensions otherwise
+    monkeypatch.setattr(rows, "sgemm_address", lambda: 0)
+    for got_x, want_x in zip(got, (rows.forward(spec), *rows.backward(spec, g)), strict=True):
+        assert rel_err(got_x, want_x) <= 2e-6
+
+
 def test_rows_blas_cannot_take_stay_on_numpy(torch, monkeypatch):
     """Keys with reversed rows, values with one row repeated (broadcast) and a gradient
     with reversed rows: no compiled block (BLAS needs rows of positive stride), and the
     numbers are torch's."""
     from attnlab.core import _fused
 
-    monkeypatch.setattr(_fused, "forward_rows", lambda *a: pytest.fail("a compiled block ran"))
-    monkeypatch.setattr(_fused, "backward_rows", lambda *a: pytest.fail("a compiled block ran"))
+    for name in ("forward_rows", "backward_rows", "forward_rows_by_entry", "backward_rows_by_entry"):
+        monkeypatch.setattr(_fused, name, lambda *a: pytest.fail("a compiled block ran"))
     rng = np.random.default_rng(51)
     q, k, v, g = attention_inputs(rng, (1,), 4, 4, 160, 160, 32, 32, np.float32)
     k = k[:, :, ::-1]

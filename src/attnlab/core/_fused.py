@@ -583,3 +583,28 @@ def forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, no_mask, scale
                 f = inv[base + r]
                 for e in range(Ev):
                     out[h, g, a0 + r, e] *= f
+
+
+# The per-entry kernels call these names (not the public ones, which tests may replace with
+# Python functions that numba could not compile against).
+_forward_rows, _backward_rows = forward_rows, backward_rows
+
+
+@nb.njit(**_JIT)
+def forward_rows_by_entry(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, no_mask, scale):
+    """:func:`forward_rows` on a block of whole batch entries, ``q`` (nn, Hkv, G, L, E),
+    ``k`` (nn, Hkv, S, E), ``v`` (nn, Hkv, S, Ev), ``out`` (nn, Hkv, G, L, Ev): one
+    :func:`forward_rows` per entry (heads transposed out of a ``(N, L, H, D)`` projection
+    have no flat head axis), its scratch ``s[:Hkv]`` and ``inv``."""
+    Hkv = q.shape[1]
+    for n in range(q.shape[0]):
+        _forward_rows(sgemm, q[n], k[n], v[n], out[n], s[:Hkv], inv, kt, a0, a1, causal, no_mask, scale)
+
+
+@nb.njit(**_JIT)
+def backward_rows_by_entry(sgemm, q, k, v, go, dq, dk, dv, p, dp, chunks, causal, no_mask, scale):
+    """:func:`backward_rows` on a block of whole batch entries (the arrays with a leading
+    entry axis, as :func:`forward_rows_by_entry`'s)."""
+    for n in range(q.shape[0]):
+        _backward_rows(sgemm, q[n], k[n], v[n], go[n], dq[n], dk[n], dv[n], p, dp, chunks, causal, no_mask, scale)
+

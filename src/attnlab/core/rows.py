@@ -478,7 +478,8 @@ def _compiled_forward(K, sgemm, q, k, v, out, s, inv, a0, a1, kend, causal, scal
     if copy:
         kt = _buf(scratch, "k^T", (q.shape[-1], kend))
         scratch["k^T of"] = None
-    K.forward_rows(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, _NO_MASK, scale)
+    kernel = K.forward_rows if q.ndim == 4 else K.forward_rows_by_entry  # (nn, Hkv, G, L, E): whole entries
+    kernel(sgemm, q, k, v, out, s, inv, kt, a0, a1, causal, _NO_MASK, scale)
 
 
 def _forward(spec: AttentionSpec) -> np.ndarray:
@@ -497,7 +498,8 @@ def _forward(spec: AttentionSpec) -> np.ndarray:
         bd = lay.block_dims(f0, f1)
         kend = lay.key_end(a1)
         if sgemm:
-            _compiled_forward(K, sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], out[f0:f1],
+            _compiled_forward(K, sgemm, _heads(lay.q, 4, f0, f1, lay.Hkv, bd), _heads(lay.k, 3, f0, f1, lay.Hkv, bd),
+                              _heads(lay.v, 3, f0, f1, lay.Hkv, bd), out[f0:f1].reshape(*bd, G, L, Ev),
                               _buf(scratch, "s", (nh, G * rows, score_stride(kend))),
                               _buf(scratch, "inv", (nh * G * rows,)), a0, a1, kend, lay.mode == _MODE_CAUSAL,
                               lay.scale, lay.copy_transposed, scratch)
@@ -538,13 +540,20 @@ def _compiled_blocks(lay: _Layout, go: np.ndarray | None = None) -> int:
     12.1-14.2 / 8.2-9.3, L = 1024 31.8-33.6 / 28.3-29.2; BERT-like 32 x 12 heads of 128 x
     128, E = 64, 32.2-34.8 / 29.0-29.4; 8 heads at L = 1024 33.7-33.9 / 31.9-32.3;
     forward: 12 heads at L = 512 causal 4.2-4.6 / 3.8-3.9, BERT-like E = 32 7.2-7.4 /
-    6.5, 8 heads at L = 256 causal 1.0 / 0.77."""
-    if lay.mode not in (_MODE_NONE, _MODE_CAUSAL) or lay.two_level:
+    6.5, 8 heads at L = 256 causal 1.0 / 0.77. Heads transposed out of a projection (the
+    two-level layout) run so too, a block of whole batch entries one call per entry
+    (:func:`attnlab.core._fused.forward_rows_by_entry`), ms, NumPy blocks / compiled:
+    a TinyTransformer training step's 64 x 4 heads of 32 x 32, E = 16, causal, one
+    thread, forward 0.76 / 0.66, backward 1.31 / 1.13; 32 x 12 heads of 20 x 20, E = 32,
+    0.75 / 0.69 and 1.44 / 1.32; BERT-like E = 32, two threads, 8.97 / 7.29 and 17.3 /
+    16.6."""
+    if lay.mode not in (_MODE_NONE, _MODE_CAUSAL):
         return 0
     arrays = (lay.q, lay.k, lay.v) + (() if go is None else (go,))
-    # BLAS takes a matrix as rows of unit stride at least a row apart: never reversed,
-    # repeated (a broadcast row) or overlapping rows.
-    if any(a.ndim != n or a.strides[-1] != 4 or a.strides[-2] < 4 * a.shape[-1]
+    # Flat (NH, ...) or two-level (NB, Hkv, ...) arrays (see _Layout.per_head). BLAS takes a
+    # matrix as rows of unit stride at least a row apart: never reversed, repeated (a
+    # broadcast row) or overlapping rows.
+    if any(a.ndim not in (n, n + 1) or a.strides[-1] != 4 or a.strides[-2] < 4 * a.shape[-1]
            for a, n in zip(arrays, (4, 3, 3, 4), strict=False)):
         return 0
     return sgemm_address()
@@ -583,8 +592,11 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
             ld = score_stride(S)
             p, dp = _buf(scratch, "p", (G * lay.rows, ld)), _buf(scratch, "dp", (G * lay.rows, ld))
             chunks = np.array(lay.row_chunks[c::split], dtype=np.int64).reshape(-1, 2)
-            K.backward_rows(sgemm, lay.q[f0:f1], lay.k[f0:f1], lay.v[f0:f1], go[f0:f1], dq[f0:f1], dk_h, dv_h,
-                            p, dp, chunks, lay.mode == _MODE_CAUSAL, _NO_MASK, lay.scale)
+            kernel = K.backward_rows if len(bd) == 1 else K.backward_rows_by_entry  # whole batch entries
+            kernel(sgemm, _heads(lay.q, 4, f0, f1, lay.Hkv, bd), _heads(lay.k, 3, f0, f1, lay.Hkv, bd),
+                   _heads(lay.v, 3, f0, f1, lay.Hkv, bd), _heads(go, 4, f0, f1, lay.Hkv, bd),
+                   dq[f0:f1].reshape(*bd, G, L, E), dk_h.reshape(*bd, S, E), dv_h.reshape(*bd, S, Ev),
+                   p, dp, chunks, lay.mode == _MODE_CAUSAL, _NO_MASK, lay.scale)
             return
         dk_h, dv_h = dk_h.reshape(*bd, S, E), dv_h.reshape(*bd, S, Ev)
         k = _heads(lay.k, 3, f0, f1, lay.Hkv, bd)
