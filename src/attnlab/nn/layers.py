@@ -346,15 +346,15 @@ class RMSNorm(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = check_input(x, "x", self._like, self.normalized_shape)
         w = None if self.weight is None else self.weight.data
-        if not self.training and w is not None and not self.hook_normalized._fns:  # x_hat wanted by no one
+        scaled_only = not self.training and w is not None and not self.hook_normalized._fns  # x_hat wanted by no one
+        if scaled_only:
             scale = (1.0 + w) if self.add_unit_offset else w
             fused = F._rms_normalize_fused(x, self.eps, scale)  # x_hat * scale in the same pass
             if fused is not None:
                 return fused[0]
         x_hat, rstd = F.rms_normalize(x, self.eps)
-        if not self.training and w is not None and not self.hook_normalized._fns and type(x_hat) is np.ndarray \
-                and x_hat.dtype == w.dtype:  # x_hat is fresh and wanted by no one: scaled in place
-            return np.multiply(x_hat, (1.0 + w) if self.add_unit_offset else w, out=x_hat)
+        if scaled_only and type(x_hat) is np.ndarray and x_hat.dtype == w.dtype:  # x_hat is fresh: scaled in place
+            return np.multiply(x_hat, scale, out=x_hat)
         x_hat = self._normalized(x_hat)
         self._save(x_hat=x_hat, rstd=rstd)
         return F.rms_scale(x_hat, w, add_unit_offset=self.add_unit_offset)
