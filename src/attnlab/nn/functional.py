@@ -457,15 +457,23 @@ def layer_norm_backward(
 _LN_FUSED_MIN = 1 << 14
 
 
-def _layer_norm_fused(x, weight, bias, eps, keep_x_hat):
-    """:func:`layer_norm` in one compiled pass per row, or None where it does not apply."""
+def _row_pass_applies(x, *params) -> bool:
+    """Whether a norm of ``x`` over its last axis takes a compiled row pass: a float32 or
+    float64 NumPy array of at least :data:`_LN_FUSED_MIN` elements, its parameters (None
+    or arrays of its dtype) alike, numba installed and not turned off."""
     from attnlab.core.blockwise import fused_planned
 
     dtype = getattr(x, "dtype", None)
-    if (type(x) is not np.ndarray or dtype not in (np.float32, np.float64) or x.size < _LN_FUSED_MIN or x.ndim == 0
-            or any(p is not None and (type(p) is not np.ndarray or p.dtype != dtype) for p in (weight, bias))
-            or not fused_planned(np.float32, x.size, min_n=0)):
+    return (type(x) is np.ndarray and dtype in (np.float32, np.float64) and x.size >= _LN_FUSED_MIN and x.ndim > 0
+            and all(p is None or (type(p) is np.ndarray and p.dtype == dtype) for p in params)
+            and fused_planned(np.float32, x.size, min_n=0))
+
+
+def _layer_norm_fused(x, weight, bias, eps, keep_x_hat):
+    """:func:`layer_norm` in one compiled pass per row, or None where it does not apply."""
+    if not _row_pass_applies(x, weight, bias):
         return None
+    dtype = x.dtype
     from attnlab.core import _fused
 
     D = x.shape[-1]
@@ -483,13 +491,9 @@ def _layer_norm_fused(x, weight, bias, eps, keep_x_hat):
 def _layer_norm_backward_fused(grad_y, x_hat, rstd, weight):
     """:func:`layer_norm_backward` in one compiled pass per row, or None where it does not
     apply (another array library, other dtypes, numba absent or turned off, small)."""
-    from attnlab.core.blockwise import fused_planned
-
-    dtype = x_hat.dtype
-    if (type(grad_y) is not np.ndarray or type(x_hat) is not np.ndarray or dtype not in (np.float32, np.float64)
-            or grad_y.dtype != dtype or grad_y.shape != x_hat.shape or x_hat.size < _LN_FUSED_MIN
-            or not fused_planned(np.float32, x_hat.size, min_n=0)):
+    if not (_row_pass_applies(x_hat, grad_y) and grad_y.shape == x_hat.shape):
         return None
+    dtype = x_hat.dtype
     D = x_hat.shape[-1]
     from attnlab.core import _fused
 
@@ -653,11 +657,7 @@ def _rms_normalize_fused(x, eps: float, weight=None):
     float64 here); the products are NumPy's. 512 x 576 float32 (SmolLM2's prompt of 512
     tokens), one thread, on a 2-core AVX-512 EPYC: the whole eval-mode ``RMSNorm`` 0.22-0.34
     ms through NumPy's passes, 0.07 ms here."""
-    from attnlab.core.blockwise import fused_planned
-
-    if (type(x) is not np.ndarray or x.dtype not in (np.float32, np.float64) or x.size < _LN_FUSED_MIN
-            or x.ndim == 0 or not fused_planned(np.float32, x.size, min_n=0)
-            or (weight is not None and (type(weight) is not np.ndarray or weight.dtype != x.dtype))):
+    if not _row_pass_applies(x, weight):
         return None
     from attnlab.core import _fused
 
