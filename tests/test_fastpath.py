@@ -511,6 +511,41 @@ def test_large_products_run_on_the_pool_with_one_blas_thread(monkeypatch):
         assert calls == [(2, 2), (2, 2)]
 
 
+def test_matmuls_share_one_pool_call_and_equal_each_product(monkeypatch):
+    """matmuls runs independent large products (a layer's query, key and value input
+    gradients) in one pool call, each split as matmul splits it: the same numbers, bit for
+    bit, as a matmul per product; where one product is too small for the pool, each takes
+    its own matmul (and none shares a pool call)."""
+    calls = []
+    real = threads_mod.run_units
+
+    def spy(units, run_unit, threads, **kwargs):
+        units = list(units)
+        calls.append(len(units))
+        return real(units, run_unit, threads, **kwargs)
+
+    rng = np.random.default_rng(5)
+    g = rng.standard_normal((512, 1536), dtype=np.float32)
+    w = rng.standard_normal((1536, 512), dtype=np.float32)
+    pairs = [(g[:, a:a + 512], w[a:a + 512]) for a in (0, 512, 1024)]
+    with threads_mod_threads(2):
+        want = [threads_mod.matmul(a, b) for a, b in pairs]
+        monkeypatch.setattr(threads_mod, "run_units", spy)
+        got = threads_mod.matmuls(pairs)
+        assert calls == [6]  # three products, two parts each, one call
+        for x, y, (a, b) in zip(got, want, pairs, strict=True):
+            assert x.shape == (512, 512) and x.dtype == np.float32
+            np.testing.assert_array_equal(x, y)
+            np.testing.assert_allclose(x, a @ b, rtol=1e-4, atol=1e-3)
+        calls.clear()
+        small = (g[:64, :512], w[:512])  # 64 tokens: BLAS's threads
+        got = threads_mod.matmuls([pairs[0], small])
+        assert calls == [2]  # the large one alone on the pool
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_allclose(got[1], small[0] @ small[1], rtol=1e-4, atol=1e-3)
+        assert threads_mod.matmuls([]) == []
+
+
 @contextlib.contextmanager
 def threads_mod_threads(n):
     old = threads_mod._num_threads

@@ -75,6 +75,33 @@ def test_gradients_accumulate_until_zero_grad():
     assert all(p.grad is None for p in layer.parameters())
 
 
+def test_an_owned_fresh_gradient_is_kept_without_a_copy():
+    """Parameter.accumulate(grad, owned=True) keeps a fresh array as the gradient on first
+    use (no copy); a view, another dtype or shape, or an unowned array is copied; later
+    calls add in place."""
+    from attnlab.nn.module import Parameter
+
+    p = Parameter(np.zeros((3, 2), dtype=np.float32))
+    fresh = np.ones((3, 2), dtype=np.float32)
+    p.accumulate(fresh, owned=True)
+    assert p.grad is fresh
+    p.accumulate(np.ones((3, 2), dtype=np.float32), owned=True)
+    assert p.grad is fresh and np.all(fresh == 2)
+    for grad, owned in ((np.ones((3, 2), np.float32), False), (np.ones((6, 2), np.float32)[:3], True),
+                        (np.ones((3, 2), np.float64), True), (np.ones((2, 3), np.float32).T, True)):
+        p.grad = None
+        p.accumulate(grad, owned=owned)
+        assert p.grad is not grad and p.grad.dtype == np.float32 and p.grad.shape == (3, 2)
+        assert not np.shares_memory(p.grad, grad) and np.all(p.grad == 1)
+    # A layer's backward hands over its fresh weight gradient: kept as it is.
+    layer = attnlab.Linear(4, 3, rng=np.random.default_rng(0))
+    x = np.random.default_rng(1).standard_normal((5, 4), dtype=np.float32)
+    layer(x)
+    layer.backward(np.ones((5, 3), dtype=np.float32))
+    assert layer.weight.grad.base is None and layer.weight.grad.flags.writeable
+    np.testing.assert_allclose(layer.weight.grad, np.ones((3, 5), np.float32) @ x, rtol=1e-6)
+
+
 def test_backward_without_training_forward_is_a_clear_error():
     layer = attnlab.Linear(3, 2, rng=np.random.default_rng(0)).eval()
     layer(np.ones((1, 3), dtype=np.float32))

@@ -497,31 +497,65 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     array([[ 5., 14.],
            [14., 50.]])
     """
+    if not _pooled(a, b, tokens):
+        return np.matmul(a, b, out=out)
+    out = _product_out(a, b, out)
+    units = _product_parts(a, b, out, get_num_threads())
+    run_units(units, _product_unit, len(units))
+    return out
+
+
+def matmuls(pairs, *, tokens: int | None = None) -> list[np.ndarray]:
+    """``[a @ b for a, b in pairs]``: independent products (a layer's input gradients for
+    its query, key and value weights; a weight's and an input's gradient) in one pool call,
+    each split as :func:`matmul` splits it, so that the pool's threads wake once, not once
+    a product. Where one of them would not be split (:func:`matmul`'s rule, ``tokens`` as
+    there), each is its own :func:`matmul`.
+
+    >>> a = np.arange(6.0).reshape(2, 3)
+    >>> [m.tolist() for m in matmuls([(a, a.T), (a.T, a)])][0]
+    [[5.0, 14.0], [14.0, 50.0]]
+    """
+    pairs = list(pairs)
+    if not pairs or not all(_pooled(a, b, tokens) for a, b in pairs):
+        return [matmul(a, b, tokens=tokens) for a, b in pairs]
+    threads = get_num_threads()
+    outs = [_product_out(a, b, None) for a, b in pairs]
+    units = [u for (a, b), out in zip(pairs, outs, strict=True) for u in _product_parts(a, b, out, threads)]
+    run_units(units, _product_unit, min(threads, len(units)))
+    return outs
+
+
+def _pooled(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
+    """Whether :func:`matmul` splits ``a @ b`` over the pool (see there)."""
     M, K = a.shape[-2:] if a.ndim >= 2 else (1, a.shape[-1])
     N = b.shape[-1] if b.ndim >= 2 else 1
     threads = get_num_threads()
-    by_rows = M > N  # see below
-    if (a.ndim != 2 or b.ndim != 2 or threads == 1 or (M if by_rows else N) < 2 * _MATMUL_MIN_ROWS
-            or M * N * K < POOL_MATMUL_MIN or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS or in_pool()
-            or not (have_threadpoolctl() or blas_single_threaded_by_env())):
-        return np.matmul(a, b, out=out)
-    if out is None:
-        out = np.empty((M, N), dtype=np.result_type(a, b))
-    # Each thread packs (copies into BLAS's layout) all of the operand it does not split:
-    # split the larger one. A prompt's activations against a weight matrix (M < N) split
-    # the weight's columns, so each thread reads half the weights.
+    return not (a.ndim != 2 or b.ndim != 2 or threads == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS
+                or M * N * K < POOL_MATMUL_MIN or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS
+                or in_pool() or not (have_threadpoolctl() or blas_single_threaded_by_env()))
+
+
+def _product_out(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    return np.empty((a.shape[0], b.shape[1]), dtype=np.result_type(a, b)) if out is None else out
+
+
+def _product_parts(a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int) -> list[tuple]:
+    """``a @ b`` as ``(a_part, b_part, out_part)`` units, one a thread: by rows of ``a`` where
+    ``M > N``, else by columns of ``b``. Each thread packs (copies into BLAS's layout) all of
+    the operand it does not split: split the larger one. A prompt's activations against a
+    weight matrix (M < N) split the weight's columns, so each thread reads half the weights."""
+    M, N = a.shape[0], b.shape[1]
+    by_rows = M > N
     n = M if by_rows else N
     parts = min(threads, max(1, n // _MATMUL_MIN_ROWS))
     step = -(-n // parts)
     step = -(-step // 16) * 16  # whole SIMD-friendly blocks
-    units = [(r, min(r + step, n)) for r in range(0, n, step)]
+    if by_rows:
+        return [(a[r:r + step], b, out[r:r + step]) for r in range(0, n, step)]
+    return [(a, b[:, r:r + step], out[:, r:r + step]) for r in range(0, n, step)]
 
-    def unit(span, _scratch):
-        r0, r1 = span
-        if by_rows:
-            np.matmul(a[r0:r1], b, out=out[r0:r1])
-        else:
-            np.matmul(a, b[:, r0:r1], out=out[:, r0:r1])
 
-    run_units(units, unit, len(units))
-    return out
+def _product_unit(part: tuple, _scratch) -> None:
+    a, b, out = part
+    np.matmul(a, b, out=out)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnlab._threads import matmul
+from attnlab._threads import matmul, matmuls
 from attnlab._validation import (
     float_dtype,
     fmt_shape,
@@ -741,13 +741,13 @@ class Attention(Module):
         gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
         gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
         if self._qkv_same_embed_dim:
-            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]))
+            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]), owned=True)
         else:
             self.q_proj_weight.accumulate(gwq)
             self.k_proj_weight.accumulate(gwk)
             self.v_proj_weight.accumulate(gwv)
         if has_bias:
-            self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]))
+            self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]), owned=True)
         return gq, gk, gv
 
     def _fused_in_proj_backward(self, gq4, gk4, gv4, x, has_bias: bool, summed: bool):
@@ -770,10 +770,10 @@ class Attention(Module):
             gw = matmul(g2.T, x.reshape(N * L, -1), tokens=N * L)
             gb = col_sum(g2) if has_bias else None
             cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
-            grads = tuple(matmul(g2[:, a:b], w[a:b]).reshape(N, L, -1) for a, b in cuts)
-        self.in_proj_weight.accumulate(gw)
+            grads = tuple(g.reshape(N, L, -1) for g in matmuls([(g2[:, a:b], w[a:b]) for a, b in cuts]))
+        self.in_proj_weight.accumulate(gw, owned=True)
         if has_bias:
-            self.in_proj_bias.accumulate(gb)
+            self.in_proj_bias.accumulate(gb, owned=True)
         return grads
 
     add_zero_attn = False

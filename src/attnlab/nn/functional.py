@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from attnlab._threads import matmul
+from attnlab._threads import matmul, matmuls
 from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
 from attnlab.quant import QuantizedTensor, quantized_linear
@@ -47,10 +47,10 @@ def linear_backward(
         raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
                         "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
-    grad_w = matmul(g2.T, x.reshape(-1, x.shape[-1]), tokens=g2.shape[0])
+    # Both products on one wake of the pool (its threads' wake-up is paid once).
+    grad_w, grad_x = matmuls([(g2.T, x.reshape(-1, x.shape[-1])), (g2, weight)], tokens=g2.shape[0])
     grad_b = col_sum(g2) if has_bias else None  # a BLAS matrix-vector product: fast
-    grad_x = matmul(g2, weight).reshape(*grad_y.shape[:-1], weight.shape[1])
-    return grad_x, grad_w, grad_b
+    return grad_x.reshape(*grad_y.shape[:-1], weight.shape[1]), grad_w, grad_b
 
 
 # ---- erf and GELU ---------------------------------------------------------------------

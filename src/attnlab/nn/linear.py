@@ -73,9 +73,9 @@ class Linear(Module):
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         x = self._saved()["x"]
         gx, gw, gb = F.linear_backward(grad_output, x, self.weight.data, has_bias=self.bias is not None)
-        self.weight.accumulate(gw)
+        self.weight.accumulate(gw, owned=True)
         if self.bias is not None:
-            self.bias.accumulate(gb)
+            self.bias.accumulate(gb, owned=True)
         return gx
 
     def extra_repr(self) -> str:

@@ -44,10 +44,19 @@ class Parameter:
     def dtype(self) -> np.dtype:
         return self.data.dtype
 
-    def accumulate(self, grad: np.ndarray) -> None:
-        """Add ``grad`` to ``self.grad`` (creating it on first use)."""
+    def accumulate(self, grad: np.ndarray, *, owned: bool = False) -> None:
+        """Add ``grad`` to ``self.grad`` (creating it on first use).
+
+        ``owned``: ``grad`` is a fresh array that nothing else holds or will change (a
+        layer's newly computed gradient); on first use it becomes ``self.grad`` itself
+        rather than a copy, as torch's autograd keeps a fresh gradient (a weight matrix's
+        copy costs as much as a pass over it)."""
         if self.grad is None:
-            self.grad = np.array(grad, dtype=self.data.dtype, copy=True)
+            if owned and type(grad) is np.ndarray and grad.base is None and grad.dtype == self.data.dtype \
+                    and grad.shape == self.data.shape and grad.flags.writeable:
+                self.grad = grad
+            else:
+                self.grad = np.array(grad, dtype=self.data.dtype, copy=True)
         else:
             self.grad += grad
 
