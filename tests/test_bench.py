@@ -124,6 +124,33 @@ def test_the_layer_rows_compare_with_torch_and_transformers(capsys):
     assert sum(bool(RATIO.search(line.replace("transformers by", "torch by"))) for line in table.splitlines()) == 5
 
 
+def test_the_mha_rows_take_their_own_number_of_turns(monkeypatch, capsys):
+    """The MultiheadAttention rows' short calls are timed mha_repeats times a side (the
+    quick run's default MHA_REPEATS, unless --repeats says otherwise); the other rows
+    repeats times."""
+    turns = []
+    real = bm.interleaved_medians
+
+    def spy(fns, repeats, **kw):
+        turns.append(repeats)
+        return real(fns, 1, **kw)
+
+    monkeypatch.setattr(bm, "interleaved_medians", spy)
+    bm.layer_rows(threads=1, repeats=2, mha_tokens=16, mha_repeats=5, gpt2_tokens=0, smollm2_tokens=0,
+                  minilm_texts=0, train_steps=1, decode_tokens=0, settle=0.0, back_to_back=False)
+    assert turns == [5, 5, 2]
+    turns.clear()
+    args = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
+            "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]
+    assert main(args) == 0
+    assert turns == [bm.MHA_REPEATS] * 2 and bm.MHA_REPEATS > 3
+    assert f"MultiheadAttention rows' short calls: median of {bm.MHA_REPEATS}" in capsys.readouterr().out
+    turns.clear()
+    assert main([*args, "--repeats", "2"]) == 0
+    assert turns == [2, 2]
+    assert "short calls" not in capsys.readouterr().out
+
+
 def test_a_tiny_layer_run_end_to_end(capsys):
     code = main(["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts",
                  "0", "--train-steps", "1", "--new-tokens", "0", *FAST])

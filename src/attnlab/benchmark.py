@@ -614,6 +614,7 @@ def layer_rows(
     threads: int,
     repeats: int,
     mha_tokens: int = 1024,
+    mha_repeats: int | None = None,
     gpt2_tokens: int = 128,
     smollm2_tokens: int = 128,
     minilm_texts: int = 64,
@@ -631,7 +632,8 @@ def layer_rows(
 
     - ``mha_tokens``: ``MultiheadAttention(512, 8, batch_first=True)`` forward
       (``need_weights=False``) and forward+backward on ``(1, mha_tokens, 512)``, against
-      ``torch.nn.MultiheadAttention`` with the same weights;
+      ``torch.nn.MultiheadAttention`` with the same weights, each side timed
+      ``mha_repeats`` times (None: ``repeats``; see :data:`MHA_REPEATS`);
     - ``gpt2_tokens``: GPT-2 small's prefill of that many tokens (random weights, the same
       in both, the last position's logits) against ``GPT2LMHeadModel``;
     - ``smollm2_tokens``: SmolLM2-135M's prefill against transformers' ``LlamaForCausalLM``
@@ -658,7 +660,7 @@ def layer_rows(
     timing = {"threads": threads, "repeats": repeats, "settle": settle, "settle_after_torch": settle_after_torch,
               "back_to_back": back_to_back}
 
-    def add(name: str, make: Callable[[LayerRow], dict | None], **kw) -> None:
+    def add(name: str, make: Callable[[LayerRow], dict | None], turns: int | None = None, **kw) -> None:
         row = LayerRow(name, **kw)
         if torch is None:
             row.note = "skipped: torch is not installed"
@@ -667,7 +669,7 @@ def layer_rows(
             if plan is not None:
                 say(name)
                 _set_threads(torch, threads)
-                _timed(row, plan.fns, warmup=not plan.warm, **timing)
+                _timed(row, plan.fns, warmup=not plan.warm, **{**timing, "repeats": turns or repeats})
                 if plan.post is not None:
                     plan.post(row)
         rows.append(row)
@@ -675,7 +677,7 @@ def layer_rows(
     if mha_tokens:
         for p in ("fwd", "fwd+bwd"):
             add(f"MultiheadAttention(512, 8) {p}, L={mha_tokens}",
-                lambda row, p=p: _mha_fns(torch, mha_tokens, p, row))
+                lambda row, p=p: _mha_fns(torch, mha_tokens, p, row), turns=mha_repeats)
     if gpt2_tokens:
         add(f"GPT-2 small prefill, {gpt2_tokens} tokens",
             lambda row: _gpt2_prefill_fns(torch, models, gpt2_tokens, row), torch_name="transformers")
@@ -693,6 +695,14 @@ def layer_rows(
             lambda row: _gpt2_decode_fns(torch, models, decode_tokens, row), per_call=decode_tokens,
             unit="tok/s", torch_name="transformers")
     return rows
+
+
+# Turns for the MultiheadAttention rows in the quick run. One call takes 10 to 40 ms and the
+# median of three such calls swings with one noisy call: on a 2-core virtual machine, torch's
+# forward at L=512 took 11 to 23 ms from one settled call to the next (attnlab's 10.5 to
+# 12.5), and the forward's attnlab/torch ratio, median of 3 a side, read 0.49 to 1.09 in
+# twelve runs; median of 7, 0.67 to 0.90 in ten. Seven turns cost about 1.5 s more a row.
+MHA_REPEATS = 7
 
 
 def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:
