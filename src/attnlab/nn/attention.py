@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from attnlab._threads import matmul, matmuls
+from attnlab._threads import matmuls
 from attnlab._validation import (
     float_dtype,
     fmt_shape,
@@ -767,10 +767,12 @@ class Attention(Module):
             grads = (gx, None, None)
         else:
             g2 = g.reshape(N * L, -1)
-            gw = matmul(g2.T, x.reshape(N * L, -1), tokens=N * L)
             gb = col_sum(g2) if has_bias else None
             cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
-            grads = tuple(g.reshape(N, L, -1) for g in matmuls([(g2[:, a:b], w[a:b]) for a, b in cuts]))
+            # The weight's gradient and the three inputs' in one wake of the pool.
+            gw, *grads = matmuls([(g2.T, x.reshape(N * L, -1)), *((g2[:, a:b], w[a:b]) for a, b in cuts)],
+                                 tokens=N * L)
+            grads = tuple(g.reshape(N, L, -1) for g in grads)
         self.in_proj_weight.accumulate(gw, owned=True)
         if has_bias:
             self.in_proj_bias.accumulate(gb, owned=True)
