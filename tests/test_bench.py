@@ -139,6 +139,9 @@ def test_the_mha_rows_take_their_own_number_of_turns(monkeypatch, capsys):
     bm.layer_rows(threads=1, repeats=2, mha_tokens=16, mha_repeats=5, gpt2_tokens=0, smollm2_tokens=0,
                   minilm_texts=0, train_steps=1, decode_tokens=0, settle=0.0, back_to_back=False)
     assert turns == [5, 5, 2]
+    with pytest.raises(ValueError, match="mha_repeats"):
+        bm.layer_rows(threads=1, repeats=2, mha_repeats=0, mha_tokens=16, gpt2_tokens=0, smollm2_tokens=0,
+                      minilm_texts=0, train_steps=0, decode_tokens=0)
     turns.clear()
     args = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
             "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]

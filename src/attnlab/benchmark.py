@@ -652,6 +652,7 @@ def layer_rows(
     """
     threads = positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
+    mha_repeats = repeats if mha_repeats is None else positive_int(mha_repeats, "mha_repeats")
     settle = SETTLE_SECONDS if settle is None else settle
     say = progress or (lambda _msg: None)
     torch = _torch()
