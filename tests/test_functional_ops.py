@@ -144,3 +144,22 @@ def test_numba_counts_as_started_once_a_compiled_module_is_loaded(monkeypatch):
     assert not F._numba_started()
     monkeypatch.setitem(sys.modules, "attnlab.core._fused", sys)
     assert F._numba_started()
+
+
+@pytest.mark.parametrize("rows", [2, 300])  # BLAS's own threads, and one BLAS thread (a large matrix)
+def test_blas_reductions_report_no_floating_point_flag_but_keep_nan(rows):
+    """row_sum and col_sum (BLAS matrix-vector products) do not report the invalid-operation
+    flag that BLAS kernels can leave (spuriously, too), even where floating-point errors
+    raise; a NaN the data produces (inf - inf) still comes out, and the other sums are
+    exact."""
+    from attnlab.core._reduce import col_sum, row_sum
+
+    x = np.full((rows, 64), 0.5, dtype=np.float32)
+    x[0, :3] = np.inf, -np.inf, -np.inf  # row 0: inf - inf
+    x[1, 2] = np.inf  # column 2: inf - inf
+    with np.errstate(invalid="raise"):
+        r = row_sum(x)
+        c = col_sum(x)
+    assert r.shape == (rows, 1) and np.isnan(r[0, 0]) and r[1, 0] == np.inf and np.all(r[2:] == 32.0)
+    assert c.shape == (64,) and c[0] == np.inf and c[1] == -np.inf and np.isnan(c[2])
+    assert np.all(c[3:] == 0.5 * rows)

@@ -21,13 +21,20 @@ _ONE_THREAD_MIN_ROWS = 64
 
 
 def _gemv(a: np.ndarray, w: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """``a @ w``, one of them the vector and ``matrix`` the other."""
-    if matrix.shape[0] >= _ONE_THREAD_MIN_ROWS and matrix.size >= _ONE_THREAD_MIN_SIZE:
-        from attnlab._threads import one_blas_thread
+    """``a @ w``, one of them the vector and ``matrix`` the other.
 
-        with one_blas_thread():
-            return a @ w
-    return a @ w
+    NumPy reports the floating-point flags that the BLAS call leaves, and BLAS kernels can
+    raise the invalid-operation flag on data without an inf or a NaN (NumPy and OpenBLAS
+    have had such reports; here a full test run once warned "invalid value encountered in
+    matmul" on a softmax's row sums, values in [0, 1] times ones). The flag is not reported
+    here (about 1 us a call); a NaN the data does produce still comes out in the sum."""
+    with np.errstate(invalid="ignore"):
+        if matrix.shape[0] >= _ONE_THREAD_MIN_ROWS and matrix.size >= _ONE_THREAD_MIN_SIZE:
+            from attnlab._threads import one_blas_thread
+
+            with one_blas_thread():
+                return a @ w
+        return a @ w
 
 # Below this many columns the halving max beats ``x.max(-1)``; from about 32 on NumPy's own
 # reduction is 1.6-4x faster (measured on float32 rows), so the shortcut stops there.
