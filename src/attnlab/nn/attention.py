@@ -772,7 +772,7 @@ class Attention(Module):
             # The weight's gradient and the three inputs' in one wake of the pool.
             gw, *grads = matmuls([(g2.T, x.reshape(N * L, -1)), *((g2[:, a:b], w[a:b]) for a, b in cuts)],
                                  tokens=N * L)
-            grads = tuple(g.reshape(N, L, -1) for g in grads)
+            grads = tuple(part.reshape(N, L, -1) for part in grads)
         self.in_proj_weight.accumulate(gw, owned=True)
         if has_bias:
             self.in_proj_bias.accumulate(gb, owned=True)
