@@ -746,3 +746,116 @@ def test_pool_moves_workers_off_the_callers_new_cpu():
     assert workers, "the worker took no unit"
     assert all(moved_to not in mask for mask in workers)
     assert threads_mod._WORKERS_OFF[0] == moved_to
+
+
+# ------------------------------------------------------- a self-attention layer in one call
+
+
+def _layer_grads(layer):
+    return [p.grad.copy() for p in layer.parameters()]
+
+
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+@pytest.mark.parametrize("case", ["mha batch first", "mha sequence first causal", "mha unbatched",
+                                  "attention causal, no bias", "attention causal, cache"])
+def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(monkeypatch, case):
+    """One sequence through a plain self-attention layer (no mask but a causal one, no
+    weights wanted, no hooks): the projections and the attention run in one pool call
+    (core.rows.self_attention), with the output, the input's and every parameter's
+    gradient of the usual path (three pool calls); with an empty cache, the cached keys and
+    values serve the next token as the usual path's do."""
+    import attnlab
+    from attnlab.nn.attention import Attention, KVCache
+
+    rng = np.random.default_rng(41)
+    L, E, H = 256, 512, 8
+    if case.startswith("mha"):
+        layer = attnlab.MultiheadAttention(E, H, batch_first=case != "mha sequence first causal",
+                                           rng=np.random.default_rng(0))
+        shape = {"mha batch first": (1, L, E), "mha sequence first causal": (L, 1, E), "mha unbatched": (L, E)}[case]
+        causal = "causal" in case
+
+        def call(x):
+            return layer(x, x, x, need_weights=False, is_causal=causal)[0]
+
+        def after(g):
+            return (sum(layer.backward(g)), *_layer_grads(layer))
+    else:
+        layer = Attention(E, H, bias=case.endswith("cache"), causal=True, rng=np.random.default_rng(0))
+        shape = (1, L, E)
+        cache = KVCache() if case.endswith("cache") else None
+
+        def call(x):
+            if cache is not None:
+                cache.reset()
+            return layer(x, cache=cache)
+
+        def after(g):
+            if cache is None:
+                return (layer.backward(g), *_layer_grads(layer))
+            assert len(cache) == L
+            return (layer(g[:, :1], cache=cache),)  # the next token reads the cached keys and values
+    for p in layer.parameters():  # biases that are not zero, so a lost bias shows
+        p.data[...] = rng.standard_normal(p.data.shape, dtype=np.float32) * (0.05 if p.data.ndim == 2 else 1.0)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    g = rng.standard_normal(shape, dtype=np.float32)
+    pool_calls = []
+    real_run_units = rows.run_units
+
+    def spy(units, run_unit, threads, **kwargs):
+        pool_calls.append(threads)
+        return real_run_units(units, run_unit, threads, **kwargs)
+
+    results = []
+    with threads_mod_threads(2):
+        for one_call in (True, False):
+            if not one_call:
+                monkeypatch.setattr(rows, "self_attention_threads", lambda *a: 0)
+            monkeypatch.setattr(rows, "run_units", spy)
+            layer.zero_grad()
+            out = call(x)
+            monkeypatch.setattr(rows, "run_units", real_run_units)
+            if one_call:
+                assert pool_calls == [2]  # the whole forward pass: one call, on two threads
+            results.append((out, *after(g)))
+    assert len(pool_calls) == 2  # the usual path's attention kernel (its products: matmul's pool)
+    assert results[0][0].shape == shape
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apart(monkeypatch):
+    """Weights wanted, a mask, a hook on the heads, several sequences, a short sequence, a
+    cache that already holds keys, or one thread: the usual path."""
+    import attnlab
+    from attnlab.nn.attention import Attention, KVCache
+
+    calls = []
+    real = rows.self_attention
+    monkeypatch.setattr(rows, "self_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(42)
+    mha = attnlab.MultiheadAttention(512, 8, batch_first=True, rng=np.random.default_rng(0))
+    x = rng.standard_normal((1, 256, 512), dtype=np.float32)
+    with threads_mod_threads(2):
+        mha(x, x, x, need_weights=False)
+        assert calls == [1]  # the plain call takes it
+        mha(x, x, x)  # weights wanted
+        mha(x, x, x, need_weights=False, attn_mask=np.ones((256, 256), bool))
+        mha(x, x, x, need_weights=False, key_padding_mask=np.ones((1, 256), bool))
+        x2 = rng.standard_normal((2, 256, 512), dtype=np.float32)
+        mha(x2, x2, x2, need_weights=False)  # two sequences
+        mha(x[:, :128], x[:, :128], x[:, :128], need_weights=False)  # too few tokens for the pool
+        y = x.copy()
+        mha(x, y, y, need_weights=False)  # cross-attention inputs
+        with mha.hooks([("hook_z", lambda a, name: None)]):
+            mha(x, x, x, need_weights=False)
+        att = Attention(512, 8, causal=True, rng=np.random.default_rng(0))
+        cache = KVCache()
+        att(x[:, :8], cache=cache)
+        att(x, cache=cache)  # keys already cached
+        att(x, positions=np.arange(256))
+        assert calls == [1]
+    with threads_mod_threads(1):
+        mha(x, x, x, need_weights=False)
+    assert calls == [1]

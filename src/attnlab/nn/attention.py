@@ -14,6 +14,7 @@ MultiheadAttention; see :func:`attnlab.convert_mha_mask`). Float masks are added
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from attnlab.core import (
     attention_weights,
     causal_mask,
     mask_to_bias,
+    rows,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
@@ -675,6 +677,13 @@ class Attention(Module):
                          kwargs.pop("positions", None), True, **kwargs)
 
     def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights):
+        if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None \
+                and positions is None:
+            causal = self.causal if is_causal is None else bool(is_causal)
+            if not (causal and self.sliding_window is not None):
+                out = self._one_pool_call(x, causal, cache, batch_first=True)
+                if out is not None:
+                    return (out if x.ndim == 3 else out[0]), None
         a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions)
         z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
         out = self._finish(z, a, weights, rng_state)
@@ -682,6 +691,56 @@ class Attention(Module):
             out = out[0]
             weights = None if weights is None else weights[0]
         return out, weights
+
+    # ---- the whole forward pass in one pool call ----------------------------------------
+    def _plain_self_attention(self) -> bool:
+        """Whether a self-attention call may run as :func:`attnlab.core.rows.self_attention`:
+        nothing between the projections and the attention that the layer would do apart (no
+        rotary slot, QK-norm, soft-cap, extra keys, dropout, hooks on the heads, own
+        attention function), one fused float32 NumPy in-projection and a plain ``Linear``
+        out-projection, as many key/value heads as query heads."""
+        if not (self._qkv_same_embed_dim and self.num_kv_heads == self.num_heads and self.rotary is None
+                and self.q_norm is None and self.softcap is None
+                and self.attention_fn is scaled_dot_product_attention
+                and not (self.training and self.dropout > 0) and getattr(self, "bias_k", None) is None
+                and not self.add_zero_attn and type(self.out_proj) is Linear):
+            return False
+        w, wo = self.in_proj_weight.data, self.out_proj.weight.data
+        if type(w) is not np.ndarray or type(wo) is not np.ndarray or w.dtype != np.float32 or wo.dtype != np.float32:
+            return False
+        return not any(h._fns for h in (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores,
+                                        self.hook_pattern, self.hook_z))
+
+    def _one_pool_call(self, x, causal: bool, cache, *, batch_first: bool):
+        """Self-attention on ``x`` (no mask but ``causal``, no weights wanted) in one pool
+        call (:func:`attnlab.core.rows.self_attention`), its output ``(N, L, E)`` (batch
+        first, also for an unbatched ``x``), or None where the call takes the usual path:
+        see :meth:`_plain_self_attention` and :func:`attnlab.core.rows.self_attention_threads`;
+        an ``x`` that is not a float32 NumPy array of 2 or 3 dims and the layer's width, or
+        a cache that already holds keys, also go there (and are checked there). The backward
+        pass reads the same saved inputs as after the usual path."""
+        if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim not in (2, 3) \
+                or x.shape[-1] != self.embed_dim or (cache is not None and (type(cache) is not KVCache or len(cache))) \
+                or not self._plain_self_attention():
+            return None
+        batched = x.ndim == 3
+        xb = (x if batch_first else x.transpose(1, 0, 2)) if batched else x[None]
+        N, L, E = xb.shape
+        H, D = self.num_heads, self.head_dim
+        threads = rows.self_attention_threads(N, L, E, H, D)
+        if not threads:
+            return None
+        b, bo = self.in_proj_bias, self.out_proj.bias
+        scale = 1.0 / math.sqrt(D) if self.scale is None else self.scale  # as the core's default
+        out, qkv, z = rows.self_attention(
+            xb, self.in_proj_weight.data, None if b is None else b.data, self.out_proj.weight.data,
+            None if bo is None else bo.data, num_heads=H, scale=scale, is_causal=causal, threads=threads)
+        HD = H * D
+        qh, kh, vh = self._heads(qkv[..., :HD], qkv[..., HD:2 * HD], qkv[..., 2 * HD:], None, cache, 0)
+        self.out_proj._save(x=z)
+        self._save(inputs=AttentionInputs(xb, xb, xb, qh, kh, vh, None, causal, batched, cache is not None),
+                   rng_state=None, p=0.0)
+        return out
 
     def backward(self, grad_output: np.ndarray):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);
@@ -1014,6 +1073,10 @@ class MultiheadAttention(Attention):
         *,
         cache: KVCache | None = None,
     ) -> tuple[np.ndarray, np.ndarray | None]:
+        if not need_weights and query is key and key is value and key_padding_mask is None and attn_mask is None:
+            out = self._one_pool_call(query, bool(is_causal), cache, batch_first=self.batch_first)
+            if out is not None:
+                return self._from_batch_first(out, query.ndim == 3), None
         a = self.attention_inputs(query, key, value, key_padding_mask, attn_mask, is_causal, cache=cache)
         z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
         out = self._finish(z, a, weights, rng_state)
