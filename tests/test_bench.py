@@ -154,6 +154,38 @@ def test_the_mha_rows_take_their_own_number_of_turns(monkeypatch, capsys):
     assert "short calls" not in capsys.readouterr().out
 
 
+def test_the_sdpa_cells_of_short_calls_take_their_own_number_of_turns(monkeypatch, capsys):
+    """SDPA cells of at most SHORT_CALL_SCORES scores are timed short_repeats times a side
+    (the quick run's default SHORT_REPEATS, unless --repeats says otherwise); larger cells
+    repeats times."""
+    turns = []
+    real = bm.interleaved_medians
+
+    def spy(fns, repeats, **kw):
+        turns.append(repeats)
+        return real(fns, 1, **kw)
+
+    monkeypatch.setattr(bm, "interleaved_medians", spy)
+    over = int((bm.SHORT_CALL_SCORES / 8) ** 0.5) + 1  # 8 heads of over x over scores: just too many
+    shapes = bm.sdpa_shapes([256, 64, over], groups=["sweep"])
+    shapes = [s for s in shapes if not s.causal]
+    assert [s.B * s.Hq * s.L * s.S <= bm.SHORT_CALL_SCORES for s in shapes] == [True, True, False]
+    bm.run_sdpa(shapes, repeats=2, short_repeats=4, threads=1, passes=["fwd"], settle=0.0, back_to_back=False,
+                sgemm_turns=False)
+    assert turns == [4, 4, 2]
+    with pytest.raises(ValueError, match="short_repeats"):
+        bm.run_sdpa(shapes, repeats=2, short_repeats=0, threads=1, passes=["fwd"])
+    turns.clear()
+    args = ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--passes", "fwd", "--threads", "1"]
+    assert main(args) == 0
+    assert turns == [bm.SHORT_REPEATS] * 2 and bm.SHORT_REPEATS > 3  # L=64, causal and not
+    assert f"scores: median of {bm.SHORT_REPEATS}" in capsys.readouterr().out
+    turns.clear()
+    assert main([*args, "--repeats", "2"]) == 0
+    assert turns == [2, 2]
+    assert "scores: median" not in capsys.readouterr().out
+
+
 def test_a_tiny_layer_run_end_to_end(capsys):
     code = main(["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts",
                  "0", "--train-steps", "1", "--new-tokens", "0", *FAST])

@@ -289,6 +289,7 @@ def run_sdpa(
     settle_after_torch: float | None = None,
     back_to_back: bool = True,
     sgemm_turns: bool = True,
+    short_repeats: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Time attnlab's SDPA against torch's (and the naive path) for every shape and pass.
@@ -304,6 +305,8 @@ def run_sdpa(
         back_to_back: also time blocks of consecutive calls (``Row.back_to_back``).
         sgemm_turns: time a ``SGEMM_N``-cubed float32 matmul in the same turns
             (``seconds["sgemm"]``, the row's ceiling).
+        short_repeats: timed runs for the cells of short calls, at most
+            :data:`SHORT_CALL_SCORES` scores (None: ``repeats``; see :data:`SHORT_REPEATS`).
         progress: called with a short message before each cell (e.g. ``print``).
 
     Returns:
@@ -314,6 +317,7 @@ def run_sdpa(
 
     threads = get_num_threads() if threads is None else positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
+    short_repeats = repeats if short_repeats is None else positive_int(short_repeats, "short_repeats")
     settle = SETTLE_SECONDS if settle is None else settle
     torch = _torch()
     _set_threads(torch, threads)
@@ -340,11 +344,12 @@ def run_sdpa(
             else:
                 fns["torch"] = _torch_fn(torch, shape, q, k, v, g, p)
             say(f"SDPA {shape.name} {shape.describe()} {'causal' if shape.causal else 'not causal'} {p}")
+            turns = short_repeats if shape.B * shape.Hq * shape.L * shape.S <= SHORT_CALL_SCORES else repeats
             with blas_threads(threads):
-                row.seconds.update(interleaved_medians(fns, repeats, settle=settle,
+                row.seconds.update(interleaved_medians(fns, turns, settle=settle,
                                                        settle_after=_settle_after(settle_after_torch)))
                 if back_to_back:
-                    row.back_to_back.update(back_to_back_medians(fns, repeats))
+                    row.back_to_back.update(back_to_back_medians(fns, turns))
             for impl in IMPLS:
                 row.seconds.setdefault(impl, None)
             rows.append(row)
@@ -704,6 +709,14 @@ def layer_rows(
 # 12.5), and the forward's attnlab/torch ratio, median of 3 a side, read 0.49 to 1.09 in
 # twelve runs; median of 7, 0.67 to 0.90 in ten. Seven turns cost about 1.5 s more a row.
 MHA_REPEATS = 7
+# Turns for the SDPA cells of short calls (at most SHORT_CALL_SCORES scores, all heads
+# together: the H=8 sweep at L = 64 and 256) in the quick run. Such a call takes 0.3 to 2
+# ms, and torch's from 2 to 6 ms from one settled call to the next: B=1, H=8, L=256, E=64
+# forward, the attnlab/torch ratio, median of 3 a side, read 1.05 and 1.06 in two of eight
+# runs (every other cell of those runs at most 0.95); median of 15, 0.74 and 0.82. Two
+# more turns cost about 0.45 s a cell, 3.6 s over the eight.
+SHORT_REPEATS = 5
+SHORT_CALL_SCORES = 2**20
 
 
 def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:

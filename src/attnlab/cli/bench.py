@@ -85,7 +85,8 @@ def register(sub) -> None:
                    help="comma-separated L = S of the B=1, H=8, E=64 sweep (default 64,256,1024; "
                         "--full: 64,128,256,512,1024,2048,4096,8192)")
     p.add_argument("--repeats", type=int, default=None,
-                   help="timed runs per cell, median kept (default 3, the MultiheadAttention rows 7; --full: 5 and 7)")
+                   help="timed runs per cell, median kept (default 3, the SDPA cells of short calls 5 and the "
+                        "MultiheadAttention rows 7; --full: 5, 5 and 7)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch, attnlab and BLAS alike (default: all usable CPUs)")
     p.add_argument("--passes", choices=["fwd", "fwd+bwd", "both"], default="both",
@@ -264,6 +265,9 @@ class _Settings:
             raise CLIError(f"--repeats must be >= 1, got {self.repeats}")
         # The MultiheadAttention rows' short calls take more turns, unless --repeats says.
         self.mha_repeats = max(self.repeats, bm.MHA_REPEATS) if args.repeats is None else self.repeats
+        # So do the SDPA cells of short calls.
+        self.short_repeats = max(self.repeats, bm.SHORT_REPEATS) if args.repeats is None else self.repeats
+        self.short_scores = bm.SHORT_CALL_SCORES
         cpus = available_cpus()
         if args.threads is not None and args.threads < 1:
             raise CLIError(f"--threads must be >= 1, got {args.threads}")
@@ -338,6 +342,8 @@ def _header(s: _Settings, torch) -> None:
         timing += f" ({s.settle_after_torch:.2f} s after a torch call, whose threads stop spinning sooner)"
     if s.mha_repeats != s.repeats and "layers" in s.sections and s.layer_tokens:
         timing += f"; the MultiheadAttention rows' short calls: median of {s.mha_repeats}"
+    if s.short_repeats != s.repeats and "sdpa" in s.sections:
+        timing += f"; SDPA cells of at most 2^{s.short_scores.bit_length() - 1} scores: median of {s.short_repeats}"
     if s.back_to_back:
         timing += "; also back to back"
     print(f"timing: {timing}")
@@ -379,7 +385,7 @@ def _sdpa_section(s: _Settings, bm, progress) -> None:
     shapes = bm.sdpa_shapes(s.sizes, groups=s.shapes)
     rows = bm.run_sdpa(shapes, repeats=s.repeats, threads=s.threads, passes=s.passes, naive_max=s.naive_max,
                        settle=s.settle, settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back,
-                       sgemm_turns=s.full, progress=progress)
+                       sgemm_turns=s.full, short_repeats=s.short_repeats, progress=progress)
     print(format_rows(rows, sgemm=sgemm))
     print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster"
           + (" (settled, then back to back)" if s.back_to_back else "")
