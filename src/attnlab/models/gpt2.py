@@ -269,8 +269,9 @@ class GPT2(CausalLM):
         with init.empty_weights() if weights is not None else contextlib.nullcontext():
             self.tok_emb = Embedding(c.vocab_size, c.n_embd, dtype=dtype, rng=rng)
             self.pos_emb = Embedding(c.n_positions, c.n_embd, dtype=dtype, rng=rng)
-            for emb in (self.tok_emb, self.pos_emb):  # GPT-2's N(0, 0.02), not torch's N(0, 1)
-                emb.weight.data[...] = init.normal(rng, emb.weight.shape, dtype, std=0.02)
+            if weights is None:  # GPT-2's N(0, 0.02), not torch's N(0, 1); loaded weights need no draw
+                for emb in (self.tok_emb, self.pos_emb):
+                    emb.weight.data[...] = init.normal(rng, emb.weight.shape, dtype, std=0.02)
             self.hook_embed = HookPoint()
             self.hook_pos_embed = HookPoint()
             self.blocks = Module()
