@@ -827,8 +827,11 @@ def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(mon
 @pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
 def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apart(monkeypatch):
     """Weights wanted, a mask, a hook on the heads, several sequences, a short sequence, a
-    cache that already holds keys, or one thread: the usual path."""
+    cache that already holds keys, positions of the wrong shape, a rotary slot, or one
+    thread: the usual path. Positions without a rotary slot (what a decoder's blocks pass)
+    do not stop the one call."""
     import attnlab
+    from attnlab.nn import RotaryEmbedding
     from attnlab.nn.attention import Attention, KVCache
 
     calls = []
@@ -854,8 +857,13 @@ def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apar
         cache = KVCache()
         att(x[:, :8], cache=cache)
         att(x, cache=cache)  # keys already cached
-        att(x, positions=np.arange(256))
+        with pytest.raises(ValueError, match="positions"):  # checked as the usual path checks them
+            att(x, positions=np.arange(255))
+        rotary = Attention(512, 8, causal=True, rotary=RotaryEmbedding(64), rng=np.random.default_rng(0))
+        rotary(x, positions=np.arange(256))  # the rotary slot needs the steps apart
         assert calls == [1]
+        att(x, positions=np.arange(256))  # without a rotary slot positions change nothing: a decoder's blocks
+        assert calls == [1, 1]
     with threads_mod_threads(1):
         mha(x, x, x, need_weights=False)
-    assert calls == [1]
+    assert calls == [1, 1]

@@ -677,11 +677,10 @@ class Attention(Module):
                          kwargs.pop("positions", None), True, **kwargs)
 
     def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights):
-        if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None \
-                and positions is None:
+        if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None:
             causal = self.causal if is_causal is None else bool(is_causal)
             if not (causal and self.sliding_window is not None):
-                out = self._one_pool_call(x, causal, cache, batch_first=True)
+                out = self._one_pool_call(x, causal, cache, batch_first=True, positions=positions)
                 if out is not None:
                     return (out if x.ndim == 3 else out[0]), None
         a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions)
@@ -711,14 +710,16 @@ class Attention(Module):
         return not any(h._fns for h in (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores,
                                         self.hook_pattern, self.hook_z))
 
-    def _one_pool_call(self, x, causal: bool, cache, *, batch_first: bool):
+    def _one_pool_call(self, x, causal: bool, cache, *, batch_first: bool, positions=None):
         """Self-attention on ``x`` (no mask but ``causal``, no weights wanted) in one pool
         call (:func:`attnlab.core.rows.self_attention`), its output ``(N, L, E)`` (batch
         first, also for an unbatched ``x``), or None where the call takes the usual path:
         see :meth:`_plain_self_attention` and :func:`attnlab.core.rows.self_attention_threads`;
-        an ``x`` that is not a float32 NumPy array of 2 or 3 dims and the layer's width, or
-        a cache that already holds keys, also go there (and are checked there). The backward
-        pass reads the same saved inputs as after the usual path."""
+        an ``x`` that is not a float32 NumPy array of 2 or 3 dims and the layer's width, a
+        cache that already holds keys, or ``positions`` that are not ``(L,)`` or ``(N, L)``
+        integers also go there (and are checked there). Without a rotary slot the positions
+        change nothing (a decoder's blocks pass them to every layer). The backward pass reads
+        the same saved inputs as after the usual path."""
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim not in (2, 3) \
                 or x.shape[-1] != self.embed_dim or (cache is not None and (type(cache) is not KVCache or len(cache))) \
                 or not self._plain_self_attention():
@@ -727,6 +728,9 @@ class Attention(Module):
         xb = (x if batch_first else x.transpose(1, 0, 2)) if batched else x[None]
         N, L, E = xb.shape
         H, D = self.num_heads, self.head_dim
+        if positions is not None and not (type(positions) is np.ndarray and positions.shape in ((L,), (N, L))
+                                          and np.issubdtype(positions.dtype, np.integer)):
+            return None
         threads = rows.self_attention_threads(N, L, E, H, D)
         if not threads:
             return None
