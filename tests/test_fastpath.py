@@ -23,6 +23,7 @@ from attnlab._cpu import CPUInfo, _caches, _cpuinfo
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, rows
 from attnlab.core.spec import check_attention_args
+from attnlab.nn import functional as F
 from helpers import ELEMENTWISE_PASSES, attention_inputs, grad_err, kernel_tuning, rel_err
 
 F32_MIN = float(np.finfo(np.float32).min)
@@ -867,3 +868,27 @@ def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apar
     with threads_mod_threads(1):
         mha(x, x, x, need_weights=False)
     assert calls == [1, 1]
+
+
+def test_a_few_rows_times_a_weights_transpose_run_weight_first():
+    """x @ W.T for 2 to 64 float32 rows and a C-contiguous weight with both sides at least
+    256 runs as (W @ x.T).T (the faster order for OpenBLAS at few rows), copied into a
+    C-contiguous result equal to NumPy's product; other products are NumPy's."""
+    rng = np.random.default_rng(43)
+    w = rng.standard_normal((960, 576), dtype=np.float32)
+    for m in (2, 17, 64):
+        x = rng.standard_normal((m, 576), dtype=np.float32)
+        assert threads_mod._weight_first(x, w.T)
+        for out in (None, np.empty((m, 960), np.float32)):
+            got = threads_mod.matmul(x, w.T, out=out)
+            assert got.shape == (m, 960) and got.flags.c_contiguous and (out is None or got is out)
+            np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-4)
+    x = rng.standard_normal((64, 576), dtype=np.float32)
+    assert not threads_mod._weight_first(x[:1], w.T)  # one row: a matrix-vector product
+    assert not threads_mod._weight_first(rng.standard_normal((65, 576), dtype=np.float32), w.T)
+    assert not threads_mod._weight_first(x, np.ascontiguousarray(w.T))  # already the fast order
+    assert not threads_mod._weight_first(x[:, :200], w[:, :200].T.copy(order="F"))  # a side under 256
+    assert not threads_mod._weight_first(x.astype(np.float64), w.T.astype(np.float64))
+    assert not threads_mod._weight_first(np.asfortranarray(x), w.T)
+    # a projection of a short prompt goes this way, with NumPy's numbers
+    np.testing.assert_allclose(F.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
