@@ -758,7 +758,7 @@ def _layer_grads(layer):
 
 @pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
 @pytest.mark.parametrize("case", ["mha batch first", "mha sequence first causal", "mha unbatched",
-                                  "attention causal, no bias", "attention causal, cache"])
+                                  "mha blocks of rows", "attention causal, no bias", "attention causal, cache"])
 def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(monkeypatch, case):
     """One sequence through a plain self-attention layer (no mask but a causal one, no
     weights wanted, no hooks): the projections and the attention run in one pool call
@@ -769,11 +769,12 @@ def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(mon
     from attnlab.nn.attention import Attention, KVCache
 
     rng = np.random.default_rng(41)
-    L, E, H = 256, 512, 8
+    E, H = 512, 8
+    L = rows.max_keys() if case == "mha blocks of rows" else 256  # longer: each head's rows in blocks
     if case.startswith("mha"):
         layer = attnlab.MultiheadAttention(E, H, batch_first=case != "mha sequence first causal",
                                            rng=np.random.default_rng(0))
-        shape = {"mha batch first": (1, L, E), "mha sequence first causal": (L, 1, E), "mha unbatched": (L, E)}[case]
+        shape = {"mha sequence first causal": (L, 1, E), "mha unbatched": (L, E)}.get(case, (1, L, E))
         causal = "causal" in case
 
         def call(x):

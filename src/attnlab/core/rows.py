@@ -259,7 +259,7 @@ class _Layout:
             nh = max(1, min(span, _heads_bytes() // (per_row * L)))
         else:
             nh = 1
-            rows = max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
+            rows = _rows_within(budget, per_row)
         if spec.is_causal:
             rows = min(rows, causal_block_rows(L))
         rows = min(rows, L)
@@ -669,6 +669,12 @@ def _backward(spec: AttentionSpec, grad_out: np.ndarray):
 #   against 31.9 / 26.9.
 
 
+def _rows_within(budget: int, per_row: int) -> int:
+    """The most query rows, a power of two (at least ``_MIN_ROWS``), whose scores of
+    ``per_row`` bytes fit in ``budget`` bytes."""
+    return max(_MIN_ROWS, 1 << (max(1, budget // per_row).bit_length() - 1))
+
+
 def causal_block_rows(L: int) -> int:
     """Query rows of one causal block (see ``_CAUSAL_DIV``): about ``L / 8``, within
     ``_CAUSAL_ROWS_RANGE``, at most ``L``.
@@ -731,7 +737,7 @@ def self_attention(x: np.ndarray, w_in: np.ndarray, b_in: np.ndarray | None, w_o
     if is_causal:
         rows = causal_block_rows(L)
     else:  # as _Layout cuts a head: all its rows while their scores fit a block
-        rows = L if 4 * L * L <= _block_bytes() else max(_MIN_ROWS, 1 << ((_block_bytes() // (4 * L)).bit_length() - 1))
+        rows = L if 4 * L * L <= _block_bytes() else _rows_within(_block_bytes(), 4 * L)
     chunks = [(a, min(a + rows, L)) for a in range(0, L, rows)]
     scale = np.float32(scale)
     copy = _copies_transposed(D, L)
