@@ -713,8 +713,8 @@ MHA_REPEATS = 7
 # together: the H=8 sweep at L = 64 and 256) in the quick run. Such a call takes 0.3 to 2
 # ms, and torch's from 2 to 6 ms from one settled call to the next: B=1, H=8, L=256, E=64
 # forward, the attnlab/torch ratio, median of 3 a side, read 1.05 and 1.06 in two of eight
-# runs (every other cell of those runs at most 0.95); median of 15, 0.74 and 0.82. Two
-# more turns cost about 0.45 s a cell, 3.6 s over the eight.
+# runs (every other cell of those runs at most 0.95); median of 15, 0.74 and 0.82. The two
+# more turns took 2.1 s over the eight cells (3.8 -> 5.9 s) of a 54 s quick run.
 SHORT_REPEATS = 5
 SHORT_CALL_SCORES = 2**20
 
