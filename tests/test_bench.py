@@ -124,18 +124,24 @@ def test_the_layer_rows_compare_with_torch_and_transformers(capsys):
     assert sum(bool(RATIO.search(line.replace("transformers by", "torch by"))) for line in table.splitlines()) == 5
 
 
-def test_the_mha_rows_take_their_own_number_of_turns(monkeypatch, capsys):
-    """The MultiheadAttention rows' short calls are timed mha_repeats times a side (the
-    quick run's default MHA_REPEATS, unless --repeats says otherwise); the other rows
-    repeats times."""
-    turns = []
+@pytest.fixture
+def turns(monkeypatch) -> list[int]:
+    """The number of turns of every interleaved_medians call (each then timed once)."""
+    seen = []
     real = bm.interleaved_medians
 
     def spy(fns, repeats, **kw):
-        turns.append(repeats)
+        seen.append(repeats)
         return real(fns, 1, **kw)
 
     monkeypatch.setattr(bm, "interleaved_medians", spy)
+    return seen
+
+
+def test_the_mha_rows_take_their_own_number_of_turns(turns, capsys):
+    """The MultiheadAttention rows' short calls are timed mha_repeats times a side (the
+    quick run's default MHA_REPEATS, unless --repeats says otherwise); the other rows
+    repeats times."""
     bm.layer_rows(threads=1, repeats=2, mha_tokens=16, mha_repeats=5, gpt2_tokens=0, smollm2_tokens=0,
                   minilm_texts=0, train_steps=1, decode_tokens=0, settle=0.0, back_to_back=False)
     assert turns == [5, 5, 2]
@@ -154,18 +160,10 @@ def test_the_mha_rows_take_their_own_number_of_turns(monkeypatch, capsys):
     assert "short calls" not in capsys.readouterr().out
 
 
-def test_the_sdpa_cells_of_short_calls_take_their_own_number_of_turns(monkeypatch, capsys):
+def test_the_sdpa_cells_of_short_calls_take_their_own_number_of_turns(turns, capsys):
     """SDPA cells of at most SHORT_CALL_SCORES scores are timed short_repeats times a side
     (the quick run's default SHORT_REPEATS, unless --repeats says otherwise); larger cells
     repeats times."""
-    turns = []
-    real = bm.interleaved_medians
-
-    def spy(fns, repeats, **kw):
-        turns.append(repeats)
-        return real(fns, 1, **kw)
-
-    monkeypatch.setattr(bm, "interleaved_medians", spy)
     over = int((bm.SHORT_CALL_SCORES / 8) ** 0.5) + 1  # 8 heads of over x over scores: just too many
     shapes = bm.sdpa_shapes([256, 64, over], groups=["sweep"])
     shapes = [s for s in shapes if not s.causal]
