@@ -532,14 +532,15 @@ def matmuls(pairs, *, tokens: int | None = None) -> list[np.ndarray]:
 
 
 # A few rows times a weight's transpose, ``x @ W.T`` with ``W (N, K)`` C-contiguous (a
-# layer's projection of a short prompt), run faster as ``W @ x.T`` and a transposed copy of
-# its ``(N, M)`` result: OpenBLAS's kernel then packs the few rows of x as the transposed
-# operand instead of the whole weight. Same products, and the same numbers bit for bit on
-# the shapes measured. Measured on a 2-core AVX-512 EPYC (Zen 4), time of the weight-first
-# product and its copy over the plain product's, K -> N = 576 -> 1536, 1536 -> 576, 576 ->
-# 960, 576 -> 576, 768 -> 2304, 768 -> 3072, 3072 -> 768, 384 -> 1152, 1536 -> 384, on 2
-# BLAS threads: M = 8-16 0.44-0.74, M = 32 0.67-0.79, M = 64 0.80-1.01, M = 128 0.92-1.11,
-# M = 255 1.06-1.25; on one thread M = 64 0.81-0.91, M = 128 0.90-1.03. Products with a
+# layer's projection of a short prompt), run faster as ``W @ x.T`` and a transposed copy
+# of its ``(N, M)`` result (most likely because OpenBLAS then packs the few rows of x,
+# not the whole weight, as its transposed operand). Same products, and the same numbers
+# bit for bit on the shapes measured (176 products, 2 to 64 rows, 1 and 2 threads).
+# Measured on a 2-core AVX-512 EPYC (Zen 4), time of the weight-first product and its
+# copy over the plain product's, K -> N = 576 -> 1536, 1536 -> 576, 576 -> 960, 576 ->
+# 576, 768 -> 2304, 768 -> 3072, 3072 -> 768, 384 -> 1152, 1536 -> 384, on 2 BLAS
+# threads: M = 8-16 0.44-0.74, M = 32 0.67-0.79, M = 64 0.80-1.01, M = 128 0.92-1.11, M
+# = 255 1.06-1.25; on one thread M = 64 0.81-0.91, M = 128 0.90-1.03. Products with a
 # side under 256 (64 -> 192, 128 -> 64) gained nothing at M = 64 (1.11-1.46).
 _WEIGHT_FIRST_MAX_ROWS = 64
 _WEIGHT_FIRST_MIN_SIDE = 256
