@@ -769,6 +769,7 @@ def self_attention(x: np.ndarray, w_in: np.ndarray, b_in: np.ndarray | None, w_o
 
     run_units([(n, g) for n in range(N) for g in range(threads)], run, threads, scratch=_SCRATCH)
     out = parts[0]
-    for p in parts[1:]:
-        out += p
+    with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN propagate, as in the units
+        for p in parts[1:]:
+            out += p
     return out, qkv, z
