@@ -871,6 +871,24 @@ def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apar
     assert calls == [1, 1]
 
 
+@pytest.mark.skipif(not bw.fused_available(), reason="numba (the fast extra) is not installed")
+def test_the_one_call_layer_lets_inf_and_nan_through_as_the_usual_path_does(monkeypatch):
+    """Out-projection weights near float32's limit: the groups' partial outputs hold +-inf,
+    and their sum inf - inf; no RuntimeWarning (the suite makes attnlab's warnings errors),
+    and the usual path's NaNs and infinities, value for value."""
+    import attnlab
+
+    layer = attnlab.MultiheadAttention(512, 8, batch_first=True, rng=np.random.default_rng(0))
+    layer.out_proj.weight.data[...] = 3e38
+    x = np.random.default_rng(44).standard_normal((1, 256, 512), dtype=np.float32)
+    with threads_mod_threads(2):
+        got = layer(x, x, x, need_weights=False)[0]
+        monkeypatch.setattr(rows, "self_attention_threads", lambda *a: 0)
+        want = layer(x, x, x, need_weights=False)[0]
+    assert np.isnan(got).any() and np.isinf(got).any()
+    np.testing.assert_array_equal(got, want)  # NaN where NaN, the same infinities
+
+
 def test_a_few_rows_times_a_weights_transpose_run_weight_first():
     """x @ W.T for 2 to 64 float32 rows and a C-contiguous weight with both sides at least
     256 runs as (W @ x.T).T (the faster order for OpenBLAS at few rows), copied into a
