@@ -704,7 +704,7 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     threads = pool_threads(None)
     if N != 1 or threads < 2 or H % threads or L < POOL_MATMUL_MIN_TOKENS or L > max_keys():
         return 0
-    if N * L * E_in * 3 * H * D < POOL_MATMUL_MIN or not fused_planned(np.float32, 0, min_n=0):
+    if L * E_in * 3 * H * D < POOL_MATMUL_MIN or not fused_planned(np.float32, 0, min_n=0):
         return 0
     return threads if sgemm_address() else 0
 
@@ -712,27 +712,27 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
 def self_attention(x: np.ndarray, w_in: np.ndarray, b_in: np.ndarray | None, w_out: np.ndarray,
                    b_out: np.ndarray | None, *, num_heads: int, scale: float, is_causal: bool,
                    threads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Multi-head self-attention's forward pass, projections included, in one pool call:
-    ``(out (N, L, E_out), qkv (N, L, 3 H D), z (N, L, H D))``, where ``qkv = x w_in^T +
+    """Multi-head self-attention's forward pass over one sequence, projections included,
+    in one pool call: ``(out (1, L, E_out), qkv (1, L, 3 H D), z (1, L, H D))``, where ``qkv = x w_in^T +
     b_in`` (the queries', keys' and values' heads side by side, as torch's fused
     ``in_proj_weight`` makes them), ``z`` the heads' attention outputs merged, and ``out = z
     w_out^T + b_out``.
 
-    ``x`` (N, L, E_in) float32 (any strides with unit stride along its last axis), ``w_in``
+    ``x`` (1, L, E_in) float32 (any strides with unit stride along its last axis), ``w_in``
     (3 H D, E_in), ``w_out`` (E_out, H D); ``threads`` from :func:`self_attention_threads`,
     which must have allowed the call. The same operations as the projections and the rows
     kernel apart, so the same numbers to float32 rounding: the out-projection's sum over
     the heads is split by head group.
     """
-    N, L, _ = x.shape
+    L = x.shape[1]
     H = num_heads
     HD = w_in.shape[0] // 3
     D = HD // H
     K = _kernels()
     sgemm = sgemm_address()
-    qkv = np.empty((N, L, 3 * HD), dtype=np.float32)
-    z = np.empty((N, L, HD), dtype=np.float32)
-    parts = np.empty((threads, N, L, w_out.shape[0]), dtype=np.float32)
+    qkv = np.empty((1, L, 3 * HD), dtype=np.float32)
+    z = np.empty((1, L, HD), dtype=np.float32)
+    parts = np.empty((threads, 1, L, w_out.shape[0]), dtype=np.float32)  # each group's partial output
     per = H // threads
     if is_causal:
         rows = causal_block_rows(L)
@@ -742,10 +742,9 @@ def self_attention(x: np.ndarray, w_in: np.ndarray, b_in: np.ndarray | None, w_o
     scale = np.float32(scale)
     copy = _copies_transposed(D, L)
 
-    def run(unit, scratch):
-        n, g = unit
+    def run(g, scratch):
         h0, h1 = g * per, (g + 1) * per
-        xn, qkv_n = x[n], qkv[n]
+        xn, qkv_n = x[0], qkv[0]
         for off in (0, HD, 2 * HD):  # this group's query, key and value columns
             a, c = off + h0 * D, off + h1 * D
             np.matmul(xn, w_in[a:c].T, out=qkv_n[:, a:c])
@@ -761,13 +760,13 @@ def self_attention(x: np.ndarray, w_in: np.ndarray, b_in: np.ndarray | None, w_o
                 s = _buf(scratch, "s", (1, a1 - a0, score_stride(kend)))
                 _compiled_forward(K, sgemm, q, k, v, o[j - h0:j - h0 + 1], s, _buf(scratch, "inv", (a1 - a0,)),
                                   a0, a1, kend, is_causal, scale, copy, scratch)
-        zg = z[n, :, h0 * D:h1 * D]
+        zg = z[0, :, h0 * D:h1 * D]
         np.copyto(zg.reshape(L, per, D), o.reshape(per, L, D).transpose(1, 0, 2))
-        np.matmul(zg, w_out[:, h0 * D:h1 * D].T, out=parts[g, n])
+        np.matmul(zg, w_out[:, h0 * D:h1 * D].T, out=parts[g, 0])
         if g == 0 and b_out is not None:  # on the pool, not after it
-            parts[g, n] += b_out
+            parts[g, 0] += b_out
 
-    run_units([(n, g) for n in range(N) for g in range(threads)], run, threads, scratch=_SCRATCH)
+    run_units(range(threads), run, threads, scratch=_SCRATCH)
     out = parts[0]
     with np.errstate(over="ignore", invalid="ignore"):  # inf and NaN propagate, as in the units
         for p in parts[1:]:
