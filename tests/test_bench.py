@@ -126,15 +126,17 @@ def test_the_layer_rows_compare_with_torch_and_transformers(capsys):
 
 @pytest.fixture
 def turns(monkeypatch) -> list[int]:
-    """The number of turns of every interleaved_medians call (each then timed once)."""
+    """The number of turns of every interleaved_times call (each then timed once); no SDPA
+    cell counts as near even (their extra turns: test_sdpa_cells_near_even_take_more_turns)."""
     seen = []
-    real = bm.interleaved_medians
+    real = bm.interleaved_times
 
     def spy(fns, repeats, **kw):
         seen.append(repeats)
         return real(fns, 1, **kw)
 
-    monkeypatch.setattr(bm, "interleaved_medians", spy)
+    monkeypatch.setattr(bm, "interleaved_times", spy)
+    monkeypatch.setattr(bm, "_close", lambda times: False)
     return seen
 
 
@@ -302,6 +304,78 @@ def test_faster_names_the_other_side():
     assert faster(0.5, "transformers") == "attnlab by 2.00x"
     assert faster(3.0, "sentence-transformers") == "sentence-transformers by 3.00x"
     assert faster(None) == "-"
+
+
+def test_sdpa_cells_near_even_take_more_turns(monkeypatch, capsys):
+    """A cell whose attnlab/torch median lands within CLOSE_BAND of even, on either side,
+    takes close_repeats more turns (no second warm-up), and its medians cover all of them;
+    a cell outside the band, or a run without close_repeats, takes none."""
+    calls = []
+    first = iter([1.05, 0.95, 0.85, 1.2, 1.05])  # attnlab's time per cell; torch's is 1.0
+
+    def fake(fns, repeats, *, warmup=True, **kw):
+        calls.append((repeats, warmup))
+        if warmup:
+            a = next(first)
+            return {name: [a if name == "attnlab" else 1.0] * repeats for name in fns}
+        return {name: [0.5 if name == "attnlab" else 0.6] * repeats for name in fns}  # the extra turns
+
+    monkeypatch.setattr(bm, "interleaved_times", fake)
+    shapes = bm.sdpa_shapes([16, 32], groups=["sweep"])
+    assert len(shapes) == 4
+    rows = bm.run_sdpa(shapes, repeats=2, close_repeats=4, threads=1, passes=["fwd"], back_to_back=False,
+                       sgemm_turns=False)
+    assert calls == [(2, True), (4, False), (2, True), (4, False), (2, True), (2, True)]
+    assert [r.extra_turns for r in rows] == [4, 4, 0, 0]
+    assert rows[0].seconds["attnlab"] == 0.5 and rows[0].seconds["torch"] == 0.6  # medians of 2 + 4 turns
+    assert rows[2].seconds["attnlab"] == 0.85 and rows[3].seconds["attnlab"] == 1.2
+    calls.clear()
+    rows = bm.run_sdpa(shapes[:1], repeats=2, threads=1, passes=["fwd"], back_to_back=False, sgemm_turns=False)
+    assert calls == [(2, True)] and rows[0].extra_turns == 0
+    with pytest.raises(ValueError, match="close_repeats"):
+        bm.run_sdpa(shapes, repeats=2, close_repeats=-1, threads=1, passes=["fwd"])
+
+    seen = []
+    monkeypatch.setattr(bm, "interleaved_times", lambda fns, repeats, **kw: seen.append(repeats) or
+                        {name: [1.0] * repeats for name in fns})
+    args = ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--passes", "fwd", "--threads", "1"]
+    assert main(args) == 0
+    assert seen == [bm.SHORT_REPEATS, bm.CLOSE_REPEATS] * 2 and bm.CLOSE_REPEATS > 0
+    out = capsys.readouterr().out
+    assert f"within {bm.CLOSE_BAND:.0%} of even after its runs: {bm.CLOSE_REPEATS} more" in out
+    assert "more a side (medians over all): H=8 sweep L=64 fwd; H=8 sweep L=64 causal fwd" in out
+    seen.clear()
+    assert main([*args, "--repeats", "2"]) == 0
+    assert seen == [2, 2]
+    assert "of even" not in capsys.readouterr().out
+
+
+def test_layer_rows_near_even_take_more_turns(monkeypatch, capsys):
+    """The layer rows follow the SDPA cells' rule: the forward row lands near even and
+    takes close_repeats more turns, the forward+backward row does not; the section's footer
+    names the one that did."""
+    calls = []
+    attnlab = iter([0.92, 0.8, 0.7])  # attnlab's time per call of interleaved_times; torch's is 1.0
+
+    def fake(fns, repeats, *, warmup=True, **kw):
+        calls.append((repeats, warmup))
+        a = next(attnlab)
+        return {name: [a if name == "attnlab" else 1.0] * repeats for name in fns}
+
+    monkeypatch.setattr(bm, "interleaved_times", fake)
+    rows = bm.layer_rows(threads=1, repeats=2, mha_tokens=16, mha_repeats=3, close_repeats=5, gpt2_tokens=0,
+                         smollm2_tokens=0, minilm_texts=0, train_steps=0, decode_tokens=0, back_to_back=False)
+    assert [n for n, _ in calls] == [3, 5, 3] and calls[1][1] is False  # no warm-up before the extra turns
+    assert [r.extra_turns for r in rows] == [5, 0]
+    assert rows[0].ratio() == pytest.approx(0.8) and rows[1].ratio() == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="close_repeats"):
+        bm.layer_rows(threads=1, repeats=2, close_repeats=-2, mha_tokens=16, gpt2_tokens=0, smollm2_tokens=0,
+                      minilm_texts=0, train_steps=0, decode_tokens=0)
+    attnlab = iter([0.92, 0.8, 0.7])
+    args = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
+            "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]
+    assert main(args) == 0
+    assert "medians over all): MultiheadAttention(512, 8) fwd, L=16\n" in capsys.readouterr().out
 
 
 def test_turns_pause_less_after_torch_and_can_skip_the_warm_up(monkeypatch):

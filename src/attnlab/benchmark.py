@@ -176,6 +176,7 @@ class Row:
     notes: dict[str, str] = field(default_factory=dict)
     back_to_back: dict[str, float] = field(default_factory=dict)  # the same, without pauses
     kernel: str = ""  # the kernel attnlab's dispatcher picked ("rows", "blockwise", "naive")
+    extra_turns: int = 0  # runs a side added to a cell near even (see CLOSE_REPEATS)
 
     @property
     def flops(self) -> float:
@@ -290,6 +291,7 @@ def run_sdpa(
     back_to_back: bool = True,
     sgemm_turns: bool = True,
     short_repeats: int | None = None,
+    close_repeats: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
     """Time attnlab's SDPA against torch's (and the naive path) for every shape and pass.
@@ -307,6 +309,9 @@ def run_sdpa(
             (``seconds["sgemm"]``, the row's ceiling).
         short_repeats: timed runs for the cells of short calls, at most
             :data:`SHORT_CALL_SCORES` scores (None: ``repeats``; see :data:`SHORT_REPEATS`).
+        close_repeats: more timed runs for a cell whose attnlab/torch ratio, after its
+            runs, is within :data:`CLOSE_BAND` of even (0: none; see :data:`CLOSE_REPEATS`);
+            its medians then cover all its runs (``Row.extra_turns``).
         progress: called with a short message before each cell (e.g. ``print``).
 
     Returns:
@@ -318,6 +323,8 @@ def run_sdpa(
     threads = get_num_threads() if threads is None else positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
     short_repeats = repeats if short_repeats is None else positive_int(short_repeats, "short_repeats")
+    if close_repeats:
+        close_repeats = positive_int(close_repeats, "close_repeats")
     settle = SETTLE_SECONDS if settle is None else settle
     torch = _torch()
     _set_threads(torch, threads)
@@ -346,8 +353,9 @@ def run_sdpa(
             say(f"SDPA {shape.name} {shape.describe()} {'causal' if shape.causal else 'not causal'} {p}")
             turns = short_repeats if shape.B * shape.Hq * shape.L * shape.S <= SHORT_CALL_SCORES else repeats
             with blas_threads(threads):
-                row.seconds.update(interleaved_medians(fns, turns, settle=settle,
-                                                       settle_after=_settle_after(settle_after_torch)))
+                seconds, row.extra_turns = settled_medians(fns, turns, close_repeats=close_repeats, settle=settle,
+                                                           settle_after=_settle_after(settle_after_torch))
+                row.seconds.update(seconds)
                 if back_to_back:
                     row.back_to_back.update(back_to_back_medians(fns, turns))
             for impl in IMPLS:
@@ -390,15 +398,16 @@ def _settle_after(torch_pause: float | None) -> dict[str, float] | None:
     return None if torch_pause is None else dict.fromkeys(TORCH_SIDES, torch_pause)
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: dict[str, Callable[[], object]],
     repeats: int,
     *,
     settle: float = SETTLE_SECONDS,
     settle_after: dict[str, float] | None = None,
     warmup: bool = True,
-) -> dict[str, float]:
-    """Median wall time of each function, timed in turns (a, b, c, a, b, c, ...).
+) -> dict[str, list[float]]:
+    """Wall times of each function, ``repeats`` calls each, timed in turns (a, b, c, a, b,
+    c, ...).
 
     Taking turns spreads a busy machine's noise over all of them alike, so the ratios
     stay fair even when the absolute times wobble. One untimed warm-up call each first
@@ -419,6 +428,20 @@ def interleaved_medians(
             fn()
             times[name].append(time.perf_counter() - t0)
             last = name
+    return times
+
+
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    *,
+    settle: float = SETTLE_SECONDS,
+    settle_after: dict[str, float] | None = None,
+    warmup: bool = True,
+) -> dict[str, float]:
+    """Median wall time of each function over :func:`interleaved_times`'s turns (same
+    arguments)."""
+    times = interleaved_times(fns, repeats, settle=settle, settle_after=settle_after, warmup=warmup)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -491,6 +514,7 @@ class LayerRow:
     per_call: float = 0.0
     unit: str = ""
     torch_name: str = "torch"  # what the other side is (torch, transformers, ...)
+    extra_turns: int = 0  # runs a side added to a row near even (see CLOSE_REPEATS)
 
     def ratio(self, *, back_to_back: bool = False) -> float | None:
         """attnlab's time over torch's (< 1: attnlab is faster)."""
@@ -605,11 +629,11 @@ class _Plan:
     post: Callable[[LayerRow], None] | None = None
 
 
-def _timed(row: LayerRow, fns: dict[str, Callable[[], object]], *, threads: int, repeats: int,
+def _timed(row: LayerRow, fns: dict[str, Callable[[], object]], *, threads: int, repeats: int, close_repeats: int,
            settle: float, settle_after_torch: float | None, back_to_back: bool, warmup: bool) -> None:
     with blas_threads(threads):
-        row.seconds = interleaved_medians(fns, repeats, settle=settle, warmup=warmup,
-                                          settle_after=_settle_after(settle_after_torch))
+        row.seconds, row.extra_turns = settled_medians(fns, repeats, close_repeats=close_repeats, settle=settle,
+                                                       warmup=warmup, settle_after=_settle_after(settle_after_torch))
         if back_to_back:
             row.back_to_back = back_to_back_medians(fns, repeats)
 
@@ -620,6 +644,7 @@ def layer_rows(
     repeats: int,
     mha_tokens: int = 1024,
     mha_repeats: int | None = None,
+    close_repeats: int = 0,
     gpt2_tokens: int = 128,
     smollm2_tokens: int = 128,
     minilm_texts: int = 64,
@@ -651,6 +676,10 @@ def layer_rows(
       32-token prompt, against ``GPT2LMHeadModel.generate``, as new tokens/s (the prompt's
       time, measured in the same turns, taken out).
 
+    A row whose attnlab/torch ratio lands within :data:`CLOSE_BAND` of even takes
+    ``close_repeats`` more turns (0: none; see :data:`CLOSE_REPEATS`), counted in its
+    medians (``LayerRow.extra_turns``).
+
     Returns:
         One :class:`LayerRow` per comparison, with a note (a check of the outputs, or why
         it was skipped).
@@ -658,13 +687,15 @@ def layer_rows(
     threads = positive_int(threads, "threads")
     repeats = positive_int(repeats, "repeats")
     mha_repeats = repeats if mha_repeats is None else positive_int(mha_repeats, "mha_repeats")
+    if close_repeats:
+        close_repeats = positive_int(close_repeats, "close_repeats")
     settle = SETTLE_SECONDS if settle is None else settle
     say = progress or (lambda _msg: None)
     torch = _torch()
     models = models or Models()
     rows: list[LayerRow] = []
     timing = {"threads": threads, "repeats": repeats, "settle": settle, "settle_after_torch": settle_after_torch,
-              "back_to_back": back_to_back}
+              "back_to_back": back_to_back, "close_repeats": close_repeats}
 
     def add(name: str, make: Callable[[LayerRow], dict | None], turns: int | None = None, **kw) -> None:
         row = LayerRow(name, **kw)
@@ -717,6 +748,38 @@ MHA_REPEATS = 7
 # more turns took 2.1 s over the eight cells (3.8 -> 5.9 s) of a 54 s quick run.
 SHORT_REPEATS = 5
 SHORT_CALL_SCORES = 2**20
+# More turns for an SDPA cell that lands near even in the quick run: where attnlab's and
+# torch's medians after the cell's turns are within CLOSE_BAND of each other (attnlab/torch
+# from 1 - CLOSE_BAND to 1 + CLOSE_BAND), it takes CLOSE_REPEATS more, and its medians
+# cover all of them. Whatever side leads, the turns are added alike, so the rule favours
+# neither. B=1, H=8, L=1024, E=64 forward, where both sides run at this machine's GEMM
+# rate (13 to 14 ms), read 0.93 to 1.02 with 3 turns a side in ten quick runs on a 2-core
+# AVX-512 EPYC; with 30 turns in turns, 0.94 in each of three runs. Each close cell costs
+# about 4 * (13 + 14 + 250) ms there.
+CLOSE_BAND = 0.1
+CLOSE_REPEATS = 4
+
+
+def _close(times: dict[str, list[float]]) -> bool:
+    """Whether attnlab's median time is within :data:`CLOSE_BAND` of torch's."""
+    if not times.get("attnlab") or not times.get("torch"):
+        return False
+    return abs(statistics.median(times["attnlab"]) / statistics.median(times["torch"]) - 1) <= CLOSE_BAND
+
+
+def settled_medians(fns: dict[str, Callable[[], object]], repeats: int, *, close_repeats: int = 0,
+                    **kwargs) -> tuple[dict[str, float], int]:
+    """:func:`interleaved_medians` (``kwargs`` are its options), then, where ``"attnlab"``'s
+    median is within :data:`CLOSE_BAND` of ``"torch"``'s, ``close_repeats`` more turns, the
+    medians covering all of them. Returns the medians and the number of turns added."""
+    times = interleaved_times(fns, repeats, **kwargs)
+    extra = 0
+    if close_repeats and _close(times):
+        kwargs["warmup"] = False
+        for name, more in interleaved_times(fns, close_repeats, **kwargs).items():
+            times[name] += more
+        extra = close_repeats
+    return {name: statistics.median(ts) for name, ts in times.items()}, extra
 
 
 def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:

@@ -268,6 +268,9 @@ class _Settings:
         # So do the SDPA cells of short calls.
         self.short_repeats = max(self.repeats, bm.SHORT_REPEATS) if args.repeats is None else self.repeats
         self.short_scores = bm.SHORT_CALL_SCORES
+        # And the SDPA cells that land near even take more, unless --repeats says.
+        self.close_repeats = bm.CLOSE_REPEATS if args.repeats is None else 0
+        self.close_band = bm.CLOSE_BAND
         cpus = available_cpus()
         if args.threads is not None and args.threads < 1:
             raise CLIError(f"--threads must be >= 1, got {args.threads}")
@@ -344,6 +347,9 @@ def _header(s: _Settings, torch) -> None:
         timing += f"; the MultiheadAttention rows' short calls: median of {s.mha_repeats}"
     if s.short_repeats != s.repeats and "sdpa" in s.sections:
         timing += f"; SDPA cells of at most 2^{s.short_scores.bit_length() - 1} scores: median of {s.short_repeats}"
+    if s.close_repeats and ("sdpa" in s.sections or "layers" in s.sections):
+        timing += (f"; an SDPA cell or layer row within {s.close_band:.0%} of even after its runs: "
+                   f"{s.close_repeats} more (all counted)")
     if s.back_to_back:
         timing += "; also back to back"
     print(f"timing: {timing}")
@@ -385,7 +391,8 @@ def _sdpa_section(s: _Settings, bm, progress) -> None:
     shapes = bm.sdpa_shapes(s.sizes, groups=s.shapes)
     rows = bm.run_sdpa(shapes, repeats=s.repeats, threads=s.threads, passes=s.passes, naive_max=s.naive_max,
                        settle=s.settle, settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back,
-                       sgemm_turns=s.full, short_repeats=s.short_repeats, progress=progress)
+                       sgemm_turns=s.full, short_repeats=s.short_repeats, close_repeats=s.close_repeats,
+                       progress=progress)
     print(format_rows(rows, sgemm=sgemm))
     print("attnlab/torch: attnlab's time over torch's, below 1 when attnlab is faster"
           + (" (settled, then back to back)" if s.back_to_back else "")
@@ -400,6 +407,8 @@ def _sdpa_section(s: _Settings, bm, progress) -> None:
                 notes.append(text)
     if notes:
         print("notes: " + "; ".join(notes))
+    _print_extra_turns(s, [f"{r.shape.name} L={r.shape.L}{' causal' if r.shape.causal else ''} {r.passes}"
+                           for r in rows if r.extra_turns])
     by_key = {(r.shape.name, r.shape.L, r.shape.causal, r.passes): r for r in rows}
     halves = []
     for (name, L, causal, p), r in by_key.items():
@@ -428,7 +437,7 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
                          gpt2_tokens=s.gpt2_tokens, smollm2_tokens=s.smollm2_tokens, minilm_texts=s.minilm_texts,
                          train_steps=s.train_steps, decode_tokens=s.new_tokens, settle=s.settle,
                          settle_after_torch=s.settle_after_torch, back_to_back=s.back_to_back, models=models,
-                         progress=progress)
+                         close_repeats=s.close_repeats, progress=progress)
     print()
     print(f"== layers and models: attnlab vs torch / transformers, {s.threads} thread(s) ==")
     if rows:
@@ -440,9 +449,16 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
         if any(r.name.startswith("SmolLM2") and r.seconds for r in rows):
             note += f" SmolLM2 in transformers: {models.smollm2_source()}."
         print(note)
+        _print_extra_turns(s, [r.name for r in rows if r.extra_turns])
     else:
         print("(every row skipped by its option)")
     sys.stdout.flush()
+
+
+def _print_extra_turns(s: _Settings, names: list[str]) -> None:
+    """The footer naming the cells or rows that landed near even and took more turns."""
+    if names:
+        print(f"near even after their runs, so {s.close_repeats} more a side (medians over all): " + "; ".join(names))
 
 
 def _decode_section(s: _Settings, bm, models, progress) -> None:
