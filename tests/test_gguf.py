@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("gguf")
 
 from attnlab.io import CheckpointError  # noqa: E402
-from attnlab.io.gguf import gguf_name, read_gguf, unpermute_qk_rows  # noqa: E402
+from attnlab.io.gguf import _metadata, _open, gguf_name, read_gguf, unpermute_qk_rows  # noqa: E402
 from gguf_files import TEMPLATE, permute_qk_rows, write_tiny_gguf  # noqa: E402
 
 TEXTS = [
@@ -209,6 +209,50 @@ def test_string_and_array_longer_than_the_file(tiny_file, tmp_path):
     length_at = field.offset + sum(int(p.nbytes) for p in field.parts[:3]) + 4  # key len, key, type, item type
     assert int(np.frombuffer(tiny_file.read_bytes()[length_at:length_at + 8], "<u8")[0]) == len(field.data)
     refuses(corrupt(tiny_file, tmp_path / "a.gguf", length_at, "<Q", 10**13), r"claims 10000000000000 items")
+
+
+def test_metadata_reads_as_the_gguf_packages_reader_reads_it(tiny_file, tmp_path):
+    """attnlab reads arrays in one go (numbers as one view, strings in one loop): every
+    entry, arrays of strings, integers and floats and empty ones included, equals what the
+    gguf package's own reader gives, value and type."""
+    import gguf
+
+    path = tmp_path / "arrays.gguf"
+    shutil.copy(tiny_file, path)
+    w = gguf.GGUFWriter(str(tmp_path / "extra.gguf"), "llama")
+    w.add_array("test.floats", [0.5, -1.25, 3.0])
+    w.add_array("test.strings", ["", "é", "a b"])
+    w.add_array("test.bools", [True, False])
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    # an empty array of strings (GGUFWriter skips empty arrays): one more entry after the last
+    data = (tmp_path / "extra.gguf").read_bytes()
+    last = list(gguf.GGUFReader(tmp_path / "extra.gguf").fields.values())[-1]
+    end = last.offset + sum(int(p.nbytes) for p in last.parts)
+    key = b"test.empty"
+    entry = struct.pack("<Q", len(key)) + key + struct.pack("<IIQ", gguf.GGUFValueType.ARRAY,
+                                                            gguf.GGUFValueType.STRING, 0)
+    count = struct.unpack_from("<Q", data, 16)[0]
+    (tmp_path / "extra.gguf").write_bytes(data[:16] + struct.pack("<Q", count + 1) + data[24:end] + entry
+                                          + data[end:])
+    for file in (tiny_file, tmp_path / "extra.gguf"):
+        ours = _metadata(_open(file), file)
+        theirs = {k: f.contents() for k, f in gguf.GGUFReader(file).fields.items() if not k.startswith("GGUF.")}
+        assert ours == theirs
+        assert [type(x) for v in ours.values() if isinstance(v, list) for x in v] == \
+            [type(x) for v in theirs.values() if isinstance(v, list) for x in v]
+    assert ours["test.strings"] == ["", "é", "a b"] and ours["test.floats"] == [0.5, -1.25, 3.0]
+    assert ours["test.bools"] == [True, False] and ours["test.empty"] == []
+    assert len(_metadata(_open(tiny_file), tiny_file)["tokenizer.ggml.tokens"]) > 10
+
+
+def test_a_string_inside_an_array_longer_than_the_file(tiny_file, tmp_path):
+    from gguf import GGUFReader
+
+    field = GGUFReader(tiny_file).fields["tokenizer.ggml.merges"]
+    first = field.offset + sum(int(p.nbytes) for p in field.parts[:5])  # key, type, item type, count
+    assert bytes(field.parts[6]) == tiny_file.read_bytes()[first + 8:first + 8 + len(field.parts[6])]
+    refuses(corrupt(tiny_file, tmp_path / "m.gguf", first, "<Q", 2**40),
+            r"claims a string of 1099511627776 bytes at byte \d+, past the end of the file")
 
 
 def test_tensor_offset_past_the_end(tiny_file, tmp_path):

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,7 +222,39 @@ def _reader_class():
                 if n * least > self._left(orig_offs + 12):
                     raise _Truncated(f"an array at byte {orig_offs} claims {n} items; the file holds at most "
                                      f"{self._left(orig_offs + 12) // least}")
+                if nptype is not None:
+                    return self._scalar_array(orig_offs, kind, nptype, n)
+                if kind == GGUFValueType.STRING and self.byte_order == "I":
+                    return self._string_array(orig_offs, n)
             return super()._get_field_parts(orig_offs, raw_type)
+
+        # The reader parses an array item by item (a recursive call, an enum and NumPy
+        # views each): SmolLM2's vocabulary (49152 tokens, their types and 48900 merges)
+        # took 2.0 s. Arrays of numbers are read as one view here, arrays of strings in one
+        # loop over the bytes, and their fields give the same lists (``contents()``): the
+        # whole metadata in 0.09 s, and load_smollm2() in 1.3 s against 3.0 s.
+        def _scalar_array(self, orig_offs, kind, nptype, n):
+            head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            values = self._get(orig_offs + 12, nptype, n)
+            return 12 + int(values.nbytes), [*head, values], [2], [GGUFValueType.ARRAY, kind]
+
+        def _string_array(self, orig_offs, n):
+            head = [self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)]
+            data, end = self.data, len(self.data)
+            raw = memoryview(data)
+            unpack = struct.Struct("=Q").unpack_from
+            parts, at = [], orig_offs + 12
+            for _ in range(n):
+                if at + 8 > end:
+                    raise _Truncated(f"a string's length at byte {at} is past the end of the file ({end} bytes)")
+                (size,) = unpack(raw, at)
+                at += 8
+                if size > end - at:
+                    raise _Truncated(f"it claims a string of {size} bytes at byte {at}, past the end of the file "
+                                     f"({end} bytes)")
+                parts.append(data[at:at + size])
+                at += size
+            return at - orig_offs, [*head, *parts], list(range(2, 2 + n)), [GGUFValueType.ARRAY, GGUFValueType.STRING]
 
     return CheckedReader
 
