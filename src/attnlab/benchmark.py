@@ -748,14 +748,15 @@ MHA_REPEATS = 7
 # more turns took 2.1 s over the eight cells (3.8 -> 5.9 s) of a 54 s quick run.
 SHORT_REPEATS = 5
 SHORT_CALL_SCORES = 2**20
-# More turns for an SDPA cell that lands near even in the quick run: where attnlab's and
-# torch's medians after the cell's turns are within CLOSE_BAND of each other (attnlab/torch
-# from 1 - CLOSE_BAND to 1 + CLOSE_BAND), it takes CLOSE_REPEATS more, and its medians
-# cover all of them. Whatever side leads, the turns are added alike, so the rule favours
-# neither. B=1, H=8, L=1024, E=64 forward, where both sides run at this machine's GEMM
-# rate (13 to 14 ms), read 0.93 to 1.02 with 3 turns a side in ten quick runs on a 2-core
-# AVX-512 EPYC; with 30 turns in turns, 0.94 in each of three runs. Each close cell costs
-# about 4 * (13 + 14 + 250) ms there.
+# More turns for an SDPA cell or layer row that lands near even in the quick run: where
+# attnlab's and torch's medians after its turns are within CLOSE_BAND of each other
+# (attnlab/torch from 1 - CLOSE_BAND to 1 + CLOSE_BAND), it takes CLOSE_REPEATS more, and
+# its medians cover all of them. Whatever side leads, the turns are added alike, so the
+# rule favours neither. On a 2-core AVX-512 EPYC, B=1, H=8, L=1024, E=64 forward, where
+# both sides run at the machine's GEMM rate (13 to 14 ms a call), read 0.93 to 1.02 with 3
+# turns a side in twelve quick runs; with 30 turns, 0.94 in each of three runs. The quick
+# run took 49.9 s there without the rule, 50.0-51.1 s with it on the SDPA cells alone (one
+# or two of them near even), and 56.1-56.8 s with the layer rows too (four or five more).
 CLOSE_BAND = 0.1
 CLOSE_REPEATS = 4
 
