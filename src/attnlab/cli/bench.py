@@ -86,7 +86,8 @@ def register(sub) -> None:
                         "--full: 64,128,256,512,1024,2048,4096,8192)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per cell, median kept (default 3, the SDPA cells of short calls 5 and the "
-                        "MultiheadAttention rows 7; --full: 5, 5 and 7)")
+                        "MultiheadAttention rows 7, and 4 more for an SDPA cell or layer row within 10%% of even; "
+                        "--full: 5, 5, 7 and 4 more; given, every cell and row takes exactly this many)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads for torch, attnlab and BLAS alike (default: all usable CPUs)")
     p.add_argument("--passes", choices=["fwd", "fwd+bwd", "both"], default="both",
