@@ -86,6 +86,25 @@ def _transformers():
     return transformers
 
 
+def _for_loading(build):
+    """``build()`` (a ``transformers`` model) without its random initialisation, where
+    ``transformers`` can skip it (``no_init_weights``): the caller loads every parameter
+    from a state dict and checks that none is missing. SmolLM2-135M: 1.37 s -> 0.01 s. The
+    buffers a model computes in its constructor (rotary frequencies, position ids) are
+    made as usual; tied weights are tied here, as the initialisation would."""
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        try:
+            from transformers.modeling_utils import no_init_weights  # transformers 4
+        except ImportError:  # pragma: no cover - depends on the environment
+            return build()
+    with no_init_weights():
+        module = build()
+    module.tie_weights()  # skipped with the initialisation
+    return module
+
+
 def _split_to_checkpoint(state: dict[str, np.ndarray], name_map: NameMap) -> dict[str, np.ndarray]:
     """attnlab-named arrays -> checkpoint-named ones: the inverse of the name map's loading
     (a fused tensor is split back, along axis 0, into its equal sources)."""
@@ -110,7 +129,7 @@ def _bert_to_torch(model: BertEncoder):
     )
     state = _split_to_checkpoint(model.state_dict(), bert_name_map(c.num_hidden_layers))
     dtype = getattr(torch, _TORCH_DTYPES[next(iter(state.values())).dtype])
-    module = transformers.BertModel(hf_config, add_pooling_layer=False).to(dtype)
+    module = _for_loading(lambda: transformers.BertModel(hf_config, add_pooling_layer=False)).to(dtype)
     module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
     return module
 
@@ -157,7 +176,7 @@ def _gpt2_to_torch(model: GPT2):
         state["transformer." + src] = ours[name].T if name in transposed else ours[name]
     state["lm_head.weight"] = ours["tok_emb.weight"]  # tied to the token embedding
     dtype = getattr(torch, _TORCH_DTYPES[ours["tok_emb.weight"].dtype])
-    module = transformers.GPT2LMHeadModel(hf_config).to(dtype)
+    module = _for_loading(lambda: transformers.GPT2LMHeadModel(hf_config)).to(dtype)
     missing, unexpected = module.load_state_dict(
         {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
     if unexpected or any(not k.endswith((".attn.bias", ".attn.masked_bias")) for k in missing):
@@ -427,7 +446,7 @@ def _llama_to_torch(model: Llama):
     ours = model.state_dict()
     state = _split_sizes(ours, llama_name_map(c), {"in_proj_weight": sizes, "in_proj_bias": sizes})
     dtype = getattr(torch, _TORCH_DTYPES[ours["tok_emb.weight"].dtype])
-    module = getattr(transformers, d["architectures"][0])(hf_config).to(dtype)
+    module = _for_loading(lambda: getattr(transformers, d["architectures"][0])(hf_config)).to(dtype)
     missing, unexpected = module.load_state_dict(
         {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
     tied = ["lm_head.weight"] if c.tie_word_embeddings else []
