@@ -89,7 +89,7 @@ def _transformers():
 def _for_loading(build):
     """``build()`` (a ``transformers`` model) without its random initialisation, where
     ``transformers`` can skip it (``no_init_weights``): the caller loads every parameter
-    from a state dict and checks that none is missing. SmolLM2-135M: 1.37 s -> 0.01 s. The
+    from a state dict and checks that none is missing. SmolLM2-135M: to_torch 1.2 s -> 0.13 s. The
     buffers a model computes in its constructor (rotary frequencies, position ids) are
     made as usual; tied weights are tied here, as the initialisation would."""
     try:
