@@ -269,7 +269,7 @@ class _Settings:
         # So do the SDPA cells of short calls.
         self.short_repeats = max(self.repeats, bm.SHORT_REPEATS) if args.repeats is None else self.repeats
         self.short_scores = bm.SHORT_CALL_SCORES
-        # And the SDPA cells that land near even take more, unless --repeats says.
+        # And an SDPA cell or layer row that lands near even takes more, unless --repeats says.
         self.close_repeats = bm.CLOSE_REPEATS if args.repeats is None else 0
         self.close_band = bm.CLOSE_BAND
         cpus = available_cpus()
