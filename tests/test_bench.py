@@ -124,6 +124,13 @@ def test_the_layer_rows_compare_with_torch_and_transformers(capsys):
     assert sum(bool(RATIO.search(line.replace("transformers by", "torch by"))) for line in table.splitlines()) == 5
 
 
+# bench runs of the turns tests: the MultiheadAttention rows alone, and the L=64 sweep forward
+MHA_ONLY = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
+            "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]
+SWEEP_64_FWD = ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--passes", "fwd",
+                "--threads", "1"]
+
+
 @pytest.fixture
 def turns(monkeypatch) -> list[int]:
     """The number of turns of every interleaved_times call (each then timed once); no SDPA
@@ -151,8 +158,7 @@ def test_the_mha_rows_take_their_own_number_of_turns(turns, capsys):
         bm.layer_rows(threads=1, repeats=2, mha_repeats=0, mha_tokens=16, gpt2_tokens=0, smollm2_tokens=0,
                       minilm_texts=0, train_steps=0, decode_tokens=0)
     turns.clear()
-    args = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
-            "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]
+    args = MHA_ONLY
     assert main(args) == 0
     assert turns == [bm.MHA_REPEATS] * 2 and bm.MHA_REPEATS > 3
     assert f"MultiheadAttention rows' short calls: median of {bm.MHA_REPEATS}" in capsys.readouterr().out
@@ -176,7 +182,7 @@ def test_the_sdpa_cells_of_short_calls_take_their_own_number_of_turns(turns, cap
     with pytest.raises(ValueError, match="short_repeats"):
         bm.run_sdpa(shapes, repeats=2, short_repeats=0, threads=1, passes=["fwd"])
     turns.clear()
-    args = ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--passes", "fwd", "--threads", "1"]
+    args = SWEEP_64_FWD
     assert main(args) == 0
     assert turns == [bm.SHORT_REPEATS] * 2 and bm.SHORT_REPEATS > 3  # L=64, causal and not
     assert f"scores: median of {bm.SHORT_REPEATS}" in capsys.readouterr().out
@@ -338,7 +344,7 @@ def test_sdpa_cells_near_even_take_more_turns(monkeypatch, capsys):
     seen = []
     monkeypatch.setattr(bm, "interleaved_times", lambda fns, repeats, **kw: seen.append(repeats) or
                         {name: [1.0] * repeats for name in fns})
-    args = ["bench", "--sections", "sdpa", "--shapes", "sweep", "--sizes", "64", "--passes", "fwd", "--threads", "1"]
+    args = SWEEP_64_FWD
     assert main(args) == 0
     assert seen == [bm.SHORT_REPEATS, bm.CLOSE_REPEATS] * 2 and bm.CLOSE_REPEATS > 0
     out = capsys.readouterr().out
@@ -372,8 +378,7 @@ def test_layer_rows_near_even_take_more_turns(monkeypatch, capsys):
         bm.layer_rows(threads=1, repeats=2, close_repeats=-2, mha_tokens=16, gpt2_tokens=0, smollm2_tokens=0,
                       minilm_texts=0, train_steps=0, decode_tokens=0)
     attnlab = iter([0.92, 0.8, 0.7])
-    args = ["bench", "--sections", "layers", "--layer-tokens", "16", "--prefill-tokens", "0", "--minilm-texts", "0",
-            "--train-steps", "0", "--new-tokens", "0", "--threads", "1"]
+    args = MHA_ONLY
     assert main(args) == 0
     assert "medians over all): MultiheadAttention(512, 8) fwd, L=16\n" in capsys.readouterr().out
 
