@@ -106,7 +106,7 @@ class Store:
                 if isinstance(value, str):
                     kinds[name] = "str"
                     value = np.frombuffer(value.encode("utf-8"), dtype=np.uint8)
-                tensors[f"{index}/{name}"] = np.ascontiguousarray(value)
+                tensors[f"{index}/{name}"] = np.asarray(value, order="C")  # 0-d stays 0-d
         path = self.shards / f"{batch_name}.{self.run}.safetensors"
         meta = {"batch": batch_name, "run": self.run, "items": records, "kinds": kinds}
         try:
@@ -217,7 +217,7 @@ class SweepResults:
             rest is filled at the end (NaN for floats, -1 for ints, False, ``""``);
             :attr:`shapes` gives every item's own shape. Items without the result (failed,
             not yet run) are filled whole.
-        shapes: result name -> ``(n, ndim)`` int64: each item's own shape (-1: none).
+        shapes: result name -> ``(n, ndim)`` int64: each item's own shape (-1 where it has none).
         status: ``(n,)`` ``"ok"``, ``"failed"`` or ``"missing"`` (not run yet).
         errors: index -> the error of a failed item.
         lines: ``(n,)`` each item's line in the JSONL file (-1 for an iterable).
@@ -249,13 +249,10 @@ class SweepResults:
 
     def item(self, index: int) -> dict[str, object]:
         """Item ``index``'s results at their own shapes (no fill)."""
-        out = {}
-        for name, a in self.arrays.items():
-            shape = self.shapes[name][index]
-            if shape[0] < 0:
-                continue
-            out[name] = a[(index, *(slice(0, s) for s in shape))] if a.dtype != object else a[index]
-        return out
+        if self.status[index] != "ok":
+            return {}
+        return {name: a[(index, *(slice(0, s) for s in self.shapes[name][index]))] if a.dtype != object
+                else a[index] for name, a in self.arrays.items()}
 
 
 def _fill(dtype: np.dtype):
@@ -330,7 +327,7 @@ def read_results(out: str | os.PathLike) -> SweepResults:
             for i, v in per_item.items():
                 a[i] = v.tobytes().decode("utf-8")
             arrays[name] = a
-            shapes[name] = np.array([[0] if i in per_item else [-1] for i in range(n)], dtype=np.int64)
+            shapes[name] = np.zeros((n, 0), dtype=np.int64)
             continue
         ndim = max(v.ndim for v in per_item.values())
         dtype = np.result_type(*per_item.values())

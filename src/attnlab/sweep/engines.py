@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -320,7 +321,10 @@ def probe(address: str) -> None:
                          "'ray start --head' or give the address it printed") from None
 
 
-def _ray():
+def _ray(local: bool = False):
+    if local and "ray" not in sys.modules:
+        # Ray then keeps a one-node cluster on the loopback address (read when ray is imported).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError as exc:
@@ -354,13 +358,17 @@ class RayEngine:
         self.ready_at = None
 
     def __enter__(self):
-        ray = _ray()
+        ray = _ray(local=self.address is None)
         if self.address is not None:
             probe(self.address)
-            ray.init(address=self.address, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+            try:
+                ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
+            except (ConnectionError, RuntimeError, TimeoutError) as exc:
+                raise SweepError(f"the Ray cluster at {self.address} refused the connection ({exc}); a cluster "
+                                 "with token authentication needs RAY_AUTH_MODE=token and its token") from None
             self.started = True  # this process's connection: dropped at the end (the cluster stays)
         elif not ray.is_initialized():
-            ray.init(num_cpus=self.workers * self.threads, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False, log_to_driver=False,
                      logging_level="ERROR", _node_ip_address="127.0.0.1")
             self.started = True
         try:

@@ -209,7 +209,7 @@ class Cache(Method):
             per_item = []
             for b in range(len(batch)):
                 x = batch.own(a, b, (2, 3) if maps else (1,))  # maps: (H, T_i, T_i), else (T_i, ...)
-                per_item.append(np.ascontiguousarray(_reduce(x, self.position, axis=1 if maps else 0)))
+                per_item.append(np.asarray(_reduce(x, self.position, axis=1 if maps else 0), order="C"))
             out[name] = per_item
         return out
 
@@ -251,18 +251,18 @@ class LogitLensTop(Method):
         n = len(model.layers)
         names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.hook_resid_post" for i in range(n)]
         _, cache = model.run_with_cache(batch.input_ids, attention_mask=batch.attention_mask, names_filter=names)
+        if self.position is not None:  # every item's one position together: (B, 1, D) per entry
+            own = {name: np.stack([_reduce(batch.own(np.asarray(cache[name]), b), self.position)
+                                   for b in range(len(batch))])[:, None] for name in names}
+            top, p = logit_lens_top(model, own, k=self.k)  # (N + 1, B, 1, k)
+            return {"ids": np.moveaxis(top[:, :, 0], 1, 0).astype(np.int64), "probs": np.moveaxis(p[:, :, 0], 1, 0)}
         ids, probs = [], []
         for b in range(len(batch)):
-            # One item at a time, its own positions only: the (T, V) logits of one entry at a time.
+            # One item at a time, its own positions only: one entry's (T_i, V) logits at a time.
             own = {name: batch.own(np.asarray(cache[name]), b)[None] for name in names}  # (1, T_i, D)
-            if self.position is not None:
-                own = {name: _reduce(a, self.position, axis=1)[:, None] for name, a in own.items()}
-            top, p = logit_lens_top(model, own, k=self.k)  # (N + 1, 1, T_i or 1, k)
-            top, p = top[:, 0], p[:, 0]
-            if self.position is not None:
-                top, p = top[:, 0], p[:, 0]
-            ids.append(top.astype(np.int64))
-            probs.append(p)
+            top, p = logit_lens_top(model, own, k=self.k)  # (N + 1, 1, T_i, k)
+            ids.append(top[:, 0].astype(np.int64))
+            probs.append(p[:, 0])
         return {"ids": ids, "probs": probs}
 
 
