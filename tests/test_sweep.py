@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sweep_helpers import MARKER, die_on_marker, fail_on_marker, last_resid, tiny_gpt2
 
 from attnlab.inspect import activation_patching, detect_heads, logit_lens_top
 from attnlab.sweep import METHODS, SweepError, read_results, register_method, sweep
 from attnlab.sweep.methods import FunctionMethod
+from sweep_helpers import MARKER, die_on_marker, fail_on_marker, last_resid, tiny_gpt2
 
 
 @pytest.fixture(scope="module")

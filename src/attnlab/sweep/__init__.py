@@ -34,7 +34,7 @@ from attnlab._validation import positive_int
 from attnlab.sweep import engines as _engines
 from attnlab.sweep._data import Plan, count, describe, encode, make_batch, read_entries, windows
 from attnlab.sweep._model import load_model, model_identity, recipe_for, weights_folder
-from attnlab.sweep._store import SweepError, SweepResults, Store, read_results
+from attnlab.sweep._store import Store, SweepError, SweepResults, read_results
 from attnlab.sweep.engines import ENGINES, Job
 from attnlab.sweep.methods import (
     METHODS,

@@ -368,8 +368,8 @@ class RayEngine:
                                  "with token authentication needs RAY_AUTH_MODE=token and its token") from None
             self.started = True  # this process's connection: dropped at the end (the cluster stays)
         elif not ray.is_initialized():
-            ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False, log_to_driver=False,
-                     logging_level="ERROR", _node_ip_address="127.0.0.1")
+            ray.init(address="local", num_cpus=self.workers * self.threads, include_dashboard=False,
+                     log_to_driver=False, logging_level="ERROR", _node_ip_address="127.0.0.1")
             self.started = True
         try:
             arrays = {name: p.data for name, p in self.model.named_parameters()}
@@ -429,7 +429,8 @@ class RayEngine:
                 self.actors[w] = self._new_actor()
                 if job.deaths >= 2:
                     feed(w)
-                    yield job, Outcome.failed(len(job.batch), f"the actor computing it died twice ({type(exc).__name__})")
+                    error = f"the actor computing it died twice ({type(exc).__name__})"
+                    yield job, Outcome.failed(len(job.batch), error)
                 else:
                     retry.appendleft(job)
                     feed(w)
