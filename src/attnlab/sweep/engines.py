@@ -34,6 +34,7 @@ from attnlab.sweep.methods import Batch, Method
 __all__ = ["ENGINES", "Outcome", "compute_threads", "run_batch"]
 
 ENGINES = ("serial", "processes", "ray")
+"""The engines a sweep runs on (``engine=``): this process, local worker processes, Ray actors."""
 
 
 class Outcome:

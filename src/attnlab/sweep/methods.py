@@ -436,12 +436,12 @@ class FunctionMethod(Method):
         return self.fn(model, batch)
 
 
-#: Every method a sweep runs by name: name -> a factory taking the method's options
-#: (keyword arguments) and returning a :class:`Method`. A new method adds one entry
-#: (:func:`register_method`).
 METHODS: dict[str, Callable[..., Method]] = {
     m.name: m for m in (Cache, LogitLensTop, DetectHeads, ActivationPatching, Generate)
 }
+"""Every method a sweep runs by name: name -> a factory taking the method's options (keyword
+arguments) and returning a :class:`Method`. A new method adds one entry
+(:func:`register_method`)."""
 
 
 def register_method(name: str, factory: Callable[..., Method]) -> None:
