@@ -23,8 +23,10 @@ The folder's layout is described in :mod:`attnlab.sweep._store`; the engines in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -33,7 +35,7 @@ from typing import Any
 from attnlab._validation import positive_int
 from attnlab.sweep import engines as _engines
 from attnlab.sweep._data import Plan, count, describe, encode, make_batch, read_entries, windows
-from attnlab.sweep._model import load_model, model_identity, recipe_for, weights_folder
+from attnlab.sweep._model import adopt, load_model, map_weights, model_identity, recipe_for
 from attnlab.sweep._store import Store, SweepError, SweepResults, read_results
 from attnlab.sweep.engines import ENGINES, Job
 from attnlab.sweep.methods import (
@@ -198,14 +200,20 @@ def sweep(
                                            "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     t0 = time.perf_counter()
     recipe = None
-    if engine == "processes":
-        recipe = recipe_for(model, weights_folder())
-        if given is not model:  # loaded here: the driver maps the shared file too, its own copy freed
-            from attnlab.sweep._model import _map, adopt
+    with contextlib.ExitStack() as cleanup:
+        if engine == "processes":
+            folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="attnlab-sweep-weights-"))
+            recipe = recipe_for(model, folder)  # the weights, written once for the workers to map
+            if given is not model:  # loaded here: the driver maps the shared file too, its own copy freed
+                adopt(model, map_weights(recipe.path))
+        elif engine == "ray":
+            recipe = recipe_for(model)
+        return _run(store, model, method, data, plan, engine, threads, workers, recipe, address, retry_failed,
+                    on_error, total, progress, t0)
 
-            adopt(model, _map(recipe.path))
-    elif engine == "ray":
-        recipe = recipe_for(model)
+
+def _run(store, model, method, data, plan, engine, threads, workers, recipe, address, retry_failed, on_error,
+         total, progress, t0) -> SweepReport:
     counts = {"computed": 0, "skipped": 0}
     runner = {"serial": _engines.SerialEngine, "processes": _engines.ProcessEngine, "ray": _engines.RayEngine}[engine]
     with runner(model, method, threads=threads, workers=workers, recipe=recipe, address=address) as pool:
@@ -214,7 +222,7 @@ def sweep(
         for job, outcome in pool.map(jobs):
             _record(store, job, outcome, on_error)
             counts["computed"] += len(job.batch)
-            store.write_table()
+            store.write_table(every=10.0)
             if progress is not None:
                 elapsed = time.perf_counter() - ready
                 done = len(store.records)

@@ -14,14 +14,13 @@ import dataclasses
 import hashlib
 import inspect
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Recipe", "adopt", "fingerprint", "load_model", "model_identity", "recipe_for"]
+__all__ = ["Recipe", "adopt", "fingerprint", "load_model", "map_weights", "model_identity", "recipe_for"]
 
 
 def load_model(model):
@@ -103,15 +102,14 @@ class Recipe:
 
         with init.empty_weights():
             model = self.cls(self.config, **self.kwargs)
-        arrays = self.arrays if self.arrays is not None else _map(self.path)
+        arrays = self.arrays if self.arrays is not None else map_weights(self.path)
         adopt(model, arrays, self.names)
         return model
 
 
 def recipe_for(model, folder: str | os.PathLike | None = None) -> Recipe:
     """A :class:`Recipe` for ``model``; with ``folder``, its weights are written there once as
-    one safetensors file (``weights-<fingerprint>.safetensors``, kept if already there) that
-    workers map.
+    one safetensors file (``weights-<fingerprint>.safetensors``) that workers map.
 
     Raises:
         TypeError: a model that its class and config cannot rebuild (the parameters differ).
@@ -154,14 +152,7 @@ def write_weights(model, folder: str | os.PathLike) -> Path:
     return path
 
 
-def weights_folder() -> Path:
-    """Where the driver writes the weights its workers map: the system's temporary folder."""
-    folder = Path(tempfile.gettempdir()) / "attnlab-sweep-weights"
-    folder.mkdir(exist_ok=True)
-    return folder
-
-
-def _map(path: str) -> dict[str, np.ndarray]:
+def map_weights(path: str) -> dict[str, np.ndarray]:
     """Every tensor of a safetensors file as a read-only memory map (no bytes read yet)."""
     from attnlab.io.safetensors import DTYPES, read_header
 

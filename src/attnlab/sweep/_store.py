@@ -11,7 +11,7 @@
     restarts from them, and a batch is in a shard whole or not at all.
 ``OUT/items.parquet``
     one row per item (index, line, status, error, tokens, shard), rewritten from the shards
-    after each batch; a convenience for tables (pandas, DuckDB).
+    every 10 seconds and at the end; a convenience for tables (pandas, DuckDB).
 
 Texts (``str`` results) are stored as their UTF-8 bytes (uint8) and read back as ``str``.
 """
@@ -21,8 +21,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -80,6 +82,7 @@ class Store:
         self.shards.mkdir(exist_ok=True)
         _write_json(manifest_path, manifest)
         self.manifest = manifest
+        self._table_written = -math.inf
 
     def status(self, index: int, digest: str, where: str) -> str | None:
         """``"ok"``/``"failed"`` when item ``index`` is recorded, else None.
@@ -120,10 +123,15 @@ class Store:
             self.records[rec["index"]] = {**rec, "shard": path.name, "run": self.run}
         return path
 
-    def write_table(self) -> None:
-        """``items.parquet`` from the records (best effort: the shards are the record)."""
+    def write_table(self, *, every: float = 0.0) -> None:
+        """``items.parquet`` from the records, unless it was written less than ``every``
+        seconds ago (best effort: the shards are the record)."""
+        now = time.monotonic()
+        if now - self._table_written < every:
+            return
         with contextlib.suppress(OSError):
             write_items_table(self.out / "items.parquet", self.records)
+        self._table_written = now
 
 
 def _same_settings(out: Path, theirs: dict, ours: dict) -> None:
@@ -316,7 +324,8 @@ def read_results(out: str | os.PathLike) -> SweepResults:
     for path, indices in by_shard.items():
         infos, meta = metas[path]
         kinds.update(meta.get("kinds", {}))
-        wanted = [name for name in infos if int(name.split("/", 1)[0]) in set(indices)]
+        keep = set(indices)
+        wanted = [name for name in infos if int(name.split("/", 1)[0]) in keep]
         for name, arr in load_tensors(path, wanted, header=(infos, {}), finite=False).items():
             index, result = name.split("/", 1)
             values.setdefault(result, {})[int(index)] = arr
