@@ -84,7 +84,9 @@ def _rollup(pid: int) -> dict[str, int]:
 
 
 class MemorySampler(threading.Thread):
-    """Peak RSS, PSS and USS of each worker process, sampled every 0.2 s."""
+    """Peak RSS, PSS and USS of each worker process, sampled every 0.5 s. Reading smaps_rollup
+    walks the worker's page tables under its memory-map lock, which slows the worker: the
+    memory is measured in a run of its own, never in a timed one."""
 
     def __init__(self):
         super().__init__(daemon=True)
@@ -92,7 +94,7 @@ class MemorySampler(threading.Thread):
         self.stop = threading.Event()
 
     def run(self):
-        while not self.stop.wait(0.2):
+        while not self.stop.wait(0.5):
             for pid in _children():
                 m = _rollup(pid)
                 if m:
@@ -134,7 +136,7 @@ class RayHead:
         return False
 
 
-def run_engine(engine: str, data: Path, out: Path, args) -> dict:
+def run_engine(engine: str, data: Path, out: Path, args, *, memory: bool = False) -> dict:
     from attnlab.sweep import sweep
 
     marks: list[tuple[float, int]] = []
@@ -145,7 +147,7 @@ def run_engine(engine: str, data: Path, out: Path, args) -> dict:
     kwargs = {"engine": "ray" if engine.startswith("ray") else engine, "workers": args.workers}
     if engine == "serial":
         kwargs["workers"] = None
-    sampler = MemorySampler() if engine == "processes" else None
+    sampler = MemorySampler() if memory else None
     if sampler:
         sampler.start()
     try:
@@ -222,6 +224,7 @@ def main() -> None:
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--engines", default=",".join(ENGINES))
     p.add_argument("--no-resume", action="store_true", help="skip the resume check")
+    p.add_argument("--resume-only", action="store_true", help="only the resume check")
     p.add_argument("--resume-child", nargs=5, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.resume_child:
@@ -230,7 +233,7 @@ def main() -> None:
         return
     from attnlab._cpu import cpu_info
 
-    engines = args.engines.split(",")
+    engines = [] if args.resume_only else args.engines.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         data = tmp / "prompts.jsonl"
@@ -238,9 +241,9 @@ def main() -> None:
         print(f"CPU: {cpu_info().model}, {len(os.sched_getaffinity(0))} usable; load {machine_load()}")
         print(f"SmolLM2 logit lens (k={args.k}, last token) over {args.prompts} prompts of 16-64 tokens; "
               f"{args.workers} workers, 1 thread each\n")
-        print(f"{'round':>5}  {'engine':<12} {'prompts/s':>9} {'x serial':>8} {'load s':>7} {'total s':>8}")
+        if engines:
+            print(f"{'round':>5}  {'engine':<12} {'prompts/s':>9} {'x serial':>8} {'load s':>7} {'total s':>8}")
         rates: dict[str, list[float]] = {e: [] for e in engines}
-        memory = []
         for r in range(args.repeat):
             base = None
             for engine in engines:
@@ -250,16 +253,15 @@ def main() -> None:
                 ratio = f"{res['rate'] / base:.2f}" if base else "-"
                 print(f"{r + 1:>5}  {engine:<12} {res['rate']:9.2f} {ratio:>8} {res['load']:7.1f} "
                       f"{res['seconds']:8.1f}", flush=True)
-                if res["memory"]:
-                    memory += res["memory"]
         if "serial" in rates and len(rates["serial"]) == args.repeat:
             print("\nratio to serial, per round (min - max):")
             for engine in engines:
                 ratios = [a / b for a, b in zip(rates[engine], rates["serial"], strict=True)]
                 print(f"  {engine:<12} {min(ratios):.2f} - {max(ratios):.2f}")
-        if memory:
+        if "processes" in engines:
+            memory = run_engine("processes", data, tmp / "memory", args, memory=True)["memory"]
             gb = 1e9
-            print("\nprocess workers, peak memory each (GB): "
+            print("\nprocess workers, peak memory each (GB, a run of its own): "
                   + "; ".join(f"RSS {m['rss'] / gb:.2f}, PSS {m['pss'] / gb:.2f}, USS {m['uss'] / gb:.2f}"
                               for m in memory))
         if not args.no_resume:
