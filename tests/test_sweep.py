@@ -84,6 +84,23 @@ def test_cache_reduces_positions_and_cuts_the_padding(model, tmp_path):
             np.testing.assert_allclose(got[hooks[1]], pattern, rtol=1e-5, atol=1e-6)
 
 
+def test_an_encoders_batches_are_padded_on_the_right(tmp_path):
+    """BERT's positions count from 0: its batches pad on the right, and each item's hidden
+    states equal a run of the item alone."""
+    from helpers import TINY_BERT, tiny_bert_weights
+
+    from attnlab.models import BertConfig, BertEncoder
+
+    bert = BertEncoder(BertConfig(**TINY_BERT), tiny_bert_weights())
+    items = prompts(6, seed=11, lo=3, hi=12)
+    hook = "blocks.1.hook_resid_post"
+    sweep(bert, items, tmp_path / "bert", method="cache", options={"hooks": [hook]}, batch_size=6)
+    r = read_results(tmp_path / "bert")
+    for i, item in enumerate(items):
+        _, cache = bert.run_with_cache(np.array([item["text"]]), names_filter=[hook])
+        np.testing.assert_allclose(r.item(i)[hook], cache[hook][0], rtol=1e-5, atol=1e-5)
+
+
 def test_detect_heads_patching_and_generate_equal_their_functions(model, tmp_path):
     items = prompts(4, seed=3, lo=4, hi=9)
     sweep(model, items, tmp_path / "heads", method="detect_heads", options={"kind": "previous_token"})

@@ -261,7 +261,8 @@ def _record(store: Store, job: Job, outcome, on_error: str) -> None:
 def _jobs(store: Store, data, method: Method, model, plan: Plan, retry_failed: bool, counts: dict,
           on_error: str) -> Iterator[Job]:
     """The batches still to compute, window after window; unreadable items are recorded as
-    they are met (one shard per window)."""
+    they are met (one shard per window). Decoders' batches are left-padded, encoders' right."""
+    left = hasattr(model, "generate")
     for w, entries in enumerate(windows(read_entries(data, method.field), plan.window)):
         pending = []
         for e in entries:
@@ -289,4 +290,4 @@ def _jobs(store: Store, data, method: Method, model, plan: Plan, retry_failed: b
             members = [e for e in batches[rank] if e.index in todo]
             if not members:
                 continue
-            yield Job(f"{w:05d}-{rank:05d}", make_batch(members, seed=batches[rank][0].index), members)
+            yield Job(f"{w:05d}-{rank:05d}", make_batch(members, batches[rank][0].index, left), members)

@@ -171,15 +171,17 @@ def windows(entries: Iterable[Entry], size: int) -> Iterator[list[Entry]]:
         yield window
 
 
-def make_batch(entries: list[Entry], seed: int) -> Batch:
-    """The :class:`Batch` of ``entries``: ids left-padded (with id 0, masked out) to the longest."""
+def make_batch(entries: list[Entry], seed: int, left: bool = True) -> Batch:
+    """The :class:`Batch` of ``entries``: ids padded (with id 0, masked out) to the longest, on
+    the left (decoders) or the right (encoders)."""
     T = max(e.length for e in entries)
     ids = np.zeros((len(entries), T), dtype=np.int64)
     mask = np.zeros((len(entries), T), dtype=np.int64)
     for b, e in enumerate(entries):
         n = e.length
-        ids[b, T - n:] = e.encoded["input_ids"]
-        mask[b, T - n:] = 1
+        span = slice(T - n, T) if left else slice(0, n)
+        ids[b, span] = e.encoded["input_ids"]
+        mask[b, span] = 1
     return Batch(ids, mask, np.array([e.length for e in entries], dtype=np.int64),
                  np.array([e.index for e in entries], dtype=np.int64), tuple(e.item for e in entries),
-                 tuple({k: v for k, v in e.encoded.items() if k != "input_ids"} for e in entries), seed)
+                 tuple({k: v for k, v in e.encoded.items() if k != "input_ids"} for e in entries), seed, left)

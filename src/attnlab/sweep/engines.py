@@ -65,11 +65,8 @@ def run_batch(model, method: Method, batch: Batch) -> Outcome:
             return Outcome([None], [_error_text(exc)], [False])
     results, errors = [], []
     for b in range(len(batch)):
-        n = int(batch.lengths[b])
-        one = Batch(batch.input_ids[b:b + 1, -n:], batch.attention_mask[b:b + 1, -n:], batch.lengths[b:b + 1],
-                    batch.indices[b:b + 1], batch.items[b:b + 1], batch.extra[b:b + 1], batch.seed)
         try:
-            results.append(split_results(method(model, one), 1)[0])
+            results.append(split_results(method(model, batch.one(b)), 1)[0])
             errors.append(None)
         except Exception as exc:
             results.append(None)

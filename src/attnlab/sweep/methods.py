@@ -41,17 +41,21 @@ Item = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    """One batch of a sweep: items of similar length, their ids left-padded to one length.
+    """One batch of a sweep: items of similar length, their ids padded to one length: on the
+    left for a decoder (its last token last, as ``generate`` wants), on the right for an
+    encoder (positions from 0).
 
     Attributes:
-        input_ids: ``(B, T)`` int64 token ids, each row left-padded with ``pad_id``.
+        input_ids: ``(B, T)`` int64 token ids, each row padded with id 0 (masked out).
         attention_mask: ``(B, T)`` int64, 1 for an item's tokens, 0 for its padding.
-        lengths: ``(B,)`` each item's own length ``T_i`` (its last ``T_i`` columns).
+        lengths: ``(B,)`` each item's own length ``T_i`` (its last ``T_i`` columns, or its
+            first ``T_i`` with ``left=False``).
         indices: ``(B,)`` the items' 0-based places in the dataset.
         items: the dataset items (JSON objects) themselves.
         extra: per item, what the method's :meth:`Method.encode` returned besides
             ``input_ids`` (e.g. the corrupted prompt's ids).
         seed: a number fixed by the batch's place in the dataset (for methods that draw).
+        left: the padding is on the left (decoders) rather than the right (encoders).
     """
 
     input_ids: np.ndarray
@@ -61,9 +65,24 @@ class Batch:
     items: tuple[Item, ...]
     extra: tuple[Mapping[str, np.ndarray], ...]
     seed: int = 0
+    left: bool = True
 
     def __len__(self) -> int:
         return len(self.indices)
+
+    def _span(self, b: int) -> slice:
+        n, T = int(self.lengths[b]), self.input_ids.shape[1]
+        return slice(T - n, T) if self.left else slice(0, n)
+
+    def ids(self, b: int) -> np.ndarray:
+        """Item ``b``'s own token ids, ``(1, T_i)``: a batch of one, no padding."""
+        return self.input_ids[b:b + 1, self._span(b)]
+
+    def one(self, b: int) -> Batch:
+        """Item ``b`` alone, as a batch of one without padding."""
+        span = self._span(b)
+        return Batch(self.input_ids[b:b + 1, span], self.attention_mask[b:b + 1, span], self.lengths[b:b + 1],
+                     self.indices[b:b + 1], self.items[b:b + 1], self.extra[b:b + 1], self.seed, self.left)
 
     def own(self, a: np.ndarray, b: int, axes: tuple[int, ...] = (1,)) -> np.ndarray:
         """Item ``b``'s own positions of a batched array ``a`` (axis 0 the batch; ``axes``
@@ -73,10 +92,9 @@ class Batch:
         >>> batch.own(np.arange(3)[None], 0)
         array([1, 2])
         """
-        pad = self.input_ids.shape[1] - int(self.lengths[b])
         index = [slice(None)] * (a.ndim - 1)
         for axis in axes:
-            index[axis - 1] = slice(pad, None)
+            index[axis - 1] = self._span(b)
         return a[b][tuple(index)]
 
 
@@ -295,7 +313,7 @@ class DetectHeads(Method):
     def __call__(self, model, batch: Batch) -> dict[str, np.ndarray]:
         from attnlab.inspect import detect_heads
 
-        scores = [detect_heads(model, batch.input_ids[b:b + 1, -int(batch.lengths[b]):], self.kind,
+        scores = [detect_heads(model, batch.ids(b), self.kind,
                                exclude_bos=self.exclude_bos, exclude_current_token=self.exclude_current_token)
                   for b in range(len(batch))]
         return {"scores": np.stack(scores)}
@@ -349,7 +367,7 @@ class ActivationPatching(Method):
             def metric(logits, answer=answer, wrong=wrong):
                 return logits[0, -1, answer] - logits[0, -1, wrong]
 
-            ids = batch.input_ids[b:b + 1, -int(batch.lengths[b]):]
+            ids = batch.ids(b)
             bad = ex["corrupted"][None]
             effects.append(activation_patching(model, ids, bad, metric, hook=self.hook))
             clean.append(float(metric(model(ids))))
