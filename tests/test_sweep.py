@@ -87,9 +87,8 @@ def test_cache_reduces_positions_and_cuts_the_padding(model, tmp_path):
 def test_an_encoders_batches_are_padded_on_the_right(tmp_path):
     """BERT's positions count from 0: its batches pad on the right, and each item's hidden
     states equal a run of the item alone."""
-    from helpers import TINY_BERT, tiny_bert_weights
-
     from attnlab.models import BertConfig, BertEncoder
+    from helpers import TINY_BERT, tiny_bert_weights
 
     bert = BertEncoder(BertConfig(**TINY_BERT), tiny_bert_weights())
     items = prompts(6, seed=11, lo=3, hi=12)
