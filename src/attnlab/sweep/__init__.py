@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import tempfile
 import time
@@ -176,9 +177,12 @@ def sweep(
             stays intact), a Ray address that does not answer, ``on_error="raise"`` and an
             item failed.
         ValueError, TypeError: unknown methods, engines or options.
+        ImportError: pyarrow (the ``sweep`` extra) or, for ``engine="ray"``, Ray is missing.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(map(repr, ENGINES))}, got {engine!r}")
+    if importlib.util.find_spec("pyarrow") is None:
+        raise ImportError("a sweep writes its items table as Parquet through pyarrow: pip install 'attnlab[sweep]'")
     if on_error not in ("record", "raise"):
         raise ValueError(f"on_error must be 'record' or 'raise', got {on_error!r}")
     if address is not None and engine != "ray":
