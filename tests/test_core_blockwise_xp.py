@@ -157,28 +157,40 @@ def test_causal_attention_at_8192_keeps_off_the_score_matrix():
     assert extra <= 0.05 * 2 * 8192 * 8192 * 4, f"{extra / 2**20:.1f} MiB"
 
 
-def test_jax_float32_is_within_1e5_and_at_full_matmul_precision(monkeypatch):
-    jax = pytest.importorskip("jax")
-    jnp = jax.numpy
+JAX_CHECK = textwrap.dedent("""
+    import numpy as np, jax, jax.numpy as jnp, torch, attnlab
+    from attnlab.core import blockwise_xp
     rng = np.random.default_rng(1)
     q, k, v = (rng.standard_normal((1, 2, 256, 64)) for _ in range(3))
-    ref = F.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=True).numpy()
-    seen = []
-    real = jnp.matmul
-
+    ref = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)),
+                                                           is_causal=True).numpy()
+    seen, real = [], jnp.matmul
     def spy(*args, **kwargs):
         seen.append(jax.config.jax_default_matmul_precision)
         return real(*args, **kwargs)
-
-    monkeypatch.setattr(jnp, "matmul", spy)
+    jnp.matmul = spy
     jq, jk, jv = (jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v))
     for min_scores in (1 << 40, 1):  # the naive kernel, then the blockwise one
-        monkeypatch.setattr(blockwise_xp, "MIN_SCORES", min_scores)
+        blockwise_xp.MIN_SCORES = min_scores
         seen.clear()
         out = attnlab.scaled_dot_product_attention(jq, jk, jv, is_causal=True)
-        assert out.dtype == jnp.float32 and seen and set(seen) == {"highest"}
-        assert np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max() <= 1e-5
+        err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+        print(out.dtype, sorted(set(map(str, seen))), err <= 1e-5)
     seen.clear()
     with jax.default_matmul_precision("bfloat16"):  # the caller's own choice is kept
         attnlab.scaled_dot_product_attention(jq, jk, jv, is_causal=True)
-    assert set(seen) == {"bfloat16"}
+    print(sorted(set(map(str, seen))))
+""")
+
+
+def test_jax_float32_is_within_1e5_and_at_full_matmul_precision():
+    """In a process of its own: JAX's threads would make every later fork of the test process
+    unsafe (JAX warns so)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None:
+        pytest.skip("jax is not installed")
+    proc = subprocess.run([sys.executable, "-c", JAX_CHECK], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:3] == ["float32 ['highest'] True", "float32 ['highest'] True", "['bfloat16']"], \
+        proc.stdout
