@@ -53,7 +53,7 @@ PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
 DOCS_INSTALL = ("mkdocs", "material", "mkdocstrings", "markdown_exec", "matplotlib",
                 "safetensors", "tokenizers", "gguf", "jinja2")
 # The modules whose __all__ the reference covers.
-REFERENCE_MODULES = ("attnlab", "attnlab.models", "attnlab.inspect", "attnlab.nn")
+REFERENCE_MODULES = ("attnlab", "attnlab.models", "attnlab.inspect", "attnlab.nn", "attnlab.sweep")
 # The README's doctest flags (pyproject.toml); NUMBER and its output checker are pytest's.
 DOCTEST_FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS | _pytest_doctest._get_number_flag()
 

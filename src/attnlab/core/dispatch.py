@@ -18,8 +18,8 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._validation import as_float_array
-from attnlab.core import blockwise, naive, rows
-from attnlab.core._namespace import is_numpy
+from attnlab.core import blockwise, blockwise_xp, naive, rows
+from attnlab.core._namespace import as_dtype, is_numpy
 from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, check_keys_args
 
 __all__ = [
@@ -87,8 +87,8 @@ def scaled_dot_product_attention(
     (2, 4, 8)
     """
     spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if not is_numpy(query, key, value, attn_mask):  # another array library: the naive math in its namespace
-        return naive.forward(spec, rng=rng)
+    if not is_numpy(query, key, value, attn_mask):  # another array library: the Array API kernels
+        return _other_library(spec, "forward", rng=rng)
     work = widened(spec)
     kernel = kernel_for(work)
     if kernel == "rows":
@@ -191,7 +191,7 @@ def attention_scores(
     """
     spec = check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
     if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
-        return naive.scores(spec)
+        return _other_library(spec, "scores")
     return naive.scores(widened(spec)).astype(spec.query.dtype, copy=False)
 
 
@@ -223,7 +223,7 @@ def attention_weights(
     """
     spec = check_keys_args(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
-        return naive.weights(spec, rng=rng)
+        return _other_library(spec, "weights", rng=rng)
     return naive.weights(widened(spec), rng=rng).astype(spec.query.dtype, copy=False)
 
 
@@ -263,8 +263,8 @@ def scaled_dot_product_attention_backward(
     """
     spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     grad_out = check_grad_out(spec, grad_out)
-    if not is_numpy(grad_out, query, key, value, attn_mask):  # another array library: naive math there
-        return naive.backward(spec, grad_out, rng=rng)
+    if not is_numpy(grad_out, query, key, value, attn_mask):  # another array library: the Array API kernels
+        return _other_library(spec, "backward", grad_out=grad_out, rng=rng)
     work = widened(spec)
     grad_out = grad_out.astype(work.query.dtype, copy=False)
     kernel = kernel_for(work, backward=True)
@@ -275,6 +275,44 @@ def scaled_dot_product_attention_backward(
     else:
         grads = naive.backward(work, grad_out, rng=rng)
     return tuple(g.astype(spec.query.dtype, copy=False) for g in grads)
+
+
+# ---- arrays of other libraries (torch, CuPy, JAX, ...) -------------------------------------------
+
+
+def kernel_for_other_library(spec: AttentionSpec) -> str:
+    """The kernel for arrays of another library: ``"blockwise"`` (:mod:`attnlab.core.blockwise_xp`,
+    no ``(L, S)`` matrix) from :data:`attnlab.core.blockwise_xp.MIN_SCORES` scores without
+    dropout, else ``"naive"``. Sizes alone decide: nothing here depends on the host.
+
+    >>> import array_api_strict as xs
+    >>> q = xs.zeros((1, 2, 8192, 8))
+    >>> kernel_for_other_library(check_attention_args(q, q, q)), kernel_for_other_library(
+    ...     check_attention_args(q[:, :, :64, :], q, q))
+    ('blockwise', 'naive')
+    """
+    return "blockwise" if blockwise_xp.use_blockwise(spec) else "naive"
+
+
+def _other_library(spec: AttentionSpec, what: str, *, grad_out=None, rng=None):
+    """``what`` (forward, backward, weights, scores) for another library's arrays: computed in
+    float32 for narrower inputs (:func:`attnlab.core.blockwise_xp.widened`), JAX's matmuls at
+    full precision (:func:`attnlab.core.blockwise_xp.matmul_precision`), results in the
+    inputs' dtype."""
+    work = blockwise_xp.widened(spec)
+    dtype = spec.query.dtype
+    with blockwise_xp.matmul_precision(spec.xp):
+        if what == "scores":
+            return as_dtype(naive.scores(work), dtype)
+        if what == "weights":
+            return as_dtype(naive.weights(work, rng=rng), dtype)
+        blocks = kernel_for_other_library(work) == "blockwise"
+        if what == "forward":
+            out = blockwise_xp.forward(work) if blocks else naive.forward(work, rng=rng)
+            return as_dtype(out, dtype)
+        grad_out = as_dtype(grad_out, work.query.dtype)
+        grads = blockwise_xp.backward(work, grad_out) if blocks else naive.backward(work, grad_out, rng=rng)
+        return tuple(as_dtype(g, dtype) for g in grads)
 
 
 def simple_attention(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
