@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
+
+from attnlab._io import file_kind
 
 __all__ = [
     "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "regular_file",
@@ -18,21 +19,6 @@ MAX_JSON_BYTES = 4 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint folder or file that attnlab cannot read (the message names the file)."""
-
-
-def file_kind(mode: int) -> str | None:
-    """What a file that is not a regular file is, in words (None for a regular file).
-
-    >>> import os
-    >>> file_kind(os.stat("/").st_mode)
-    'a directory'
-    """
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
