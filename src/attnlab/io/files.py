@@ -39,7 +39,7 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing") from None
     except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from None
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
     kind = file_kind(mode)
     if kind is not None:  # never opened: a pipe would block, a device never end
         raise CheckpointError(f"{path} is {kind}, not a {what}")
@@ -60,8 +60,10 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind:
         raise CheckpointError(f"{path} is {size} bytes; a config file should be under {max_bytes}")
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, a 5000-digit number
+        raise CheckpointError(f"{path} is not valid JSON: {type(exc).__name__}: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
     if not isinstance(data, kind):
         what = "object" if kind is dict else kind.__name__
         raise CheckpointError(f"{path} should hold a JSON {what}, got {type(data).__name__}")
@@ -89,7 +91,7 @@ def load_tokenizer(path: str | os.PathLike, *, lower_case: bool = False):
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own Exception subclass
-        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from None
+        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from exc
     current = tokenizer.normalizer
     if lower_case and not isinstance(current, norm.Lowercase) and not (
         isinstance(current, norm.Sequence) and any(isinstance(n, norm.Lowercase) for n in current)
