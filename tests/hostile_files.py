@@ -13,8 +13,8 @@ import numpy as np
 
 from gguf_files import DROP, rewrite_gguf
 
-__all__ = ["DROP", "cut", "field_at", "nested_array", "patch", "rewrite_gguf", "small_vocabulary", "tensor_info_at",
-           "write_hf_decoder"]
+__all__ = ["DROP", "append_tensor", "cut", "field_at", "nested_array", "patch", "rewrite_gguf", "small_vocabulary",
+           "tensor_info_at", "write_hf_decoder"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -59,6 +59,17 @@ def tensor_info_at(path, which: int | str = 0) -> dict:
             "type": at + int(starts[4]), "offset": at + int(starts[5])}
 
 
+def append_tensor(path, name: str, shape: list[int]) -> None:
+    """A tensor of no bytes, of ``shape``, added to a safetensors file's header."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
 def nested_array(src, dst, depth: int) -> Path:
     """``src`` with one more metadata entry: an array of arrays ``depth`` deep (one byte at the
     bottom), padded to the file's alignment so that the tensors stay where they are."""
@@ -96,7 +107,7 @@ def small_vocabulary(src, dst, n: int) -> Path:
     if "tokenizer.ggml.merges" in reader.fields:
         merges = [m for m in reader.fields["tokenizer.ggml.merges"].contents()
                   if all(p in keep for p in m.split(" ", 1)) and m.replace(" ", "", 1) in keep]
-        changes["tokenizer.ggml.merges"] = merges
+        changes["tokenizer.ggml.merges"] = merges or DROP  # the writer writes no empty array
     for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
         if f"tokenizer.ggml.{key}" in reader.fields and reader.fields[f"tokenizer.ggml.{key}"].contents() >= n:
             changes[f"tokenizer.ggml.{key}"] = DROP
@@ -104,7 +115,7 @@ def small_vocabulary(src, dst, n: int) -> Path:
 
 
 def write_hf_decoder(folder, *, model_type: str = "llama", layers: int = 2, hidden: int = 32, heads: int = 4,
-                     kv_heads: int = 2, ff: int = 64, head_dim: int | None = None, seed: int = 0,
+                     kv_heads: int = 2, ff: int = 64, head_size: int | None = None, seed: int = 0,
                      tokenizer: bool = True, tensors: dict | None = None, **changes) -> Path:
     """A random decoder folder in ``transformers``' names, written without torch:
     ``config.json`` (``changes`` applied after the weights are made: the config may then
@@ -115,7 +126,7 @@ def write_hf_decoder(folder, *, model_type: str = "llama", layers: int = 2, hidd
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
-    V, D, F, Dh = 300, hidden, ff, head_dim or hidden // heads
+    V, D, F, Dh = 300, hidden, ff, head_size or hidden // heads
     gemma = model_type.startswith("gemma")
     bias = model_type == "qwen2"
     qk_norm = model_type in ("qwen3", "gemma3_text")
@@ -148,7 +159,7 @@ def write_hf_decoder(folder, *, model_type: str = "llama", layers: int = 2, hidd
               "hidden_size": D, "intermediate_size": F, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "tie_word_embeddings": gemma, "bos_token_id": 0, "eos_token_id": 0}
-    if head_dim is not None or gemma:
+    if head_size is not None or gemma:
         config["head_dim"] = Dh
     if gemma:
         config.update(query_pre_attn_scalar=Dh, sliding_window=8)
