@@ -548,3 +548,14 @@ def test_hostile_copies_of_smollm2_are_refused_before_anything_large_is_built(tm
     finally:
         tracemalloc.stop()
     assert peak < 300 << 20, f"{peak / 2**20:.0f} MB traced (a valid float32 load takes about 600 MB)"
+
+
+@pytest.mark.parametrize("content", [b"{{ messages \xff }}", "dir", b"x" * ((4 << 20) + 1)])
+def test_a_folder_chat_template_that_cannot_be_read_is_named(tmp_path, content):
+    folder = write_hf_decoder(tmp_path / "m", tokenizer=False)
+    jinja = folder / "chat_template.jinja"
+    if content == "dir":
+        jinja.mkdir()
+    else:
+        jinja.write_bytes(content)
+    refused(folder, r"chat_template.jinja (is not valid UTF-8 text|is a directory|is \d+ bytes; a chat template)")

@@ -9,7 +9,7 @@ from pathlib import Path
 from attnlab._io import file_kind
 
 __all__ = [
-    "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "regular_file",
+    "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "read_text", "regular_file",
     "safetensors_weights",
 ]
 
@@ -46,6 +46,27 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     return path
 
 
+def read_text(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, what: str = "text file",
+              label: str = "UTF-8 text") -> str:
+    """The text of a small file (a config, a chat template), checked: a regular file, at
+    most ``max_bytes``, UTF-8.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        CheckpointError: anything else, naming the file (``what`` and ``label`` word it).
+    """
+    path = regular_file(path, what)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise CheckpointError(f"{path} is {size} bytes; a {what} should be under {max_bytes}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid {label}: {type(exc).__name__}: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
+
+
 def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind: type = dict):
     """A JSON object (or, with ``kind=list``, a list) from a small file (a config), checked:
     size, encoding, syntax, kind.
@@ -54,16 +75,11 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind:
         FileNotFoundError: the file is missing.
         CheckpointError: anything else, naming the file.
     """
-    path = regular_file(path, "JSON file")
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise CheckpointError(f"{path} is {size} bytes; a config file should be under {max_bytes}")
+    text = read_text(path, max_bytes=max_bytes, what="JSON file", label="JSON")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, a 5000-digit number
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deep, a 5000-digit number
         raise CheckpointError(f"{path} is not valid JSON: {type(exc).__name__}: {exc}") from exc
-    except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
     if not isinstance(data, kind):
         what = "object" if kind is dict else kind.__name__
         raise CheckpointError(f"{path} should hold a JSON {what}, got {type(data).__name__}")

@@ -292,7 +292,7 @@ def _open(path: Path):
         return _reader_class()(path)
     except _Truncated as exc:
         raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from exc
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, TypeError, RecursionError) as exc:
+    except (ValueError, KeyError, IndexError, ArithmeticError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"{path} is not a valid GGUF file: {type(exc).__name__}: {exc}") from exc
     except OSError as exc:
         raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc

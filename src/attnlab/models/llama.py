@@ -34,7 +34,7 @@ import numpy as np
 from attnlab._validation import float_dtype, generator, positive_int
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.checks import check_decoder_config, check_decoder_tensors
-from attnlab.io.files import CheckpointError, check_tokenizer, load_tokenizer, read_json, regular_file
+from attnlab.io.files import CheckpointError, check_tokenizer, load_tokenizer, read_json, read_text, regular_file
 from attnlab.io.safetensors import folder_headers, load_folder
 from attnlab.models.decoder import CausalLM
 from attnlab.models.gpt2 import GPT2Output
@@ -589,8 +589,8 @@ class Llama(CausalLM):
 
 def _folder_chat_template(folder: Path) -> str | None:
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return regular_file(jinja).read_text(encoding="utf-8")
+    if jinja.exists():
+        return read_text(jinja, what="chat template")
     config = folder / "tokenizer_config.json"
     if config.is_file():
         template = read_json(config).get("chat_template")
