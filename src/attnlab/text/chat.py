@@ -287,6 +287,12 @@ def _check_call(name: str, value, args, kwargs, budget: _Budget) -> None:
         budget.room(len(text) + text.count("\t") * max(int(size), 0), "expandtabs()")
 
 
+def _check_join(sep, items, budget: _Budget) -> None:
+    """Refuse a join whose separators alone pass the budget (``items`` of a known length)."""
+    n = len(items) if hasattr(items, "__len__") else 0
+    budget.room(max(n - 1, 0) * len(str(sep)), "a join")
+
+
 def _bounded_filter(name: str, f):
     """A filter that takes a step, is checked before it runs and counts what it makes."""
     import functools
@@ -299,10 +305,8 @@ def _bounded_filter(name: str, f):
         budget.step()
         value, rest = (args[skip], args[skip + 1:]) if len(args) > skip else (None, ())
         _check_call(name, value, rest, kwargs, budget)
-        if name == "join" and rest or name == "join" and "d" in kwargs:
-            sep = str(rest[0] if rest else kwargs["d"])
-            n = len(value) if hasattr(value, "__len__") else 0
-            budget.room(max(n - 1, 0) * len(sep), "a join")
+        if name == "join":
+            _check_join(rest[0] if rest else kwargs.get("d", ""), value, budget)
         return budget.made(f(*args, **kwargs))
 
     return run
@@ -435,10 +439,10 @@ def _environment():
             budget.step()
             owner = getattr(__obj, "__self__", None)
             if isinstance(owner, str | list):
-                _check_call(getattr(__obj, "__name__", "method"), owner, args, kwargs, budget)
-                if getattr(__obj, "__name__", "") == "join" and isinstance(owner, str) and args:
-                    n = len(args[0]) if hasattr(args[0], "__len__") else 0
-                    budget.room(max(n - 1, 0) * len(owner), "a join")
+                name = getattr(__obj, "__name__", "method")
+                _check_call(name, owner, args, kwargs, budget)
+                if name == "join" and isinstance(owner, str) and args:
+                    _check_join(owner, args[0], budget)
             return budget.made(super().call(__context, __obj, *args, **kwargs))
 
         def wrap_str_format(self, value):
