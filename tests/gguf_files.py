@@ -107,3 +107,72 @@ def write_tiny_gguf(path, *, arch="llama", hidden=32, heads=4, kv_heads=2, layer
     w.write_tensors_to_file()
     w.close()
     return weights
+
+
+DROP = object()  # rewrite_gguf: remove this metadata entry or tensor
+
+
+def _value_type(value):
+    """The GGUF type of a Python value (ints: the narrowest unsigned or signed type that holds them)."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    if isinstance(value, bool):
+        return T.BOOL, None
+    if isinstance(value, int):
+        if 0 <= value < 2**32:
+            return T.UINT32, None
+        return (T.UINT64 if value >= 0 else T.INT64), None
+    if isinstance(value, float):
+        return T.FLOAT32, None
+    if isinstance(value, str):
+        return T.STRING, None
+    if isinstance(value, list):
+        return T.ARRAY, _value_type(value[0])[0] if value else T.UINT32
+    raise TypeError(f"no GGUF type for {type(value).__name__}")
+
+
+def rewrite_gguf(src, dst, *, metadata=None, tensors=None, arch=None):
+    """Copy the GGUF file ``src`` to ``dst`` with changes, the tensors' bytes as they are.
+
+    Args:
+        metadata: key -> new value (its GGUF type inferred from the value, or given as
+            ``(value, GGUFValueType[, item type])``), or ``DROP``; new keys are added.
+        tensors: tensor name -> new name, or ``DROP``.
+        arch: a new ``general.architecture``.
+    """
+    import gguf
+
+    metadata, tensors = dict(metadata or {}), dict(tensors or {})
+    reader = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(str(dst), arch or reader.fields["general.architecture"].contents())
+    seen = set()
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        seen.add(name)
+        if name in metadata:
+            change = metadata[name]
+            if change is DROP:
+                continue
+            value, kind, sub = change if isinstance(change, tuple) else (change, *_value_type(change))
+            w.add_key_value(name, value, kind, sub_type=sub)
+            continue
+        kind = field.types[0]
+        w.add_key_value(name, field.contents(), kind,
+                        sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None)
+    for name, change in metadata.items():
+        if name not in seen and change is not DROP:
+            value, kind, sub = change if isinstance(change, tuple) else (change, *_value_type(change))
+            w.add_key_value(name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        new = tensors.get(t.name, t.name)
+        if new is DROP:
+            continue
+        raw = None if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16) else t.tensor_type
+        w.add_tensor(new, np.asarray(t.data), raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst

@@ -342,7 +342,9 @@ def test_chat_template_errors_are_one_clear_value_error():
 
 @pytest.mark.parametrize(("key", "value", "match"), [
     ("attention.head_count", 0, "num_attention_heads must be a positive integer, got 0"),
-    ("attention.head_count", 3, r"attn_q.weight \(32, 32\): a q/k weight with 32 rows cannot hold 3 heads"),
+    ("attention.head_count", 3, r"num_attention_heads=3 is not a multiple of num_key_value_heads=2"),
+    ("attention.head_count", 8, r"tensor blk.0.attn_q.weight has shape \(32, 32\), but the config's "
+                                r"\(num_attention_heads x head_dim, hidden_size\) is \(64, 32\)"),
     ("embedding_length", "wide", "hidden_size must be a positive integer, got 'wide'"),
 ])
 def test_metadata_that_does_not_fit_is_refused(tmp_path, key, value, match):

@@ -73,7 +73,7 @@ def test_a_tiny_temperature_samples_the_likeliest_token():
 
 def test_the_sampler_never_draws_from_nan():
     for bad in ([[np.nan, 1.0]], [[np.inf, 1.0]], [[-np.inf, -np.inf]]):
-        with pytest.raises(ValueError, match="cannot sample from NaN"):
+        with pytest.raises(ValueError, match=r"cannot pick the next token from NaN or \+inf"):
             next_token(np.array(bad), temperature=1.0, rng=np.random.default_rng(0))
 
 
@@ -104,11 +104,14 @@ def test_parameter_shapes_are_the_models():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"n_layer": 10**7}, "n_layer is 10000000, but .* holds 2 layers"),
-    ({"n_positions": 10**9}, r"tensor 'wpe.weight' has shape \(16, 16\), but should be \(1000000000, 16\)"),
+    ({"n_layer": 1000}, "n_layer is 1000, but .* holds 2 layers"),
+    ({"n_layer": 10**7}, "n_layer is 10,000,000, more than the 1,024 attnlab reads"),
+    ({"n_positions": 10**6}, r"tensor 'wpe.weight' has shape \(16, 16\), but should be \(1000000, 16\)"),
+    ({"n_positions": 10**9}, r"n_positions is 1,000,000,000, more than the 16,777,216 attnlab reads"),
     ({"n_layer": 1}, "n_layer is 1, but .* holds 2 layers"),
-    ({"vocab_size": 10**8}, r"tensor 'wte.weight' has shape \(40, 16\)"),
-    ({"n_inner": 10**8}, r"tensor 'h.0.mlp.c_fc.weight' has shape \(16, 64\)"),
+    ({"vocab_size": 10**6}, r"tensor 'wte.weight' has shape \(40, 16\)"),
+    ({"n_inner": 10**6}, r"tensor 'h.0.mlp.c_fc.weight' has shape \(16, 64\)"),
+    ({"n_inner": 2**40}, r"n_inner is 1,099,511,627,776, more than the 1,048,576 attnlab reads"),
 ])
 def test_the_header_is_checked_before_anything_is_allocated(tmp_path, monkeypatch, change, message):
     from attnlab.io import CheckpointError
@@ -127,7 +130,7 @@ def test_cli_refuses_the_disagreeing_folder_in_one_line(tmp_path):
     folder = write_gpt2(tmp_path / "g", n_layer=10**7)
     for cmd in (["generate", "--checkpoint", str(folder), "1 2 3"],
                 ["explain", "--checkpoint", str(folder), "1 2 3", "--model", "gpt2"]):
-        one_line(run(*cmd), "n_layer is 10000000")
+        one_line(run(*cmd), "n_layer is 10,000,000, more than the 1,024 attnlab reads")
 
 
 @pytest.mark.parametrize("argv", [

@@ -159,7 +159,7 @@ def test_read_json_refuses_big_broken_and_non_object_files(tmp_path):
     with pytest.raises(CheckpointError, match="is not valid JSON"):
         read_json(p)
     p.write_text('{"a": "' + "x" * 200 + '"}')
-    with pytest.raises(CheckpointError, match="a config file should be under 100"):
+    with pytest.raises(CheckpointError, match="a JSON file should be under 100"):
         read_json(p, max_bytes=100)
 
 

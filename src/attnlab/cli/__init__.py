@@ -2,8 +2,10 @@
 
 Each subcommand lives in its own module under ``attnlab.cli`` and exposes
 ``register(subparsers)``; the module imports nothing heavy at import time, so ``--help`` is
-instant. Errors a user can cause become one line on stderr and exit code 2; a reader that
-closes the pipe early (``attnlab demo | head -1``) ends the command quietly (exit code 1).
+instant. Errors a user can cause become one line on stderr and exit code 2, output faults
+too (a full disk, standard output sent to ``/dev/full``, a device or a directory where a file
+should be written); a reader that closes the pipe early (``attnlab demo | head -1``) ends the
+command quietly (exit code 1).
 """
 
 from __future__ import annotations
@@ -91,11 +93,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"attnlab {command}: error: not enough memory for this model and input; use smaller "
               "sizes or a shorter input", file=sys.stderr)
         return 2
+    except OSError as exc:
+        # An output fault the command did not turn into a CLIError (its reads are): standard
+        # output on a full disk or /dev/full. One line; standard output then goes to devnull
+        # if it still fails, so that the flush at exit cannot fail again.
+        _stdout_flushes()
+        what = f"cannot write {exc.filename}" if exc.filename else "cannot write the output"
+        print(f"{'attnlab ' + command if command else 'attnlab'}: error: {what}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"{'attnlab ' + command if command else 'attnlab'}: interrupted", file=sys.stderr)
         return 130
     finally:
         warnings.showwarning = shown
+
+
+def _stdout_flushes() -> bool:
+    """Whether standard output takes what is buffered (if not, it is pointed at devnull)."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        _stdout_to_devnull()
+        return False
+    return True
 
 
 def _stdout_to_devnull() -> None:

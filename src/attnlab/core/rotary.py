@@ -90,8 +90,23 @@ class RopeConfig:
                 f"rope_scaling type {self.rope_type!r} is not supported; supported types: "
                 f"{', '.join(ROPE_TYPES)}"
             )
-        if not (isinstance(self.theta, int | float) and math.isfinite(self.theta) and self.theta > 1):
+        if not (_number(self.theta) and math.isfinite(self.theta) and self.theta > 1):
             raise ValueError(f"rope_theta must be a finite number > 1, got {self.theta!r}")
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "beta_fast", "beta_slow",
+                     "partial_rotary_factor"):
+            _check_number(name, getattr(self, name), positive=True)
+        for name in ("mscale", "mscale_all_dim"):
+            _check_number(name, getattr(self, name), positive=False)
+        for name in ("max_position_embeddings", "original_max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None:
+                positive_int(value, name)
+        if self.partial_rotary_factor is not None and self.partial_rotary_factor > 1:
+            raise ValueError(f"partial_rotary_factor must lie in (0, 1], got {self.partial_rotary_factor!r}")
+        if self.rope_type == "llama3" and None not in (self.low_freq_factor, self.high_freq_factor) \
+                and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"rope_scaling high_freq_factor={self.high_freq_factor!r} must be larger than "
+                             f"low_freq_factor={self.low_freq_factor!r}")
         needs = {
             "linear": ("factor",),
             "dynamic": ("factor", "max_position_embeddings"),
@@ -149,10 +164,25 @@ class RopeConfig:
                                           "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
                                           "truncate") if k in known and params.get(k) is not None}
         return cls(
-            head_dim=int(head_dim), theta=float(theta), rope_type=str(rope_type),
+            head_dim=int(head_dim), theta=float(theta) if _number(theta) else theta, rope_type=str(rope_type),
             partial_rotary_factor=None if partial is None or partial == 1.0 else float(partial),
             max_position_embeddings=max_pos, original_max_position_embeddings=original, **extra,
         )
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_number(name: str, value, *, positive: bool) -> None:
+    """A rotary parameter that is None or a finite number (> 0 with ``positive``, else >= 0):
+    a NaN, infinite, zero or negative factor would make every angle NaN."""
+    if value is None:
+        return
+    ok = _number(value) and math.isfinite(value) and (value > 0 if positive else value >= 0)
+    if not ok:
+        need = "a finite number > 0" if positive else "a finite number >= 0"
+        raise ValueError(f"rope_scaling {name} must be {need}, got {value!r}")
 
 
 def _default_inv_freq(base, dim: int) -> np.ndarray:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from pathlib import Path
 
+from attnlab._io import file_kind
+
 __all__ = [
-    "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "regular_file",
+    "CheckpointError", "check_tokenizer", "file_kind", "load_tokenizer", "read_json", "read_text", "regular_file",
     "safetensors_weights",
 ]
 
@@ -18,21 +19,6 @@ MAX_JSON_BYTES = 4 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint folder or file that attnlab cannot read (the message names the file)."""
-
-
-def file_kind(mode: int) -> str | None:
-    """What a file that is not a regular file is, in words (None for a regular file).
-
-    >>> import os
-    >>> file_kind(os.stat("/").st_mode)
-    'a directory'
-    """
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
@@ -53,11 +39,32 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     except FileNotFoundError:
         raise FileNotFoundError(f"{path} is missing") from None
     except OSError as exc:
-        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from None
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
     kind = file_kind(mode)
     if kind is not None:  # never opened: a pipe would block, a device never end
         raise CheckpointError(f"{path} is {kind}, not a {what}")
     return path
+
+
+def read_text(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, what: str = "text file",
+              label: str = "UTF-8 text") -> str:
+    """The text of a small file (a config, a chat template), checked: a regular file, at
+    most ``max_bytes``, UTF-8.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        CheckpointError: anything else, naming the file (``what`` and ``label`` word it).
+    """
+    path = regular_file(path, what)
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise CheckpointError(f"{path} is {size} bytes; a {what} should be under {max_bytes}")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{path} is not valid {label}: {type(exc).__name__}: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
 
 
 def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind: type = dict):
@@ -68,14 +75,11 @@ def read_json(path: str | os.PathLike, *, max_bytes: int = MAX_JSON_BYTES, kind:
         FileNotFoundError: the file is missing.
         CheckpointError: anything else, naming the file.
     """
-    path = regular_file(path, "JSON file")
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise CheckpointError(f"{path} is {size} bytes; a config file should be under {max_bytes}")
+    text = read_text(path, max_bytes=max_bytes, what="JSON file", label="JSON")
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # not JSON, nested too deep, a 5000-digit number
+        raise CheckpointError(f"{path} is not valid JSON: {type(exc).__name__}: {exc}") from exc
     if not isinstance(data, kind):
         what = "object" if kind is dict else kind.__name__
         raise CheckpointError(f"{path} should hold a JSON {what}, got {type(data).__name__}")
@@ -103,7 +107,7 @@ def load_tokenizer(path: str | os.PathLike, *, lower_case: bool = False):
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # the tokenizers library raises its own Exception subclass
-        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from None
+        raise CheckpointError(f"{path} is not a valid tokenizer file: {exc}") from exc
     current = tokenizer.normalizer
     if lower_case and not isinstance(current, norm.Lowercase) and not (
         isinstance(current, norm.Sequence) and any(isinstance(n, norm.Lowercase) for n in current)

@@ -23,6 +23,7 @@ lengths, tensor offsets) that claim more than the file holds are refused with a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import struct
@@ -125,10 +126,13 @@ class GGUFFile:
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     chat_template: str | None = None
+    _tokenizer: object = field(default=None, repr=False, compare=False)
 
     def tokenizer(self):
         """A ``tokenizers.Tokenizer`` built from the file's vocabulary (see :func:`gguf_tokenizer`)."""
-        return gguf_tokenizer(self.metadata, where=self.path)
+        if self._tokenizer is None:
+            self._tokenizer = gguf_tokenizer(self.metadata, where=self.path)
+        return self._tokenizer
 
 
 def gguf_name(name: str) -> str | None:
@@ -144,6 +148,17 @@ def gguf_name(name: str) -> str | None:
     stem, _, kind = name.rpartition(".")
     top = _TOP_NAMES.get(stem)
     return None if top is None or kind not in ("weight", "bias") else f"{top}.{kind}"
+
+
+def _file_name(hf: str) -> str:
+    """The GGUF name of a transformers name :func:`gguf_name` maps (else ``hf`` itself)."""
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+    if m:
+        part = next((g for g, h in _BLOCK_NAMES.items() if h == m.group(2)), None)
+        return hf if part is None else f"blk.{m.group(1)}.{part}.{m.group(3)}"
+    stem, _, kind = hf.rpartition(".")
+    top = next((g for g, h in _TOP_NAMES.items() if h == stem), None)
+    return hf if top is None else f"{top}.{kind}"
 
 
 def unpermute_qk_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -217,6 +232,8 @@ def _reader_class():
                     kind = GGUFValueType(item_type)
                 except ValueError:
                     raise _Truncated(f"an array at byte {orig_offs} has unknown item type {item_type}") from None
+                if kind == GGUFValueType.ARRAY:  # as llama.cpp: metadata arrays are flat
+                    raise _Truncated(f"an array at byte {orig_offs} holds arrays; GGUF metadata arrays are flat")
                 nptype = self.gguf_scalar_to_np.get(kind)
                 least = np.dtype(nptype).itemsize if nptype is not None else 8 if kind == GGUFValueType.STRING else 12
                 if n * least > self._left(orig_offs + 12):
@@ -274,9 +291,11 @@ def _open(path: Path):
     try:
         return _reader_class()(path)
     except _Truncated as exc:
-        raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from None
-    except (ValueError, KeyError, IndexError, OverflowError, UnicodeDecodeError, TypeError) as exc:
-        raise CheckpointError(f"{path} is not a valid GGUF file: {exc}") from None
+        raise CheckpointError(f"{path} is truncated or corrupt: {exc}") from exc
+    except (ValueError, KeyError, IndexError, ArithmeticError, TypeError, RecursionError) as exc:
+        raise CheckpointError(f"{path} is not a valid GGUF file: {type(exc).__name__}: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{path} cannot be read: {exc.strerror or exc}") from exc
 
 
 def _metadata(reader, path: Path) -> dict:
@@ -286,21 +305,29 @@ def _metadata(reader, path: Path) -> dict:
             continue
         try:
             out[key] = f.contents()
-        except (ValueError, UnicodeDecodeError, IndexError) as exc:
-            raise CheckpointError(f"{path}: metadata entry {key!r} cannot be read: {exc}") from None
+        except (ValueError, UnicodeDecodeError, IndexError, TypeError, RecursionError) as exc:
+            raise CheckpointError(f"{path}: metadata entry {key!r} cannot be read: {exc}") from exc
     return out
 
 
 def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file") -> dict:
-    """A transformers-like config dict from a GGUF file's metadata and tensor names.
+    """A transformers-like config dict from a GGUF file's metadata and tensor names (or a
+    mapping of names to shapes: then a file without ``vocab_size`` or a vocabulary takes its
+    embedding's rows).
+
+    The values are the metadata's as they are; :func:`attnlab.io.checks.check_decoder_config`
+    checks them.
 
     Raises:
         CheckpointError: an architecture attnlab does not read (the supported ones listed),
-            or a required entry missing.
+            a required entry missing or not a positive integer, a special token id that is
+            not an integer.
     """
+    from attnlab.io.checks import check_sizes
+
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise CheckpointError(f"{where}: GGUF architecture {arch!r} is not supported; supported: "
+        raise CheckpointError(f"{where}: GGUF architecture {arch!r:.60} is not supported; supported: "
                               f"{', '.join(GGUF_ARCHITECTURES)}")
     names = set(tensor_names)
     config: dict = {"model_type": arch, "architectures": [GGUF_ARCHITECTURES[arch]]}
@@ -311,11 +338,9 @@ def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file"
         if needed not in config:
             raise CheckpointError(f"{where}: the metadata has no {needed} ({arch}.* entry)")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "num_key_value_heads",
-                "max_position_embeddings", "vocab_size"):
-        value = config.get(key, 1)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise CheckpointError(f"{where}: {key} must be a positive integer, got {value!r}")
+    check_sizes(config, where, required=("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                         "intermediate_size", "num_key_value_heads"),
+                optional=("max_position_embeddings", "vocab_size"))
     if f"{arch}.attention.key_length" in metadata:
         config["head_dim"] = metadata[f"{arch}.attention.key_length"]
     elif arch in _PERMUTED and f"{arch}.rope.dimension_count" in metadata:
@@ -326,25 +351,67 @@ def gguf_config(metadata: dict, tensor_names, *, where: object = "the GGUF file"
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
         if f"{arch}.rope.scaling.factor" in metadata:
-            scaling["factor"] = float(metadata[f"{arch}.rope.scaling.factor"])
+            scaling["factor"] = metadata[f"{arch}.rope.scaling.factor"]
         if f"{arch}.rope.scaling.original_context_length" in metadata:
-            scaling["original_max_position_embeddings"] = int(metadata[f"{arch}.rope.scaling.original_context_length"])
+            scaling["original_max_position_embeddings"] = metadata[f"{arch}.rope.scaling.original_context_length"]
         config["rope_scaling"] = scaling
     tokens = metadata.get("tokenizer.ggml.tokens")
-    if "vocab_size" not in config and tokens is not None:
+    if "vocab_size" not in config and isinstance(tokens, list):
         config["vocab_size"] = len(tokens)
+    embedding = tensor_names.get("token_embd.weight") if isinstance(tensor_names, dict) else None
+    if "vocab_size" not in config and embedding is not None and len(embedding) == 2:
+        config["vocab_size"] = int(embedding[0])
     config["tie_word_embeddings"] = "output.weight" not in names
     config["attention_bias"] = "blk.0.attn_q.bias" in names
     for key, target in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                         ("padding_token_id", "pad_token_id")):
         if f"tokenizer.ggml.{key}" in metadata:
-            config[target] = int(metadata[f"tokenizer.ggml.{key}"])
+            value = metadata[f"tokenizer.ggml.{key}"]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(f"{where}: tokenizer.ggml.{key} must be a token id (an integer >= 0), "
+                                      f"got {value!r:.60}")
+            config[target] = value
     return config
+
+
+def _check_tensors(reader, metadata: dict, config: dict, path: Path) -> None:
+    """Everything the header says about the tensors, checked before one is read: types
+    attnlab dequantizes, the names and shapes the config needs (:func:`attnlab.io.checks.check_decoder_tensors`),
+    and a vocabulary of one token per embedding row (as llama.cpp asks)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    from attnlab.io.checks import check_decoder_tensors
+
+    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+    shapes = {}
+    for t in reader.tensors:
+        hf = gguf_name(t.name)
+        if hf is None:
+            continue
+        if t.tensor_type not in readable:
+            raise CheckpointError(
+                f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, a type attnlab cannot "
+                f"dequantize; supported: {', '.join(sorted(q.name for q in readable))}")
+        shapes[hf] = tuple(int(d) for d in reversed(t.shape.tolist()))
+    check_decoder_tensors(config, shapes, path, file_name=_file_name)
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    rows = shapes["model.embed_tokens.weight"][0]
+    if tokens is not None and (not isinstance(tokens, list) or len(tokens) != rows):
+        got = f"{len(tokens):,} tokens" if isinstance(tokens, list) else f"a {type(tokens).__name__}"
+        raise CheckpointError(f"{path}: tokenizer.ggml.tokens holds {got}, but token_embd.weight has {rows:,} rows "
+                              "(one token per row)")
 
 
 def read_gguf(path: str | os.PathLike, *, tensors: bool = True, quantized: bool | None = None) -> GGUFFile:
     """Read a GGUF file: metadata, config, tensors (dequantized to float32 under transformers'
-    names, q/k rows back in halves) and chat template.
+    names, q/k rows back in halves), tokenizer and chat template.
+
+    The header is checked before any tensor is read (see :mod:`attnlab.io.checks`): the
+    config's sizes, head arithmetic and rotary values; with ``tensors``, the types, names
+    and shapes of the tensors, one vocabulary token per embedding row, and the vocabulary
+    and merges as a tokenizer. The tensors are then read and must hold finite numbers within
+    :data:`~attnlab.io.checks.MAX_WEIGHT`.
 
     Args:
         path: the ``.gguf`` file.
@@ -356,64 +423,69 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True, quantized: bool 
     Raises:
         FileNotFoundError: no file there.
         CheckpointError: naming the file: not GGUF, truncated, a header that claims more
-            than the file holds, an unsupported architecture or quantization type (named),
-            or tensors of the wrong shape. Nothing is returned half-read.
+            than the file holds, an unsupported architecture, quantization type or tokenizer
+            (named), a config the tensors do not fit, tensors of the wrong shape, NaN,
+            infinite or huge weights (see :func:`attnlab.io.checks.check_weights`). Nothing
+            is returned half-read.
         ImportError: the ``gguf`` package is missing.
     """
+    from attnlab.io.checks import check_decoder_config, check_weights
+
     path = regular_file(path, "GGUF file")
     reader = _open(path)
     metadata = _metadata(reader, path)
-    names = [t.name for t in reader.tensors]
-    config = gguf_config(metadata, names, where=path)
+    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    config = gguf_config(metadata, shapes, where=path)
+    check_decoder_config(config, path)
     arch = metadata["general.architecture"]
-    out = GGUFFile(path=path, architecture=arch, metadata=metadata, config=config,
-                   chat_template=metadata.get("tokenizer.chat_template"))
+    template = metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(f"{path}: tokenizer.chat_template must be a string, got a {type(template).__name__}")
+    out = GGUFFile(path=path, architecture=arch, metadata=metadata, config=config, chat_template=template)
     if not tensors:
         return out
-    from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits, dequantize
+    _check_tensors(reader, metadata, config, path)
+    if "tokenizer.ggml.tokens" in metadata and importlib.util.find_spec("tokenizers") is not None:
+        out._tokenizer = gguf_tokenizer(metadata, where=path)  # a bad vocabulary is refused before the tensors
+    from gguf.quants import dequantize
 
     from attnlab.quant import KINDS, QuantizedTensor
 
-    readable = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
-    plan = []
-    for t in reader.tensors:  # everything is checked before anything is dequantized
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for t in reader.tensors:
         hf = gguf_name(t.name)
         if hf is None:
             out.skipped.append(t.name)
             continue
-        if t.tensor_type not in readable:
-            raise CheckpointError(
-                f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, a type attnlab cannot "
-                f"dequantize; supported: {', '.join(sorted(q.name for q in readable))}")
-        plan.append((t, hf))
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    for t, hf in plan:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = shapes[t.name]
         if quantized and t.tensor_type.name in KINDS and len(shape) == 2:
             try:
                 q = QuantizedTensor.from_bytes(t.data, t.tensor_type.name, shape, name=t.name)
             except ValueError as exc:
-                raise CheckpointError(f"{path}: {exc}") from None
+                raise CheckpointError(f"{path}: {exc}") from exc
+            # the largest weight a block can hold: its scale times the largest code, plus its min
+            top = np.abs(q.scales) * {"Q8_0": 128, "Q4_0": 8, "Q4_1": 15}[q.kind]
+            check_weights(top if q.mins is None else top + np.abs(q.mins), t.name, path)
             if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
                 try:
                     order = unpermute_qk_rows(np.arange(shape[0]), heads if ".attn_q." in t.name else kv_heads)
                 except ValueError as exc:
-                    raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from None
+                    raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from exc
                 q = q.take_rows(order)
             out.tensors[hf] = q
             continue
         try:
             w = dequantize(t.data, t.tensor_type)
-        except (ValueError, NotImplementedError) as exc:
-            raise CheckpointError(f"{path}: tensor {t.name} cannot be dequantized: {exc}") from None
+        except (ValueError, NotImplementedError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"{path}: tensor {t.name} cannot be dequantized: {exc}") from exc
         if w.shape != shape:
             raise CheckpointError(f"{path}: tensor {t.name} dequantized to {w.shape}, but its header says {shape}")
+        check_weights(w, t.name, path)
         if arch in _PERMUTED and (".attn_q." in t.name or ".attn_k." in t.name):
             try:
                 w = unpermute_qk_rows(w, heads if ".attn_q." in t.name else kv_heads)
             except ValueError as exc:
-                raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from None
+                raise CheckpointError(f"{path}: tensor {t.name} {shape}: {exc}") from exc
         if len(shape) == 2 and shape[0] == 1 and t.name.endswith("norm.weight"):
             w = w.reshape(-1)
         if not (w.dtype == np.float32 and w.flags.c_contiguous and w.flags.writeable and w.flags.owndata):
@@ -428,21 +500,60 @@ def gguf_tokenizer(metadata: dict, *, where: object = "the GGUF file"):
     Byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM2, Llama 3, Qwen): the file's
     tokens and merges, GPT-2's byte-level pre-tokenizer and decoder (or the split regex its
     ``tokenizer.ggml.pre`` names, for Llama 3 and Qwen 2), control tokens as special tokens
-    and user-defined ones as added tokens. No BOS is added.
+    and user-defined ones as added tokens. No BOS is added. Sentencepiece BPE (``"llama"``):
+    see :func:`_sentencepiece_tokenizer`.
 
     Raises:
-        CheckpointError: another tokenizer model (sentencepiece ``llama``, ``t5``, ...), or
-            no vocabulary.
+        CheckpointError: naming the file and the entry: another tokenizer model (``bert``,
+            ``t5``, ...), no vocabulary, entries of the wrong kind (a merge without a space,
+            a special token id outside the vocabulary), or a vocabulary and merges that do
+            not make a tokenizer (a merge of a token outside the vocabulary).
     """
     model = metadata.get("tokenizer.ggml.model")
     tokens = metadata.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise CheckpointError(f"{where} has no tokenizer (no tokenizer.ggml.tokens entry)")
-    if model == "llama":
-        return _sentencepiece_tokenizer(metadata, where)
-    if model != "gpt2":
-        raise CheckpointError(f"{where}: tokenizer model {model!r} is not supported; supported: 'gpt2' "
-                              "(byte-level BPE), 'llama' (sentencepiece BPE)")
+    if model not in ("gpt2", "llama"):
+        raise CheckpointError(f"{where}: tokenizer model {model!r:.60} (tokenizer.ggml.model) is not supported; "
+                              "supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece BPE)")
+    _check_vocabulary(metadata, where)
+    try:
+        return (_sentencepiece_tokenizer if model == "llama" else _byte_level_tokenizer)(metadata, where)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # the tokenizers library raises bare Exceptions and TypeErrors
+        raise CheckpointError(f"{where}: the vocabulary (tokenizer.ggml.tokens, tokenizer.ggml.merges) does not "
+                              f"make a tokenizer: {exc}") from exc
+
+
+def _check_vocabulary(metadata: dict, where) -> None:
+    """The ``tokenizer.ggml.*`` entries are of the kinds a tokenizer is built from."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{where}: tokenizer.ggml.tokens must be a non-empty array of strings")
+    merges = metadata.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list):
+        raise CheckpointError(f"{where}: tokenizer.ggml.merges must be an array of strings")
+    for i, m in enumerate(merges):
+        if not isinstance(m, str) or any(not part for part in m.split(" ", 1)) or " " not in m:
+            raise CheckpointError(f"{where}: tokenizer.ggml.merges[{i}] is {m!r:.60}, but a merge is two tokens "
+                                  "separated by a space")
+    for key, kinds in (("tokenizer.ggml.token_type", (int,)), ("tokenizer.ggml.scores", (int, float))):
+        values = metadata.get(key)
+        if values is not None and (not isinstance(values, list) or len(values) != len(tokens)
+                                   or not all(isinstance(v, kinds) and not isinstance(v, bool) for v in values)):
+            raise CheckpointError(f"{where}: {key} must be an array of {len(tokens):,} numbers, one per token")
+    for key in ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id"):
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < len(tokens)):
+            raise CheckpointError(f"{where}: tokenizer.ggml.{key} must be a token id in [0, {len(tokens)}), "
+                                  f"got {value!r:.60}")
+
+
+def _byte_level_tokenizer(metadata: dict, where):
+    """Byte-level BPE (see :func:`gguf_tokenizer`)."""
+    tokens = metadata["tokenizer.ggml.tokens"]
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = _byte_alphabet()

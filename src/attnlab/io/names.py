@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from attnlab._validation import fmt_shape
+from attnlab.io.checks import MAX_WEIGHT
 from attnlab.io.files import CheckpointError
 from attnlab.io.safetensors import FLOAT_DTYPES, load_tensors, read_header
 
@@ -139,7 +140,8 @@ def load_mapped(
     Everything is checked before any tensor is read: the header (see
     :func:`~attnlab.io.read_header`), every tensor present (under one of ``prefixes``,
     e.g. ``"bert."`` for ``BertForMaskedLM`` files), float, and of the shape ``shapes``
-    asks. Other tensors (heads, poolers) are ignored.
+    asks. Other tensors (heads, poolers) are ignored. What is read must be finite and within
+    :data:`~attnlab.io.checks.MAX_WEIGHT`.
 
     Raises:
         FileNotFoundError: the file is missing.
@@ -151,7 +153,7 @@ def load_mapped(
     available = {n: (i.dtype, i.dtype in FLOAT_DTYPES, i.shape) for n, i in infos.items()}
     prefix = _check(available, name_map, shapes, str(path), what, prefixes)
     names = [prefix + s for sources in name_map.values() for s in sources]
-    tensors = load_tensors(path, names, dtype=dtype, header=header)
+    tensors = load_tensors(path, names, dtype=dtype, header=header, max_abs=MAX_WEIGHT)
     return _assemble(name_map, tensors, prefix, dtype)
 
 

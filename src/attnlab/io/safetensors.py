@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 
 from attnlab._io import atomic_write
-from attnlab.io.files import CheckpointError, regular_file
+from attnlab.io.checks import MAX_WEIGHT, check_weights
+from attnlab.io.files import CheckpointError, read_json, regular_file
 
-__all__ = ["DTYPES", "FLOAT_DTYPES", "TensorInfo", "load_tensors", "read_header", "save_tensors"]
+__all__ = ["DTYPES", "FLOAT_DTYPES", "TensorInfo", "folder_headers", "load_folder", "load_tensors", "read_header",
+           "save_tensors"]
 
 # safetensors dtype tag -> NumPy dtype of the stored bytes (little-endian). BF16 is stored
 # as its 16 bits and widened to float32 on reading.
@@ -36,6 +38,8 @@ DTYPES = {
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 # The header is JSON of a few hundred bytes per tensor; more than this is refused unread.
 MAX_HEADER_BYTES = 8 << 20
+# The largest dimension NumPy can hold (an array of shape [0, 2**63] is refused by NumPy).
+MAX_DIM = np.iinfo(np.intp).max
 
 
 @dataclass(frozen=True)
@@ -80,8 +84,8 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
         raw = fh.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise CheckpointError(f"{path} is not a safetensors file: unreadable header") from None
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep, a 5000-digit number
+        raise CheckpointError(f"{path} is not a safetensors file: unreadable header ({type(exc).__name__})") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} is not a safetensors file: the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -96,9 +100,9 @@ def read_header(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict]:
         tag, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if tag not in DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unknown dtype {tag!r:.20}")
-        if not isinstance(shape, list) or not all(_int(s) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(_int(s) and 0 <= s <= MAX_DIM for s in shape):
             raise CheckpointError(f"{path}: tensor {name!r} has shape {shape!r:.100}, but a shape "
-                                  "should be a list of non-negative ints")
+                                  f"should be a list of non-negative ints (at most {MAX_DIM})")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_int(o) for o in offsets)):
             raise CheckpointError(f"{path}: tensor {name!r} has data_offsets {offsets!r:.100}, but "
                                   "they should be two ints [begin, end]")
@@ -128,6 +132,7 @@ def load_tensors(
     dtype=None,
     header: tuple[dict[str, TensorInfo], dict] | None = None,
     finite: bool = True,
+    max_abs: float = math.inf,
 ) -> dict[str, np.ndarray]:
     """Read tensors from a ``.safetensors`` file.
 
@@ -137,10 +142,12 @@ def load_tensors(
         dtype: cast every tensor to this dtype (default: keep; BF16 becomes float32).
         header: the file's :func:`read_header` result, if already read.
         finite: refuse a float tensor holding NaN or inf.
+        max_abs: with ``finite``, refuse a float tensor holding a value beyond ``±max_abs``
+            (the model loaders pass :data:`~attnlab.io.checks.MAX_WEIGHT`).
 
     Raises:
         FileNotFoundError: the file is missing.
-        CheckpointError: see :func:`read_header`; a missing tensor; NaN or inf weights.
+        CheckpointError: see :func:`read_header`; a missing tensor; NaN, inf or (``max_abs``) huge weights.
 
     >>> import tempfile
     >>> with tempfile.TemporaryDirectory() as d:
@@ -168,9 +175,65 @@ def load_tensors(
                 arr = arr.astype(arr.dtype.newbyteorder("="))
             if dtype is not None:
                 arr = arr.astype(dtype, copy=False)
-            if finite and arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                raise CheckpointError(f"{path}: tensor {name!r} holds NaN or inf")
+            if finite:
+                check_weights(arr, repr(name), path, limit=max_abs)
             out[name] = arr
+    return out
+
+
+def folder_headers(folder: str | os.PathLike) -> dict[Path, tuple[dict[str, TensorInfo], dict]]:
+    """The checked header (:func:`read_header`) of a model folder's ``model.safetensors``, or
+    of every shard its ``model.safetensors.index.json`` lists, by file; no tensor is read.
+
+    Raises:
+        FileNotFoundError: neither file is there.
+        CheckpointError: a folder with only ``pytorch_model.bin`` (a pickle file, never
+            read), an index without a ``weight_map`` or naming a file outside the folder, a
+            malformed header, a tensor in two shards.
+    """
+    folder = Path(folder)
+    single = folder / "model.safetensors"
+    index = folder / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no weight_map")
+        names = sorted({str(n) for n in weight_map.values()})
+        for n in names:
+            if "/" in n or "\\" in n or n.startswith(".") or not n:
+                raise CheckpointError(f"{index}: shard name {n!r:.100} is not a file in the folder")
+        files = [folder / n for n in names]
+    elif (folder / "pytorch_model.bin").is_file():
+        raise CheckpointError(f"{folder} has only pytorch_model.bin (a pickle file, never loaded by attnlab); "
+                              "convert it to model.safetensors")
+    else:
+        raise FileNotFoundError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
+    headers = {f: read_header(f) for f in files}
+    seen: dict[str, Path] = {}
+    for f, (infos, _) in headers.items():
+        for name in infos:
+            if name in seen:
+                raise CheckpointError(f"{folder}: tensor {name!r} is in both {seen[name].name} and {f.name}")
+            seen[name] = f
+    return headers
+
+
+def load_folder(headers: Mapping[Path, tuple[dict[str, TensorInfo], dict]], names: Iterable[str], *,
+                dtype=None) -> dict[str, np.ndarray]:
+    """The weights ``names`` from the files of :func:`folder_headers` (each read from the
+    file that holds it; see :func:`load_tensors`), finite and within
+    :data:`~attnlab.io.checks.MAX_WEIGHT`."""
+    wanted = set(names)
+    out: dict[str, np.ndarray] = {}
+    for f, header in headers.items():
+        here = [n for n in header[0] if n in wanted]
+        if here:
+            out.update(load_tensors(f, here, dtype=dtype, header=header, max_abs=MAX_WEIGHT))
+    missing = sorted(wanted - set(out))
+    if missing:
+        raise CheckpointError(f"{next(iter(headers)).parent}: no tensor {missing[0]!r}")
     return out
 
 

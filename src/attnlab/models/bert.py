@@ -49,6 +49,7 @@ from attnlab.io import (
     read_pipeline,
     safetensors_weights,
 )
+from attnlab.io.checks import check_sizes
 from attnlab.io.sentence_transformers import POOLING_MODES
 from attnlab.models.generate import embed_tokens
 from attnlab.nn import init
@@ -145,13 +146,11 @@ class BertConfig:
             )
         names = [f.name for f in fields(cls)]
         required = [f.name for f in fields(cls) if f.default is MISSING]
-        missing = [n for n in required if n not in data]
-        if missing:
-            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        check_sizes(data, path, required=required, optional=("type_vocab_size",))
         try:
             return cls(**{n: data[n] for n in names if n in data})
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
+            raise CheckpointError(f"{path}: {exc}") from exc
 
 
 # ----------------------------------------------------------------------------- weights

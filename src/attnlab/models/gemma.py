@@ -36,6 +36,7 @@ import numpy as np
 
 from attnlab._validation import float_dtype, generator
 from attnlab.core.rotary import RopeConfig
+from attnlab.io.checks import check_decoder_config
 from attnlab.io.files import CheckpointError
 from attnlab.models.llama import _ACTIVATIONS, Llama, LlamaConfig, check_family
 from attnlab.models.registry import FAMILIES as _REGISTRY
@@ -135,6 +136,7 @@ class GemmaConfig(LlamaConfig):
                 a missing or bad field.
         """
         kind = check_family(data, where, FAMILIES)
+        check_decoder_config(data, where)
         if data.get("use_bidirectional_attention"):
             raise CheckpointError(f"{where}: use_bidirectional_attention is not supported (a causal decoder only)")
         n = data["num_hidden_layers"]
@@ -166,7 +168,7 @@ class GemmaConfig(LlamaConfig):
                 local_rope_theta=local_theta, local_rope_scaling=local_scaling,
             )
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: {exc}") from None
+            raise CheckpointError(f"{where}: {exc}") from exc
 
 
 def _local_layers(kind: str, data: Mapping, n: int) -> tuple[bool, ...]:

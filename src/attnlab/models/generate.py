@@ -200,7 +200,7 @@ def next_token(
     largest logits only (greedy, up to ties), never from NaN.
 
     Raises:
-        ValueError: NaN or ``+inf`` logits, or a row of only ``-inf``, when sampling.
+        ValueError: NaN or ``+inf`` logits, or a row of only ``-inf`` (greedy or sampled).
 
     >>> next_token(np.array([[0.1, 2.0, -1.0]]))
     array([1])
@@ -211,13 +211,13 @@ def next_token(
     """
     temperature, top_k = _check_sampling(temperature, top_k)
     logits = np.asarray(logits)
+    if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any(axis=-1).all():
+        raise ValueError("logits must be finite (or -inf for a token never to be drawn), with at "
+                         "least one finite entry per row: cannot pick the next token from NaN or +inf")
     if temperature == 0.0:
         return logits.argmax(axis=-1).astype(np.int64)
     rng = generator(rng)
     z = logits.astype(np.float64)
-    if np.isnan(z).any() or np.isposinf(z).any() or not np.isfinite(z).any(axis=-1).all():
-        raise ValueError("logits must be finite (or -inf for a token never to be drawn), with at "
-                         "least one finite entry per row: cannot sample from NaN or +inf")
     # Shifted so the largest is 0 before dividing: however small the temperature, nothing
     # overflows to +inf (a tiny one sends every other token to -inf: greedy in the limit).
     z -= z.max(axis=-1, keepdims=True)

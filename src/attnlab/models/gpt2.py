@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, positive_int
-from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, safetensors_weights
+from attnlab.io import CheckpointError, check_tokenizer, load_tokenizer, read_header, read_json, safetensors_weights
+from attnlab.io.checks import check_sizes, check_special_ids
 from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
 from attnlab.models.decoder import CausalLM
@@ -134,13 +135,13 @@ class GPT2Config:
         for key in ("bos_token_id", "eos_token_id"):  # a list of ids: the first
             if isinstance(values.get(key), list):
                 values[key] = values[key][0] if values[key] else None
-        missing = [n for n in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if n not in values]
-        if missing:
-            raise CheckpointError(f"{path}: missing field(s) {', '.join(missing)}")
+        check_sizes(values, path, required=("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+                    optional=("n_inner",))
+        check_special_ids(values, path)
         try:
             return cls(**values)
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{path}: {exc}") from None
+            raise CheckpointError(f"{path}: {exc}") from exc
 
 
 #: ``transformers`` GPT-2 settings attnlab's GPT-2 does not compute, with the value it needs.
@@ -342,6 +343,7 @@ class GPT2(CausalLM):
                               "installed (pip install tokenizers); the text methods need it", stacklevel=2)
             else:
                 tokenizer = load_tokenizer(tokenizer_file)
+                check_tokenizer(tokenizer, config.vocab_size, tokenizer_file)
         c = config
         # Every tensor is checked against the header (the shapes the config asks for) before
         # anything is allocated: a config cannot make attnlab allocate more than the file holds.

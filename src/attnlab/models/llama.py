@@ -33,7 +33,9 @@ import numpy as np
 
 from attnlab._validation import float_dtype, generator, positive_int
 from attnlab.core.rotary import RopeConfig
-from attnlab.io.files import CheckpointError, load_tokenizer, read_json, regular_file
+from attnlab.io.checks import check_decoder_config, check_decoder_tensors
+from attnlab.io.files import CheckpointError, check_tokenizer, load_tokenizer, read_json, read_text, regular_file
+from attnlab.io.safetensors import folder_headers, load_folder
 from attnlab.models.decoder import CausalLM
 from attnlab.models.gpt2 import GPT2Output
 from attnlab.models.registry import FAMILIES as _REGISTRY
@@ -209,6 +211,7 @@ class LlamaConfig:
                 ones listed), an unsupported ``rope_scaling`` type, a missing or bad field.
         """
         kind = check_family(data, where, FAMILIES)
+        check_decoder_config(data, where)
         n = data["num_hidden_layers"]
         bias = bool(data.get("attention_bias", False))
         qkv_bias, out_bias = {"qwen2": (True, False), "mistral": (False, False)}.get(kind, (bias, bias))
@@ -236,7 +239,7 @@ class LlamaConfig:
                 eos_token_id=tuple(eos) if isinstance(eos, list) else eos, pad_token_id=data.get("pad_token_id"),
             )
         except (TypeError, ValueError) as exc:
-            raise CheckpointError(f"{where}: {exc}") from None
+            raise CheckpointError(f"{where}: {exc}") from exc
 
     @classmethod
     def from_json(cls, path: str | Path) -> LlamaConfig:
@@ -456,10 +459,16 @@ class Llama(CausalLM):
         if quantized:
             raise ValueError(f"quantized=True needs a .gguf file, got the folder {path}")
         config = cls.config_class.from_json(path / "config.json")
-        weights = _read_safetensors(path, dtype)
+        headers = folder_headers(path)  # every file's header and the config checked before a tensor is read
+        needed = [t for src in cls.name_map(config).values() for t in src]
+        check_decoder_tensors(config.to_dict(), {n: i.shape for infos, _ in headers.values() for n, i in infos.items()},
+                              path, needed=needed)
         tokenizer = load_tokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() and \
             importlib.util.find_spec("tokenizers") is not None else None
+        if tokenizer is not None:
+            check_tokenizer(tokenizer, config.vocab_size, path / "tokenizer.json")
         template = _folder_chat_template(path)
+        weights = load_folder(headers, needed, dtype=dtype)
         with init.empty_weights():
             model = cls(config, tokenizer=tokenizer, chat_template=template, dtype=dtype, name=name or path.name)
         model.load_state_dict(model._mapped(weights, path, dtype), assign=True)
@@ -478,7 +487,8 @@ class Llama(CausalLM):
         (its float32 tensors are adopted, not copied, where the dtype allows)."""
         path = gguf_file.path
         config = cls.config_class.from_dict(gguf_file.config, where=path)
-        tokenizer = gguf_file.tokenizer() if importlib.util.find_spec("tokenizers") is not None else None
+        tokenizer = gguf_file.tokenizer() if "tokenizer.ggml.tokens" in gguf_file.metadata and \
+            importlib.util.find_spec("tokenizers") is not None else None
         default = gguf_file.metadata.get("general.name") or path.stem
         dtype = float_dtype(dtype)
         with init.empty_weights():
@@ -577,40 +587,10 @@ class Llama(CausalLM):
 
     # ------------------------------------------------------------------ inspection
 
-def _read_safetensors(folder: Path, dtype) -> dict[str, np.ndarray]:
-    """Every tensor of ``model.safetensors``, or of the shards a
-    ``model.safetensors.index.json`` lists (each shard's header checked before reading)."""
-    from attnlab.io.safetensors import load_tensors, read_header
-
-    single = folder / "model.safetensors"
-    index = folder / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(f"{index} has no weight_map")
-        names = sorted(set(weight_map.values()))
-        for n in names:
-            if not isinstance(n, str) or "/" in n or "\\" in n or n.startswith("."):
-                raise CheckpointError(f"{index}: shard name {n!r} is not a file in the folder")
-        files = [folder / n for n in names]
-    elif (folder / "pytorch_model.bin").is_file():
-        raise CheckpointError(f"{folder} has only pytorch_model.bin (a pickle file, never loaded by attnlab); "
-                              "convert it to model.safetensors")
-    else:
-        raise FileNotFoundError(f"{folder} has no model.safetensors (or model.safetensors.index.json)")
-    headers = [(f, read_header(f)) for f in files]  # all checked before any tensor is read
-    out: dict[str, np.ndarray] = {}
-    for f, header in headers:
-        out.update(load_tensors(f, dtype=dtype, header=header))
-    return out
-
-
 def _folder_chat_template(folder: Path) -> str | None:
     jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return regular_file(jinja).read_text(encoding="utf-8")
+    if jinja.exists():
+        return read_text(jinja, what="chat template")
     config = folder / "tokenizer_config.json"
     if config.is_file():
         template = read_json(config).get("chat_template")

@@ -147,7 +147,7 @@ def detect(path: str | os.PathLike) -> Family:
                                   f"supported: {supported()}")
         raise CheckpointError(f"{p} is neither a model folder, a .gguf file nor a .npz checkpoint")
     config = p / "config.json"
-    if not config.is_file():
+    if not config.exists():
         raise FileNotFoundError(f"{p} has no config.json (a model folder holds config.json and "
                                 f"model.safetensors); supported: {supported()}")
     return detect_config(read_json(config), str(config))
