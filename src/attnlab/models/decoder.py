@@ -83,11 +83,86 @@ class CausalLM(Module):
         return self.unembed(self.ln_f(h))
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
-        return decoder_forward(
-            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
-            vocab_size=self.config.vocab_size, n_positions=self.max_positions,
-            positions_name=self._positions_name, logits_to_keep=logits_to_keep,
+        kept: dict = {}
+
+        def head(h):  # keeps the final norm's output for the unembedding's backward pass
+            hn = self.ln_f(h)
+            logits = self.unembed(hn)
+            kept.update(hn=hn, **self._head_saved(logits))
+            return logits
+
+        keeping = self._keeping()
+        logits = decoder_forward(
+            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers,
+            head=head if keeping else self._logits, vocab_size=self.config.vocab_size,
+            n_positions=self.max_positions, positions_name=self._positions_name, logits_to_keep=logits_to_keep,
         )
+        self._save_call(shape=logits.shape, tokens=np.shape(input_ids)[-1], cached=cache is not None, **kept)
+        return logits
+
+    # ------------------------------------------------------------------ backward
+
+    def _head_saved(self, logits: np.ndarray) -> dict:
+        """What the output layer's backward pass needs of the logits (a family whose
+        output layer does more than a product keeps it here)."""
+        return {}
+
+    @property
+    def _out_param(self):
+        """The :class:`~attnlab.nn.Parameter` the output layer multiplies by (``_W_out``):
+        the token embedding's when tied."""
+        raise NotImplementedError
+
+    def _unembed_backward(self, grad: np.ndarray, saved: dict) -> np.ndarray:
+        """The output layer's backward pass: the gradient of the final norm's output; the
+        weight's gradient accumulates (the token embedding's, when tied)."""
+        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False)
+        self._out_param.accumulate(gw, owned=True)
+        return gh
+
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        """The embeddings' backward pass (the gradient of ``blocks.0.hook_resid_pre``)."""
+        raise NotImplementedError
+
+    def backward(self, grad_out: np.ndarray) -> None:
+        """Backpropagate ``grad_out``, the gradient of a loss with respect to the logits of
+        the last forward pass, ``(B, T, V)`` (``(T, V)`` unbatched; ``(B, logits_to_keep,
+        V)``), of the weights' dtype: every parameter's gradient is **added** to its
+        ``.grad`` (the tied token embedding's gets both uses); token ids have none.
+
+        Needs a forward pass in training mode (:meth:`train`; eval mode, the default after
+        loading, keeps nothing for backward). One backward per forward: the pass frees what
+        the forward kept. The backward hooks attached around that forward pass run here
+        (see :mod:`attnlab.nn.hooks`); ``hook_embed``'s gradient is the loss's gradient with
+        respect to the token embeddings.
+
+        Raises:
+            RuntimeError: no forward pass in training mode before it, or a second backward
+                after one forward pass, or a forward pass with a key/value cache.
+            ValueError, TypeError: ``grad_out`` of the wrong shape or dtype (named, with the
+                shape and dtype needed); quantized weights (load the model dequantized).
+
+        >>> from attnlab.models import GPT2, GPT2Config
+        >>> model = GPT2(GPT2Config(vocab_size=20, n_positions=8, n_embd=8, n_layer=1, n_head=2),
+        ...              rng=np.random.default_rng(0)).train()
+        >>> logits = model(np.array([[1, 2, 3]]))
+        >>> model.backward(np.ones_like(logits))
+        >>> model.tok_emb.weight.grad.shape
+        (20, 8)
+        """
+        c, g = self._start_backward(grad_out)
+        if c["cached"]:
+            raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a key/value cache: "
+                               "run the whole sequence without cache= to train")
+        g = self.ln_f.backward(self._unembed_backward(g, c))
+        T = c["tokens"]
+        if g.shape[-2] != T:  # logits_to_keep: the positions it dropped get no gradient
+            full = np.zeros((*g.shape[:-2], T, g.shape[-1]), dtype=g.dtype)
+            full[..., T - g.shape[-2]:, :] = g
+            g = full
+        for block in reversed(self.layers):
+            g = block.backward(g)
+        self._embed_backward(g)
 
     def forward(
         self,

@@ -37,7 +37,7 @@ from attnlab.io import CheckpointError, load_tokenizer, read_header, read_json, 
 from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
 from attnlab.models.decoder import CausalLM
-from attnlab.models.generate import embed_tokens
+from attnlab.models.generate import embed_tokens, embed_tokens_backward
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.hooks import HookPoint
@@ -358,6 +358,13 @@ class GPT2(CausalLM):
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
+
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        embed_tokens_backward(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, grad)
+
+    @property
+    def _out_param(self):
+        return self.tok_emb.weight  # tied: the output layer is the token embedding
 
     @property
     def max_positions(self) -> int:

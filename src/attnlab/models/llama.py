@@ -492,6 +492,13 @@ class Llama(CausalLM):
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids))  # positions enter in every attention (rotary)
 
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        self.tok_emb.backward(self.hook_embed.backward(grad))
+
+    @property
+    def _out_param(self):
+        return self.tok_emb.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         # A decoding step with quantized weights and nothing hooked: one compiled call a block.
         if cache is not None:
@@ -499,6 +506,7 @@ class Llama(CausalLM):
 
             logits = decode_step(self, input_ids, attention_mask, cache)
             if logits is not None:
+                self._save_call()  # an inference call: forgets what an earlier one kept
                 return logits
         return super()._run(input_ids, attention_mask, cache, logits_to_keep)
 
