@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnlab._validation import layer_number, shape_error
-from attnlab.models.generate import check_token_ids, decoder_forward, generate
+from attnlab.models.generate import check_token_ids, decoder_backward, decoder_forward, generate
 from attnlab.nn import functional as F
 from attnlab.nn.attention import KVCache
 from attnlab.nn.hooks import record_layers
@@ -151,18 +151,8 @@ class CausalLM(Module):
         (20, 8)
         """
         c, g = self._start_backward(grad_out)
-        if c["cached"]:
-            raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a key/value cache: "
-                               "run the whole sequence without cache= to train")
-        g = self.ln_f.backward(self._unembed_backward(g, c))
-        T = c["tokens"]
-        if g.shape[-2] != T:  # logits_to_keep: the positions it dropped get no gradient
-            full = np.zeros((*g.shape[:-2], T, g.shape[-1]), dtype=g.dtype)
-            full[..., T - g.shape[-2]:, :] = g
-            g = full
-        for block in reversed(self.layers):
-            g = block.backward(g)
-        self._embed_backward(g)
+        decoder_backward(self.ln_f.backward(self._unembed_backward(g, c)), c["tokens"], blocks=self.layers,
+                         embed_backward=self._embed_backward)
 
     def forward(
         self,

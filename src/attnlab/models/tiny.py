@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
-from attnlab.models.generate import decoder_forward, embed_tokens, embed_tokens_backward, generate
+from attnlab.models.generate import decoder_backward, decoder_forward, embed_tokens, embed_tokens_backward, generate
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -355,17 +355,10 @@ class TinyTransformer(Module):
         (ids have no gradient), through the hook points (see
         :meth:`attnlab.models.decoder.CausalLM.backward` for the rules and errors)."""
         c, g = self._start_backward(grad_logits, "grad_logits")
-        if c["cached"]:
-            raise RuntimeError("TinyTransformer has no backward pass through a call with a key/value cache: run "
-                               "the whole sequence without cache= to train")
-        g = self.ln_f.backward(self.head.backward(g))
-        T = c["tokens"]
-        if g.shape[-2] != T:  # logits_to_keep: the positions it dropped get no gradient
-            full = np.zeros((*g.shape[:-2], T, g.shape[-1]), dtype=g.dtype)
-            full[..., T - g.shape[-2]:, :] = g
-            g = full
-        for block in reversed(self.layers):
-            g = block.backward(g)
+        decoder_backward(self.ln_f.backward(self.head.backward(g)), c["tokens"], blocks=self.layers,
+                         embed_backward=self._embed_backward)
+
+    def _embed_backward(self, g: np.ndarray) -> None:
         if self.config.position == "rotary":
             self.tok_emb.backward(self.hook_embed.backward(g))
         else:

@@ -129,9 +129,9 @@ class CallHooks:
 _HOOKS: ContextVar[CallHooks | None] = ContextVar("attnlab_hooks", default=None)
 
 
-def current_hooks() -> CallHooks | None:
-    """The hooks attached in this context (None: none, the common case)."""
-    return _HOOKS.get()
+#: The hooks attached in this context (None: none, the common case); the hot paths (every
+#: module call, every hook point) call this bound method directly.
+current_hooks = _HOOKS.get
 
 
 def keeping() -> bool:

@@ -71,6 +71,8 @@ from attnlab.nn.module import Module
 
 __all__ = ["ActivationCache", "HookPoint", "hook_points", "record_layers"]
 
+_hooks_now = _context.current_hooks
+
 HookFn = Callable[[np.ndarray, str], "np.ndarray | None"]
 
 
@@ -87,18 +89,20 @@ class HookPoint(Module):
     @property
     def _fns(self) -> tuple:
         """The ``((fn, name), ...)`` forward hooks attached to this point in this context."""
-        h = _context.current_hooks()
+        h = _hooks_now()
         return () if h is None else h.fwd.get(self, ())
 
     @property
     def hooked(self) -> bool:
         """Whether a forward or a backward hook is attached to this point in this context
         (a layer then computes what it would otherwise skip or overwrite)."""
-        h = _context.current_hooks()
+        h = _hooks_now()
         return h is not None and (self in h.fwd or self in h.bwd)
 
     def __call__(self, x):
-        h = _context.current_hooks()
+        h = _hooks_now()
+        if h is None and not self.training:  # the hot path: nothing attached, nothing kept
+            return x
         fwd = bwd = ()
         if h is not None:
             fwd, bwd = h.fwd.get(self, ()), h.bwd.get(self, ())

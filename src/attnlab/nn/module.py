@@ -30,6 +30,7 @@ from attnlab.quant import is_quantized
 
 # Gradients of one parameter may be added by two threads' backward passes at once.
 _GRAD_LOCK = threading.Lock()
+_hooks_now = _context.current_hooks
 
 
 class Parameter:
@@ -162,8 +163,10 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __call__(self, *args, **kwargs):
-        if not self.training and not _context.keeping():
-            return self.forward(*args, **kwargs)
+        if not self.training:
+            h = _hooks_now()
+            if h is None or not h.keep:  # inference: nothing to keep (the hot path: one read)
+                return self.forward(*args, **kwargs)
         tape = _context.tape()  # a top-level call starts a new generation of the tape
         if not tape.depth:
             tape.generation += 1
@@ -358,10 +361,13 @@ class Module:
         """Whether this call keeps what backward needs: training mode, or a call that keeps
         its tape in any mode (``run_with_cache(incl_bwd=True)``). Eval-mode shortcuts that
         overwrite inputs or skip intermediates check this."""
-        return self.training or _context.keeping()
+        if self.training:
+            return True
+        h = _hooks_now()
+        return h is not None and h.keep
 
     def _save(self, **cache) -> None:
-        if self.training or _context.keeping():
+        if self._keeping():
             _context.tape().push(self, cache)
 
     def _missing(self) -> str:
@@ -390,7 +396,8 @@ class Module:
     def _start_backward(self, grad_output, name: str = "grad_out") -> tuple[dict, np.ndarray]:
         """``(record, grad)`` for a model's backward pass, checked in this order, before
         anything is freed: float (not quantized) NumPy weights; a forward pass that kept its
-        record (training mode, not freed by an earlier backward); ``grad_output`` of the
+        record (training mode, not freed by an earlier backward, no key/value cache
+        (``record["cached"]``)); ``grad_output`` of the
         output's shape (``record["shape"]``) and the weights' dtype; no backward hooks
         attached now that were not attached around the forward pass."""
         if self._array_type is not None:
@@ -405,6 +412,9 @@ class Module:
                     "from_pretrained(path) without quantized=True; dtype=np.float64 for float64)")
         tape = _context.tape()
         record = tape.peek(self, missing=self._missing(), freed=self._freed())
+        if record.get("cached"):
+            raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a key/value cache: "
+                               "run the whole sequence without cache= to train")
         g = grad_output
         if not isinstance(g, np.ndarray):
             if not is_numpy(g):
