@@ -760,11 +760,12 @@ def _layer_grads(layer):
 @pytest.mark.parametrize("case", ["mha batch first", "mha sequence first causal", "mha unbatched",
                                   "mha blocks of rows", "attention causal, no bias", "attention causal, cache"])
 def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(monkeypatch, case):
-    """One sequence through a plain self-attention layer (no mask but a causal one, no
-    weights wanted, no hooks): the projections and the attention run in one pool call
-    (core.rows.self_attention), with the output, the input's and every parameter's
-    gradient of the usual path (three pool calls); with an empty cache, the cached keys and
-    values serve the next token as the usual path's do."""
+    """One sequence through a plain self-attention layer in eval mode (no mask but a causal
+    one, no weights wanted, no hooks): the projections and the attention run in one pool
+    call (core.rows.self_attention), with the output of the usual path (three pool calls);
+    with an empty cache, the cached keys and values serve the next token as the usual
+    path's do. In training mode the call keeps what backward needs: the usual path, with
+    the same output."""
     import attnlab
     from attnlab.nn.attention import Attention, KVCache
 
@@ -781,7 +782,9 @@ def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(mon
             return layer(x, x, x, need_weights=False, is_causal=causal)[0]
 
         def after(g):
-            return (sum(layer.backward(g)), *_layer_grads(layer))
+            if layer.training:
+                return (sum(layer.backward(g)), *_layer_grads(layer))
+            return ()
     else:
         layer = Attention(E, H, bias=case.endswith("cache"), causal=True, rng=np.random.default_rng(0))
         shape = (1, L, E)
@@ -794,7 +797,7 @@ def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(mon
 
         def after(g):
             if cache is None:
-                return (layer.backward(g), *_layer_grads(layer))
+                return (layer.backward(g), *_layer_grads(layer)) if layer.training else ()
             assert len(cache) == L
             return (layer(g[:, :1], cache=cache),)  # the next token reads the cached keys and values
     for p in layer.parameters():  # biases that are not zero, so a lost bias shows
@@ -809,20 +812,23 @@ def test_a_self_attention_layer_runs_in_one_pool_call_with_the_usual_numbers(mon
         return real_run_units(units, run_unit, threads, **kwargs)
 
     results = []
+    one_calls = []
+    real_one_call = rows.self_attention
+    monkeypatch.setattr(rows, "self_attention", lambda *a, **k: one_calls.append(1) or real_one_call(*a, **k))
     with threads_mod_threads(2):
         for one_call in (True, False):
-            if not one_call:
-                monkeypatch.setattr(rows, "self_attention_threads", lambda *a: 0)
+            layer.train(not one_call)  # training mode keeps what backward needs: the usual path
             monkeypatch.setattr(rows, "run_units", spy)
             layer.zero_grad()
             out = call(x)
             monkeypatch.setattr(rows, "run_units", real_run_units)
             if one_call:
-                assert pool_calls == [2]  # the whole forward pass: one call, on two threads
+                assert pool_calls == [2] and one_calls == [1]  # the whole forward pass: one call, on two threads
             results.append((out, *after(g)))
+    assert one_calls == [1]
     assert len(pool_calls) == 2  # the usual path's attention kernel (its products: matmul's pool)
     assert results[0][0].shape == shape
-    for a, b in zip(*results, strict=True):
+    for a, b in zip(results[0], results[1], strict=False):  # the output (and the next token's)
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -843,8 +849,11 @@ def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apar
     mha = attnlab.MultiheadAttention(512, 8, batch_first=True, rng=np.random.default_rng(0))
     x = rng.standard_normal((1, 256, 512), dtype=np.float32)
     with threads_mod_threads(2):
+        mha(x, x, x, need_weights=False)  # training mode (a new layer's): what backward needs is kept
+        assert calls == []
+        mha.eval()
         mha(x, x, x, need_weights=False)
-        assert calls == [1]  # the plain call takes it
+        assert calls == [1]  # the plain inference call takes it
         mha(x, x, x)  # weights wanted
         mha(x, x, x, need_weights=False, attn_mask=np.ones((256, 256), bool))
         mha(x, x, x, need_weights=False, key_padding_mask=np.ones((1, 256), bool))
@@ -855,13 +864,15 @@ def test_a_self_attention_layer_takes_the_usual_path_where_a_step_is_needed_apar
         mha(x, y, y, need_weights=False)  # cross-attention inputs
         with mha.hooks([("hook_z", lambda a, name: None)]):
             mha(x, x, x, need_weights=False)
-        att = Attention(512, 8, causal=True, rng=np.random.default_rng(0))
+        with mha.hooks(bwd_hooks=[("hook_z", lambda g, name: None)]):
+            mha(x, x, x, need_weights=False)  # a backward hook: the call is differentiated
+        att = Attention(512, 8, causal=True, rng=np.random.default_rng(0)).eval()
         cache = KVCache()
         att(x[:, :8], cache=cache)
         att(x, cache=cache)  # keys already cached
         with pytest.raises(ValueError, match="positions"):  # checked as the usual path checks them
             att(x, positions=np.arange(255))
-        rotary = Attention(512, 8, causal=True, rotary=RotaryEmbedding(64), rng=np.random.default_rng(0))
+        rotary = Attention(512, 8, causal=True, rotary=RotaryEmbedding(64), rng=np.random.default_rng(0)).eval()
         rotary(x, positions=np.arange(256))  # the rotary slot needs the steps apart
         assert calls == [1]
         att(x, positions=np.arange(256))  # without a rotary slot positions change nothing: a decoder's blocks

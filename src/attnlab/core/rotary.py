@@ -277,8 +277,10 @@ def rope_cos_sin(
     """``(cos, sin)`` of shape ``(..., T, R)`` for integer ``positions`` ``(T,)`` or ``(B, T)``.
 
     The angles ``position * inv_freq`` are float32 products (as in transformers); cos and
-    sin are taken in float64 and rounded once, then scaled by ``attention_factor`` and cast
-    to ``dtype``.
+    sin are taken in float64 and rounded once to float32, then scaled by
+    ``attention_factor`` (a float32 or narrower ``dtype``: transformers' numbers). For a
+    float64 ``dtype`` they stay float64 (the float32 angles' exact cos and sin, scaled in
+    float64): a float64 model keeps its precision after the angles.
 
     >>> cos, sin = rope_cos_sin(np.array([1.0, 0.5], dtype=np.float32), np.arange(3))
     >>> cos.shape, float(cos[0, 0]), float(sin[2, 0].round(4))
@@ -292,6 +294,8 @@ def rope_cos_sin(
     inv = np.asarray(inv_freq, dtype=np.float32)
     angles = positions.astype(np.float32)[..., None] * inv  # (..., T, F), float32 products
     emb = np.concatenate([angles, angles], axis=-1).astype(np.float64)  # (..., T, R)
+    if np.dtype(dtype) == np.float64:
+        return np.cos(emb) * attention_factor, np.sin(emb) * attention_factor
     cos = np.cos(emb).astype(np.float32)
     sin = np.sin(emb).astype(np.float32)
     if attention_factor != 1.0:

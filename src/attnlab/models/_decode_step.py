@@ -4,8 +4,9 @@
 instead of through the modules when nothing would tell the two apart: every block's
 projections are :class:`~attnlab.quant.QuantizedTensor` weights (``from_pretrained(...,
 quantized=True)``), numba is there (the ``fast`` extra; not turned off by
-``ATTNLAB_NO_NUMBA=1`` or ``tuned(fused=False)``), no hook function is attached anywhere in
-the model, and the blocks have the plain Llama shape (RMSNorm without unit offset, SiLU-gated
+``ATTNLAB_NO_NUMBA=1`` or ``tuned(fused=False)``), the call may take a fused inference kernel
+(:func:`attnlab.nn._context.may_fuse`: eval mode, no backward hooks, no hook function attached
+anywhere in the model), and the blocks have the plain Llama shape (RMSNorm without unit offset, SiLU-gated
 feed-forward, rotary positions, no soft-capping, the default attention function, no
 dropout). QK-norm (Qwen3), biases (Qwen2), sliding windows (Mistral), grouped-query heads
 and a left-padded batch (``attention_mask``) are handled. Anything else, and every call
@@ -23,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab.models.generate import check_attention_mask, check_token_ids
+from attnlab.nn._context import may_fuse
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward
 from attnlab.nn.hooks import HookPoint
@@ -39,14 +41,14 @@ def decode_step(model, input_ids, attention_mask, cache) -> np.ndarray | None:
     """The logits ``(N, 1, V)`` of one new token per row of ``input_ids (N, 1)`` after the
     cached ones, through the compiled step; None where the step does not apply (the caller
     then runs the modules)."""
-    if cache is None or model.training or type(input_ids) is not np.ndarray or input_ids.ndim != 2 \
+    if cache is None or not may_fuse(model.training) or type(input_ids) is not np.ndarray or input_ids.ndim != 2 \
             or input_ids.shape[1] != 1 or input_ids.dtype.kind not in "iu":
         return None
     plan = model.__dict__.get("_decode_plan")
     if plan is None or not plan.current(model):
         plan = _Plan.build(model)
         object.__setattr__(model, "_decode_plan", plan)
-    if not plan.eligible or _kernels() is None or any(hp._fns for hp in plan.hooks):
+    if not plan.eligible or _kernels() is None or not may_fuse(model.training, plan.hooks):
         return None
     return plan.step(model, input_ids, attention_mask, cache)
 

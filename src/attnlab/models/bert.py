@@ -51,7 +51,7 @@ from attnlab.io import (
 )
 from attnlab.io.checks import check_sizes
 from attnlab.io.sentence_transformers import POOLING_MODES
-from attnlab.models.generate import embed_tokens
+from attnlab.models.generate import embed_tokens, embed_tokens_backward
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -315,11 +315,11 @@ class BertEmbeddings(Module):
         return self.ln(x)
 
     def backward(self, grad_output: np.ndarray) -> None:
-        """Accumulates the tables' and the LayerNorm's gradients (ids have none)."""
+        """Accumulates the tables' and the LayerNorm's gradients (ids have none), through
+        the hook points."""
         g = self.ln.backward(grad_output)
-        self.tok_emb.backward(g)
-        self.pos_emb.backward(g.reshape(-1, *g.shape[-2:]).sum(axis=0))
-        self.type_emb.backward(g)
+        embed_tokens_backward(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, g)
+        self.type_emb.backward(self.hook_token_type_embed.backward(g))
 
 
 class BertEncoder(Module):
@@ -578,7 +578,25 @@ class BertEncoder(Module):
             if mask.all():
                 mask = None
         last, hidden, maps = record_layers(self, lambda: self._run(ids, types, mask))
+        self._save_call(shape=last.shape)
         return BertOutput(last, hidden, maps)
+
+    def backward(self, grad_output: np.ndarray) -> None:
+        """Backpropagate ``grad_output``, the gradient of a loss with respect to the
+        ``last_hidden_state`` ``(B, T, D)`` of the last forward pass (of the weights' dtype):
+        every parameter's gradient is **added** to its ``.grad``; token ids have none.
+
+        Needs a forward pass in training mode (:meth:`train`); one backward per forward.
+        The backward hooks attached around that pass run here (see :mod:`attnlab.nn.hooks`).
+
+        Raises:
+            RuntimeError: no forward pass in training mode before it, or a second backward.
+            ValueError, TypeError: ``grad_output`` of the wrong shape or dtype.
+        """
+        _, g = self._start_backward(grad_output, "grad_output")
+        for block in reversed(self.layers):
+            g = block.backward(g)
+        self.embeddings.backward(g)
 
     # ------------------------------------------------------------------ texts
 

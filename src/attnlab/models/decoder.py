@@ -2,9 +2,9 @@
 
 A family's module (:mod:`attnlab.models.gpt2`, :mod:`attnlab.models.llama`) arranges the
 blocks and says how tokens are embedded (``_embed``), what the unembedding is (``W_U``)
-and how long a sequence may be (``max_positions``); the forward pass, the cache,
-generation, the recorded views (``inspect``, ``trace``) and the tokenizer methods come
-from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`` vocabulary.
+and how long a sequence may be (``max_positions``); the forward pass and its backward
+pass, the cache, generation, the recorded views (``inspect``, ``trace``) and the tokenizer
+methods come from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnlab._validation import layer_number, shape_error
-from attnlab.models.generate import check_token_ids, decoder_forward, generate
+from attnlab.models.generate import check_token_ids, decoder_backward, decoder_forward, generate
 from attnlab.nn import functional as F
 from attnlab.nn.attention import KVCache
 from attnlab.nn.hooks import record_layers
@@ -27,8 +27,10 @@ class CausalLM(Module):
     """The shared half of a causal language model (see the module docstring).
 
     A subclass has ``tok_emb``, ``blocks`` (a Module of ``TransformerBlock``\\ s), ``ln_f``,
-    ``config.vocab_size`` and ``tokenizer``, and defines ``_embed(ids, positions)``,
-    :attr:`W_U` and :attr:`max_positions` (named ``_positions_name`` in errors).
+    ``config.vocab_size`` and ``tokenizer``, and defines ``_embed(ids, positions)`` and its
+    backward ``_embed_backward(grad)``, :attr:`W_U`, the parameter the output layer
+    multiplies by (``_out_param``) and :attr:`max_positions` (named ``_positions_name`` in
+    errors).
     """
 
     _hook_alias = {"ln_f": "ln_final"}
@@ -83,11 +85,76 @@ class CausalLM(Module):
         return self.unembed(self.ln_f(h))
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
-        return decoder_forward(
-            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers, head=self._logits,
-            vocab_size=self.config.vocab_size, n_positions=self.max_positions,
-            positions_name=self._positions_name, logits_to_keep=logits_to_keep,
+        kept: dict = {}
+
+        def head(h):  # keeps the final norm's output for the unembedding's backward pass
+            hn = self.ln_f(h)
+            logits = self.unembed(hn)
+            kept.update(hn=hn, **self._head_saved(logits))
+            return logits
+
+        keeping = self._keeping()
+        logits = decoder_forward(
+            input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers,
+            head=head if keeping else self._logits, vocab_size=self.config.vocab_size,
+            n_positions=self.max_positions, positions_name=self._positions_name, logits_to_keep=logits_to_keep,
         )
+        self._save_call(shape=logits.shape, tokens=np.shape(input_ids)[-1], cached=cache is not None, **kept)
+        return logits
+
+    # ------------------------------------------------------------------ backward
+
+    def _head_saved(self, logits: np.ndarray) -> dict:
+        """What the output layer's backward pass needs of the logits (a family whose
+        output layer does more than a product keeps it here)."""
+        return {}
+
+    @property
+    def _out_param(self):
+        """The :class:`~attnlab.nn.Parameter` the output layer multiplies by (``_W_out``):
+        the token embedding's when tied."""
+        raise NotImplementedError
+
+    def _unembed_backward(self, grad: np.ndarray, saved: dict) -> np.ndarray:
+        """The output layer's backward pass: the gradient of the final norm's output; the
+        weight's gradient accumulates (the token embedding's, when tied)."""
+        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False)
+        self._out_param.accumulate(gw, owned=True)
+        return gh
+
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        """The embeddings' backward pass (the gradient of ``blocks.0.hook_resid_pre``)."""
+        raise NotImplementedError
+
+    def backward(self, grad_out: np.ndarray) -> None:
+        """Backpropagate ``grad_out``, the gradient of a loss with respect to the logits of
+        the last forward pass, ``(B, T, V)`` (``(T, V)`` unbatched; ``(B, logits_to_keep,
+        V)``), of the weights' dtype: every parameter's gradient is **added** to its
+        ``.grad`` (the tied token embedding's gets both uses); token ids have none.
+
+        Needs a forward pass in training mode (:meth:`train`; eval mode, the default after
+        loading, keeps nothing for backward). One backward per forward: the pass frees what
+        the forward kept. The backward hooks attached around that forward pass run here
+        (see :mod:`attnlab.nn.hooks`); ``hook_embed``'s gradient is the loss's gradient with
+        respect to the token embeddings.
+
+        Raises:
+            RuntimeError: no forward pass in training mode before it, or a second backward
+                after one forward pass, or a forward pass with a key/value cache.
+            ValueError, TypeError: ``grad_out`` of the wrong shape or dtype (named, with the
+                shape and dtype needed); quantized weights (load the model dequantized).
+
+        >>> from attnlab.models import GPT2, GPT2Config
+        >>> model = GPT2(GPT2Config(vocab_size=20, n_positions=8, n_embd=8, n_layer=1, n_head=2),
+        ...              rng=np.random.default_rng(0)).train()
+        >>> logits = model(np.array([[1, 2, 3]]))
+        >>> model.backward(np.ones_like(logits))
+        >>> model.tok_emb.weight.grad.shape
+        (20, 8)
+        """
+        c, g = self._start_backward(grad_out)
+        decoder_backward(self.ln_f.backward(self._unembed_backward(g, c)), c["tokens"], blocks=self.layers,
+                         embed_backward=self._embed_backward)
 
     def forward(
         self,

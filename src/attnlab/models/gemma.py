@@ -302,6 +302,19 @@ class Gemma(Llama):
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids) * self.embed_scale)
 
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        self.tok_emb.backward(self.hook_embed.backward(grad) * self.embed_scale)
+
+    def _head_saved(self, logits: np.ndarray) -> dict:
+        cap = self.config.final_logit_softcapping
+        return {} if cap is None else {"tanh": logits / cap}  # a copy: the caller may change the logits
+
+    def _unembed_backward(self, grad: np.ndarray, saved: dict) -> np.ndarray:
+        if "tanh" in saved:  # through cap * tanh(logits / cap)
+            t = saved["tanh"]
+            grad = grad * (1.0 - t * t)
+        return super()._unembed_backward(grad, saved)
+
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer ``(..., D) -> (..., V)`` of a normalized residual, soft-capped
         (``cap * tanh(logits / cap)``) with ``final_logit_softcapping``: what the model's

@@ -27,8 +27,8 @@ from attnlab._validation import generator, positive_int, shape_error
 from attnlab.core import softmax
 from attnlab.nn.attention import KVCache
 
-__all__ = ["check_attention_mask", "check_token_ids", "decoder_forward", "embed_tokens", "generate", "next_token",
-           "position_ids"]
+__all__ = ["check_attention_mask", "check_token_ids", "decoder_backward", "decoder_forward", "embed_tokens",
+           "embed_tokens_backward", "generate", "next_token", "position_ids"]
 
 
 def check_token_ids(input_ids, vocab_size: int, name: str = "input_ids") -> np.ndarray:
@@ -117,10 +117,18 @@ def embed_tokens(tok_emb, pos_emb, hook_embed, hook_pos_embed, ids: np.ndarray, 
     TransformerLens's)."""
     x = hook_embed(tok_emb(ids))  # a fresh array (a hook's replacement is copied)
     p = pos_emb(positions)
-    if hook_pos_embed._fns:
+    if hook_pos_embed.hooked:
         p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)))
     x += p
     return x
+
+
+def embed_tokens_backward(tok_emb, pos_emb, hook_embed, hook_pos_embed, grad: np.ndarray) -> None:
+    """The backward pass of :func:`embed_tokens`: ``grad`` ``(..., T, D)`` of its output
+    through both hook points into both tables' ``.grad`` (the position table's summed over
+    the sequences that share positions)."""
+    tok_emb.backward(hook_embed.backward(grad))
+    pos_emb.backward(hook_pos_embed.backward(grad))
 
 
 def cache_length(cache, n_layers: int) -> int:
@@ -182,6 +190,20 @@ def decoder_forward(
     if logits_to_keep is not None:
         x = x[..., T - logits_to_keep :, :]
     return head(x)
+
+
+def decoder_backward(grad_h: np.ndarray, tokens: int, *, blocks: Sequence, embed_backward: Callable) -> None:
+    """The backward pass of :func:`decoder_forward` below its head: ``grad_h`` ``(..., k, D)``,
+    the gradient of the final norm's input at the ``k`` positions whose logits were kept
+    (``logits_to_keep``; the others get none), through every block in reverse to
+    ``embed_backward`` (the gradient of the embeddings' output, ``(..., tokens, D)``)."""
+    g = grad_h
+    if g.shape[-2] != tokens:
+        g = np.zeros((*grad_h.shape[:-2], tokens, grad_h.shape[-1]), dtype=grad_h.dtype)
+        g[..., tokens - grad_h.shape[-2]:, :] = grad_h
+    for block in reversed(blocks):
+        g = block.backward(g)
+    embed_backward(g)
 
 
 def next_token(

@@ -38,7 +38,7 @@ from attnlab.io.checks import check_sizes, check_special_ids
 from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
 from attnlab.models.decoder import CausalLM
-from attnlab.models.generate import embed_tokens
+from attnlab.models.generate import embed_tokens, embed_tokens_backward
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.hooks import HookPoint
@@ -226,7 +226,8 @@ class GPT2(CausalLM):
     Build it with :meth:`from_pretrained` (a checkpoint folder), from a config and a
     ``transformers``-named weights dict (``weights=``, with or without the
     ``transformer.`` prefix), or from a config alone (random weights from ``rng``). It is
-    built in eval mode. Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
+    built in eval mode (after :meth:`train`, :meth:`backward` fills every parameter's
+    ``.grad``). Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
     ``blocks.{i}.ln_1.weight``, ``blocks.{i}.attn.in_proj_weight``, …, ``ln_f.bias``; the
     output layer is ``tok_emb.weight`` (tied).
 
@@ -360,6 +361,13 @@ class GPT2(CausalLM):
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
+
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        embed_tokens_backward(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, grad)
+
+    @property
+    def _out_param(self):
+        return self.tok_emb.weight  # tied: the output layer is the token embedding
 
     @property
     def max_positions(self) -> int:

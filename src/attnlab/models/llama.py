@@ -313,6 +313,8 @@ class Llama(CausalLM):
     attention_mask)`` -> logits, :meth:`generate`, :meth:`generate_text` (through the chat
     template for an instruct model), :meth:`new_cache`, :meth:`inspect`, :meth:`trace`,
     and the hook points of every block (``blocks.{i}.attn.hook_rot_q``, ``mlp.hook_pre``…).
+    Built in eval mode; after :meth:`train`, :meth:`backward` fills every parameter's
+    ``.grad`` (:meth:`~attnlab.models.decoder.CausalLM.backward`).
 
     Parameter names: ``tok_emb.weight``, ``blocks.{i}.ln_1.weight``,
     ``blocks.{i}.attn.in_proj_weight`` (q, k and v stacked), ``blocks.{i}.attn.out_proj.weight``,
@@ -502,6 +504,13 @@ class Llama(CausalLM):
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         return self.hook_embed(self.tok_emb(ids))  # positions enter in every attention (rotary)
 
+    def _embed_backward(self, grad: np.ndarray) -> None:
+        self.tok_emb.backward(self.hook_embed.backward(grad))
+
+    @property
+    def _out_param(self):
+        return self.tok_emb.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         # A decoding step with quantized weights and nothing hooked: one compiled call a block.
         if cache is not None:
@@ -509,6 +518,7 @@ class Llama(CausalLM):
 
             logits = decode_step(self, input_ids, attention_mask, cache)
             if logits is not None:
+                self._save_call()  # an inference call: forgets what an earlier one kept
                 return logits
         return super()._run(input_ids, attention_mask, cache, logits_to_keep)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
-from attnlab.models.generate import decoder_forward, embed_tokens, generate
+from attnlab.models.generate import decoder_backward, decoder_forward, embed_tokens, embed_tokens_backward, generate
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -284,7 +284,6 @@ class TinyTransformer(Module):
 
     def _embed_at(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # positions (T,) are shared by the batch, (B, T) are per sequence (a padded batch)
-        self._save(positions_per_sequence=positions.ndim == ids.ndim == 2)
         if self.config.position == "rotary":  # positions enter in every attention
             return self.hook_embed(self.tok_emb(ids))
         return embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids, positions)
@@ -316,11 +315,13 @@ class TinyTransformer(Module):
         True
         """
         c = self.config
-        return decoder_forward(
+        logits = decoder_forward(
             ids, attention_mask, cache, embed=self._embed_at, blocks=self.layers,
             head=lambda h: self.unembed(self.ln_f(h)), vocab_size=c.vocab_size, n_positions=c.context_length,
             positions_name="context_length", ids_name="ids", logits_to_keep=logits_to_keep,
         )
+        self._save_call(shape=logits.shape, tokens=np.shape(ids)[-1], cached=cache is not None)
+        return logits
 
     def generate(
         self,
@@ -350,16 +351,18 @@ class TinyTransformer(Module):
         )
 
     def backward(self, grad_logits: np.ndarray) -> None:
-        """Fill ``.grad`` of every parameter from ``dLoss/dlogits`` (ids have no gradient)."""
-        per_sequence = self._saved()["positions_per_sequence"]
-        g = self.ln_f.backward(self.head.backward(grad_logits))
-        for block in reversed(self.layers):
-            g = block.backward(g)
-        self.tok_emb.backward(g)
+        """Add to ``.grad`` of every parameter from ``dLoss/dlogits`` ``(B, T, vocab_size)``
+        (ids have no gradient), through the hook points (see
+        :meth:`attnlab.models.decoder.CausalLM.backward` for the rules and errors)."""
+        c, g = self._start_backward(grad_logits, "grad_logits")
+        decoder_backward(self.ln_f.backward(self.head.backward(g)), c["tokens"], blocks=self.layers,
+                         embed_backward=self._embed_backward)
+
+    def _embed_backward(self, g: np.ndarray) -> None:
         if self.config.position == "rotary":
-            return
-        # Positions shared by every sequence: sum over the batch axis first.
-        self.pos_emb.backward(g if per_sequence else g.reshape(-1, *g.shape[-2:]).sum(axis=0))
+            self.tok_emb.backward(self.hook_embed.backward(g))
+        else:
+            embed_tokens_backward(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, g)
 
     def _one_sequence(self, ids) -> np.ndarray:
         ids = self._check_ids(ids)

@@ -122,11 +122,12 @@ def torch_tiny_transformer(config: TinyTransformerConfig):
             dt = self.head.weight.dtype
             mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=dt)
             cos_sin = None
-            if rotary:  # transformers' float32 frequencies and angles; cos/sin rounded to float32 once
+            if rotary:  # transformers' float32 frequencies and angles; cos/sin in float64, rounded
+                # once to float32 for a float32 model (attnlab.core.rotary.rope_cos_sin)
                 inv = 1.0 / (float(c.rope_theta) ** (torch.arange(0, Dh, 2, dtype=torch.int64).float() / Dh))
                 angles = torch.arange(T).float()[:, None] * inv[None, :]
                 angles = torch.cat((angles, angles), dim=-1).double()
-                cos_sin = (angles.cos().float().to(dt), angles.sin().float().to(dt))
+                cos_sin = tuple(a if dt == torch.float64 else a.float().to(dt) for a in (angles.cos(), angles.sin()))
                 x = self.tok_emb(ids)
             else:
                 x = self.tok_emb(ids) + self.pos_emb(torch.arange(T))

@@ -45,6 +45,7 @@ from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
 from attnlab.nn import init
+from attnlab.nn._context import may_fuse
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
@@ -285,31 +286,44 @@ def _capped_scores(qh, kh, mask, causal: bool, scale, gqa: bool, cap: float):
     return s, t
 
 
-def _capped_backward(grad_z, qh, kh, vh, mask, causal: bool, scale, cap: float, p: float, rng):
-    """``(grad_q, grad_k, grad_v)`` through soft-capped attention ``z = dropout(softmax(
-    mask(cap * tanh(q k^T * scale / cap)))) @ v`` (NumPy; grouped-query heads summed back):
-    the softmax's gradient times ``1 - tanh^2``, then the two products of the scores."""
-    H, Hkv = qh.shape[1], kh.shape[1]
+def _explicit_backward(grad_z, qh, kh, vh, saved: _Explicit, scale: float, pattern_hook, scores_hook):
+    """``(grad_q, grad_k, grad_v)`` through the explicit path ``z = drop(hook_pattern(
+    softmax(hook_attn_scores(cap(q k^T * scale) + mask)))) @ v`` (NumPy; grouped-query heads
+    summed back; query head ``h`` reads key/value head ``h // G``), from the weights the
+    forward pass kept: the products' gradients, then the hook points' backward passes (their
+    backward hooks), the softmax's, the soft-cap's ``1 - tanh^2``."""
+    N, H, L, Dv = grad_z.shape
+    Hkv, S = kh.shape[1], kh.shape[2]
     G = H // Hkv
-    scale = 1.0 / np.sqrt(qh.shape[-1]) if scale is None else scale
-    s, t = _capped_scores(qh, kh, mask, causal, scale, G > 1, cap)
-    probs = softmax_(s)
-    keep = dropout_mask(probs, p, tuple(probs.shape), rng) if p > 0 else None
-    dropped = probs if keep is None else probs * keep
-    kr, vr = (np.repeat(kh, G, axis=1), np.repeat(vh, G, axis=1)) if G > 1 else (kh, vh)
-    grad_v = np.matmul(dropped.swapaxes(-1, -2), grad_z)  # (N, H, S, D)
-    grad_p = np.matmul(grad_z, vr.swapaxes(-1, -2))  # (N, H, L, S)
-    if keep is not None:
-        grad_p *= keep
-    grad_raw = probs * (grad_p - row_sum(grad_p * probs)) * (1.0 - t * t)
-    grad_q = np.matmul(grad_raw, kr) * scale
-    grad_k = np.matmul(grad_raw.swapaxes(-1, -2), qh) * scale
-    if G > 1:
-        N, _, S, D = grad_k.shape
-        grad_k = grad_k.reshape(N, Hkv, G, S, D).sum(axis=2)
-        grad_v = grad_v.reshape(N, Hkv, G, S, grad_v.shape[-1]).sum(axis=2)
+    gz = grad_z.reshape(N, Hkv, G, L, Dv)
+    used = saved.weights.reshape(N, Hkv, G, L, S)
+    grad_v = np.matmul(used.swapaxes(-1, -2), gz).sum(axis=2)  # (N, Hkv, S, Dv)
+    grad_w = np.matmul(gz, vh[:, :, None].swapaxes(-1, -2)).reshape(N, H, L, S)
+    if saved.drop is not None:
+        grad_w *= saved.drop
+    grad_p = pattern_hook.backward(grad_w)
+    probs = saved.probs
+    grad_s = scores_hook.backward(probs * (grad_p - row_sum(grad_p * probs)))
+    if saved.tanh is not None:
+        grad_s = grad_s * (1.0 - saved.tanh * saved.tanh)
+    gs = grad_s.reshape(N, Hkv, G, L, S)
+    grad_q = np.matmul(gs, kh[:, :, None]).reshape(N, H, L, -1) * scale
+    grad_k = np.matmul(gs.swapaxes(-1, -2), qh.reshape(N, Hkv, G, L, -1)).sum(axis=2) * scale
     dtype = qh.dtype
     return grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False), grad_v.astype(dtype, copy=False)
+
+
+@dataclass
+class _Explicit:
+    """What the explicit path's backward reads: the softmax's output ``probs`` (before
+    ``hook_pattern``), the ``weights`` that multiplied the values (after the hook and the
+    dropout), the dropout's scaled keep-mask and the soft-cap's ``tanh``, all
+    ``(N, H, L, S)`` (None: no dropout, no cap)."""
+
+    probs: np.ndarray
+    weights: np.ndarray
+    drop: np.ndarray | None
+    tanh: np.ndarray | None
 
 
 @dataclass
@@ -548,7 +562,7 @@ class Attention(Module):
             if positions is None:
                 positions = np.arange(past, past + L)
             qh, kh = self.rotary(qh, kh, positions)
-            if self.hook_rot_q._fns or self.hook_rot_k._fns:
+            if self.hook_rot_q.hooked or self.hook_rot_k.hooked:
                 qh = _permute(self.hook_rot_q(_permute(qh, (0, 2, 1, 3))), (0, 2, 1, 3))
                 kh = _permute(self.hook_rot_k(_permute(kh, (0, 2, 1, 3))), (0, 2, 1, 3))
         if zero_attn:
@@ -560,30 +574,37 @@ class Attention(Module):
 
     def _attend(self, qh, kh, vh, mask, causal: bool, need_weights: bool):
         """The attention of the heads: ``(z (N, H, L, D), weights (N, H, L, S) or None,
-        dropout rng state)``. The weights are computed once when wanted or hooked."""
+        dropout rng state, what the explicit path's backward reads or None)``. The weights
+        are computed once when wanted, hooked or soft-capped (the explicit path); otherwise
+        ``attention_fn`` computes ``z``."""
         p = self.dropout if self.training else 0.0
         rng_state = self._rng.bit_generator.state if p > 0 else None
         gqa = self.num_kv_heads != self.num_heads
-        if self.softcap is None and not (need_weights or self.hook_attn_scores._fns or self.hook_pattern._fns):
+        if self.softcap is None and not (need_weights or self.hook_attn_scores.hooked or self.hook_pattern.hooked):
             z = self.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal,
                                   scale=self.scale, enable_gqa=gqa, rng=self._rng)
-            return z, None, rng_state
+            return z, None, rng_state, None
+        t = None
         if self.softcap is None:
             scores = attention_scores(qh, kh, mask, causal, self.scale, gqa)
         else:  # the core has no soft-cap: the explicit path
-            scores = _capped_scores(qh, kh, mask, causal, self.scale, gqa, self.softcap)[0]
+            scores, t = _capped_scores(qh, kh, mask, causal, self.scale, gqa, self.softcap)
         scores = self.hook_attn_scores(scores)
-        weights = self.hook_pattern(softmax_(scores))  # fresh scores (a hook's are copies): in place
-        if p > 0:  # the keep-mask the core's backward redraws from the same state
-            weights = weights * dropout_mask(weights, p, tuple(weights.shape), self._rng)
-        return _weights_times_values(weights, vh), weights, rng_state
+        probs = softmax_(scores)  # fresh scores (a hook's are copies): in place
+        keeping = self._keeping()
+        weights = self.hook_pattern(probs.copy() if keeping and self.hook_pattern.hooked else probs)
+        drop = dropout_mask(weights, p, tuple(weights.shape), self._rng) if p > 0 else None
+        if drop is not None:  # the keep-mask the core's backward would redraw from the same state
+            weights = weights * drop
+        saved = _Explicit(probs, weights, drop, t) if keeping and isinstance(probs, np.ndarray) else None
+        return _weights_times_values(weights, vh), weights, rng_state, saved
 
-    def _finish(self, z, a: AttentionInputs, weights, rng_state):
+    def _finish(self, z, a: AttentionInputs, weights, rng_state, explicit: _Explicit | None = None):
         """Hook the heads' outputs, project them out and keep what backward needs."""
         N, H, L, D = z.shape
         z4 = self.hook_z(_permute(z, (0, 2, 1, 3)))  # (N, L, H, D)
         out = self.out_proj(_reshape(z4, (N, L, H * D)))
-        self._save(inputs=a, rng_state=rng_state, p=self.dropout if self.training else 0.0)
+        self._save(inputs=a, rng_state=rng_state, p=self.dropout if self.training else 0.0, explicit=explicit)
         return out
 
     # ---- the call ---------------------------------------------------------------------
@@ -684,8 +705,8 @@ class Attention(Module):
                 if out is not None:
                     return (out if x.ndim == 3 else out[0]), None
         a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions)
-        z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
-        out = self._finish(z, a, weights, rng_state)
+        z, weights, rng_state, explicit = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
+        out = self._finish(z, a, weights, rng_state, explicit)
         if not a.batched:
             out = out[0]
             weights = None if weights is None else weights[0]
@@ -694,20 +715,22 @@ class Attention(Module):
     # ---- the whole forward pass in one pool call ----------------------------------------
     def _plain_self_attention(self) -> bool:
         """Whether a self-attention call may run as :func:`attnlab.core.rows.self_attention`:
+        an inference call that may take a fused kernel (:func:`attnlab.nn._context.may_fuse`:
+        eval mode, nothing kept for backward, no backward hooks, no hooks on the heads),
         nothing between the projections and the attention that the layer would do apart (no
-        rotary slot, QK-norm, soft-cap, extra keys, dropout, hooks on the heads, own
-        attention function), one fused float32 NumPy in-projection and a plain ``Linear``
-        out-projection, as many key/value heads as query heads."""
+        rotary slot, QK-norm, soft-cap, extra keys, own attention function), one fused
+        float32 NumPy in-projection and a plain ``Linear`` out-projection, as many key/value
+        heads as query heads."""
         if not (self._qkv_same_embed_dim and self.num_kv_heads == self.num_heads and self.rotary is None
                 and self.q_norm is None and self.softcap is None
                 and self.attention_fn is scaled_dot_product_attention
-                and not (self.training and self.dropout > 0) and getattr(self, "bias_k", None) is None
+                and getattr(self, "bias_k", None) is None
                 and not self.add_zero_attn and type(self.out_proj) is Linear):
             return False
         w, wo = self.in_proj_weight.data, self.out_proj.weight.data
         if type(w) is not np.ndarray or type(wo) is not np.ndarray or w.dtype != np.float32 or wo.dtype != np.float32:
             return False
-        return not any(h._fns for h in (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores,
+        return may_fuse(self.training, (self.hook_q, self.hook_k, self.hook_v, self.hook_attn_scores,
                                         self.hook_pattern, self.hook_z))
 
     def _one_pool_call(self, x, causal: bool, cache, *, batch_first: bool, positions=None):
@@ -718,8 +741,8 @@ class Attention(Module):
         an ``x`` that is not a float32 NumPy array of 2 or 3 dims and the layer's width, a
         cache that already holds keys, or ``positions`` that are not ``(L,)`` or ``(N, L)``
         integers also go there (and are checked there). Without a rotary slot the positions
-        change nothing (a decoder's blocks pass them to every layer). The backward pass reads
-        the same saved inputs as after the usual path."""
+        change nothing (a decoder's blocks pass them to every layer). It keeps nothing for a
+        backward pass: it never runs in training mode."""
         if type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim not in (2, 3) \
                 or x.shape[-1] != self.embed_dim or (cache is not None and (type(cache) is not KVCache or len(cache))) \
                 or not self._plain_self_attention():
@@ -740,18 +763,14 @@ class Attention(Module):
             xb, self.in_proj_weight.data, None if b is None else b.data, self.out_proj.weight.data,
             None if bo is None else bo.data, num_heads=H, scale=scale, is_causal=causal, threads=threads)
         HD = H * D
-        qh, kh, vh = self._heads(qkv[..., :HD], qkv[..., HD:2 * HD], qkv[..., 2 * HD:], None, cache, 0)
-        self.out_proj._save(x=z)
-        self._save(inputs=AttentionInputs(xb, xb, xb, qh, kh, vh, None, causal, batched, cache is not None),
-                   rng_state=None, p=0.0)
+        self._heads(qkv[..., :HD], qkv[..., HD:2 * HD], qkv[..., 2 * HD:], None, cache, 0)  # fills the cache
         return out
 
     def backward(self, grad_output: np.ndarray):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);
         parameter gradients accumulate in ``.grad``. Through the rotary slot and the
         QK-norm too; not through a call with a KVCache."""
-        gq, gk, gv = self._backward_qkv(grad_output, batch_first=True, summed=True)
-        a: AttentionInputs = self._last_inputs
+        (gq, gk, gv), a = self._backward_qkv(grad_output, batch_first=True, summed=True)
         if a.k is a.q:
             g = gq if gk is None else gq + gk + gv
             return g if a.batched else g[0]
@@ -759,13 +778,16 @@ class Attention(Module):
         return (gq, g_kv) if a.batched else (gq[0], g_kv[0])
 
     def _backward_qkv(self, grad_output, *, batch_first: bool, summed: bool = False):
-        """``(grad_q, grad_k, grad_v)`` batch first ``(N, L, E)``/``(N, S, kdim)``/``(N, S, vdim)``.
+        """``((grad_q, grad_k, grad_v), inputs)``: the gradients batch first ``(N, L, E)``/
+        ``(N, S, kdim)``/``(N, S, vdim)`` and the call's :class:`AttentionInputs`.
 
         With ``summed`` and self-attention through the fused in-projection weight:
         ``(grad_q + grad_k + grad_v, None, None)`` from one matrix product."""
         c = self._saved()
         a: AttentionInputs = c["inputs"]
-        object.__setattr__(self, "_last_inputs", a)
+        return self._qkv_grads(grad_output, c, a, batch_first, summed), a
+
+    def _qkv_grads(self, grad_output, c: dict, a: AttentionInputs, batch_first: bool, summed: bool):
         if a.cached:
             raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a KVCache")
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -777,10 +799,13 @@ class Attention(Module):
         N, L = a.q.shape[:2]
         if g.shape != (N, L, self.embed_dim):
             raise shape_error("grad_output", np.shape(grad_output), "the output's shape")
-        gh = self.out_proj.backward(g).reshape(N, L, H, D).transpose(0, 2, 1, 3)
-        if self.softcap is not None:
-            gqh, gkh, gvh = _capped_backward(gh, a.qh, a.kh, a.vh, a.mask, a.causal, self.scale, self.softcap,
-                                             c["p"], _replay(self._rng, c["rng_state"]))
+        gz4 = self.hook_z.backward(self.out_proj.backward(g).reshape(N, L, H, D))
+        gh = gz4.transpose(0, 2, 1, 3)
+        explicit: _Explicit | None = c.get("explicit")
+        if explicit is not None:
+            scale = 1.0 / math.sqrt(a.qh.shape[-1]) if self.scale is None else self.scale
+            gqh, gkh, gvh = _explicit_backward(gh, a.qh, a.kh, a.vh, explicit, scale, self.hook_pattern,
+                                               self.hook_attn_scores)
         else:
             gqh, gkh, gvh = scaled_dot_product_attention_backward(
                 gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"], is_causal=a.causal, scale=self.scale,
@@ -789,10 +814,13 @@ class Attention(Module):
         if self.add_zero_attn:
             gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]
         if self.rotary is not None:
+            gqh = self.hook_rot_q.backward(gqh.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+            gkh = self.hook_rot_k.backward(gkh.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
             gqh, gkh = self.rotary.backward(gqh, gkh)
         gq4, gk4, gv4 = gqh.transpose(0, 2, 1, 3), gkh.transpose(0, 2, 1, 3), gvh.transpose(0, 2, 1, 3)
         if self.q_norm is not None:
-            gq4, gk4 = self.q_norm.backward(gq4), self.k_norm.backward(gk4)
+            gk4, gq4 = self.k_norm.backward(gk4), self.q_norm.backward(gq4)
+        gq4, gk4, gv4 = self.hook_q.backward(gq4), self.hook_k.backward(gk4), self.hook_v.backward(gv4)
         S = gk4.shape[1]
         has_bias = self.in_proj_bias is not None
         if self._qkv_same_embed_dim and a.k is a.q and a.v is a.q and S == L and isinstance(gq4, np.ndarray):
@@ -1082,8 +1110,8 @@ class MultiheadAttention(Attention):
             if out is not None:
                 return self._from_batch_first(out, query.ndim == 3), None
         a = self.attention_inputs(query, key, value, key_padding_mask, attn_mask, is_causal, cache=cache)
-        z, weights, rng_state = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
-        out = self._finish(z, a, weights, rng_state)
+        z, weights, rng_state, explicit = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
+        out = self._finish(z, a, weights, rng_state, explicit)
         if not need_weights:
             weights = None
         elif average_attn_weights:
@@ -1103,6 +1131,6 @@ class MultiheadAttention(Attention):
         """``(grad_query, grad_key, grad_value)`` in the inputs' layouts; parameter gradients
         accumulate in ``.grad``. For self-attention (one tensor as query, key and value) its
         gradient is the sum of the three."""
-        gq, gk, gv = self._backward_qkv(grad_output, batch_first=self.batch_first)
-        b = self._last_inputs.batched
+        (gq, gk, gv), a = self._backward_qkv(grad_output, batch_first=self.batch_first)
+        b = a.batched
         return self._from_batch_first(gq, b), self._from_batch_first(gk, b), self._from_batch_first(gv, b)

@@ -88,6 +88,14 @@ class FeedForward(Sequential):
             h = layer(h)
         return h
 
+    def backward(self, grad_output):
+        layers = self._layers()
+        g = grad_output
+        for layer in reversed(layers[2:]):
+            g = layer.backward(g)
+        g = self.hook_pre.backward(layers[1].backward(self.hook_post.backward(g)))
+        return layers[0].backward(g)
+
 
 class TransformerBlock(Module):
     """A residual transformer block: attention, then a feed-forward network.
@@ -261,17 +269,27 @@ class TransformerBlock(Module):
         return self.hook_normalized_resid_post(self.ln_2(self.hook_resid_post(m))), w
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
+        """The gradient of the block's input; the parameters' gradients accumulate. Through
+        every hook point in reverse order (each one's backward hooks see the gradient of its
+        activation)."""
         if self.norm_first:
-            g = grad_output + self.ln_2.backward(self.mlp.backward(self._post_mlp_backward(grad_output)))
-            return g + self.ln_1.backward(self.attn.backward(self._post_attn_backward(self.drop_1.backward(g))))
-        gm = self.ln_2.backward(grad_output)
-        gs = self.ln_1.backward(gm + self.mlp.backward(self._post_mlp_backward(gm)))
-        return gs + self.attn.backward(self._post_attn_backward(self.drop_1.backward(gs)))
+            g = self.hook_resid_post.backward(grad_output)
+            g = g + self.ln_2.backward(self.mlp.backward(self._post_mlp_backward(g)))
+            g = self.hook_resid_mid.backward(g)
+            g = g + self.ln_1.backward(self.attn.backward(self._post_attn_backward(g)))
+            return self.hook_resid_pre.backward(g)
+        gm = self.hook_resid_post.backward(self.ln_2.backward(self.hook_normalized_resid_post.backward(grad_output)))
+        gs = self.hook_resid_mid.backward(self.ln_1.backward(gm + self.mlp.backward(self._post_mlp_backward(gm))))
+        return self.hook_resid_pre.backward(gs + self.attn.backward(self._post_attn_backward(gs)))
 
     def _post_attn_backward(self, g: np.ndarray) -> np.ndarray:
+        """From the residual's gradient to the attention output's: ``hook_attn_out``, the
+        dropout, the sandwich norm."""
+        g = self.drop_1.backward(self.hook_attn_out.backward(g))
         return g if self.ln_1_post is None else self.ln_1_post.backward(g)
 
     def _post_mlp_backward(self, g: np.ndarray) -> np.ndarray:
+        g = self.hook_mlp_out.backward(g)
         return g if self.ln_2_post is None else self.ln_2_post.backward(g)
 
 
@@ -318,7 +336,7 @@ class GatedFeedForward(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         gate = self._pre(self.gate_proj(x))
         up = self._pre_linear(self.up_proj(x))
-        if not self.training and not self.hook_pre._fns and type(gate) is np.ndarray and up is not gate:
+        if not self._keeping() and not self.hook_pre.hooked and type(gate) is np.ndarray and up is not gate:
             # Inference, the gate's projection fresh and seen by no hook: the activation and
             # the product overwrite it (no temporaries).
             act = self._activation_in_place(gate)
@@ -355,10 +373,10 @@ class GatedFeedForward(Module):
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         c = self._saved()
-        gh = self.down_proj.backward(grad_output)
-        g_gate = self.act_fn.backward(gh * c["up"])
+        gh = self.hook_post.backward(self.down_proj.backward(grad_output))
+        g_gate = self.hook_pre.backward(self.act_fn.backward(gh * c["up"]))
         gx = self.gate_proj.backward(g_gate)
-        gx += self.up_proj.backward(gh * c["act"])
+        gx += self.up_proj.backward(self.hook_pre_linear.backward(gh * c["act"]))
         return gx
 
 

@@ -1,4 +1,5 @@
-"""Named hook points: read or replace any activation of a model, one mechanism for all.
+"""Named hook points: read or replace any activation of a model, and its gradient, one
+mechanism for all.
 
 Every layer marks its activations with :class:`HookPoint`\\ s, identity modules that do
 nothing until a hook is attached. A module's hook names are the dotted paths of its hook
@@ -9,21 +10,51 @@ embeddings as layer 0, so hook ``blocks.{k-1}.hook_resid_post`` is layer ``k``.
 
 Three calls on every :class:`~attnlab.nn.Module` (a model, a block, one attention layer):
 
-- ``module.run_with_cache(*args, names_filter=None, **kwargs) -> (output, cache)``: the
-  output and an :class:`ActivationCache` of copies of the activations whose names pass the
-  filter (memory grows only with what was asked for);
-- ``module.run_with_hooks(*args, fwd_hooks=[(name or predicate, fn)], **kwargs)``: each
-  ``fn(activation, name)`` returns None to read or an array of the same shape and dtype to
-  replace the activation (patching, ablation);
-- ``with module.hooks(fwd_hooks): ...``: the same around any code, ``generate`` included
-  (hooks then run once per decoding step, on that step's tokens).
+- ``module.run_with_cache(*args, names_filter=None, incl_bwd=False, grad_out=None,
+  **kwargs) -> (output, cache)``: the output and an :class:`ActivationCache` of copies of
+  the activations whose names pass the filter (memory grows only with what was asked
+  for). With ``incl_bwd=True`` the call then runs ``module.backward(grad_out)``
+  (``grad_out``: the gradient of a loss with respect to the output) and caches each
+  activation's gradient under ``name + "_grad"``, as TransformerLens does; like
+  TransformerLens's ``output.backward()``, that backward pass also adds to the
+  parameters' ``.grad``. It works in eval mode too (the call keeps what its backward
+  needs; dropout follows the mode).
+- ``module.run_with_hooks(*args, fwd_hooks=[(name or predicate, fn)], bwd_hooks=[...],
+  **kwargs)``: each forward hook ``fn(activation, name)`` returns None to read or an array
+  of the same shape and dtype to replace the activation (patching, ablation); the
+  backward hooks belong to the call: a ``module.backward(grad)`` after it runs them.
+- ``with module.hooks(fwd_hooks, bwd_hooks): ...``: the same around any code, ``generate``
+  included (hooks then run once per decoding step, on that step's tokens), and around a
+  forward pass and its ``backward``.
+
+A backward hook ``fn(grad, name)`` receives the gradient of the loss with respect to the
+activation (what the hook point returned in the forward pass, after any forward hook's
+replacement) and returns None to read it or an array of the same shape and dtype that
+replaces it in the rest of the backward pass. Backward hooks are those attached around
+the *forward* pass (as torch's module backward hooks, which must be registered before the
+forward pass): attaching them around ``backward`` alone is an error.
+
+Through a forward hook's replacement the gradient flows as through an assignment: the
+elements the hook left unchanged pass their gradient on to the activation, those it
+changed pass none (a zero-ablated head, a patched position: torch's gradient for
+``z[:, :, h] = 0`` or a constant patch). A hook that computes a new value from the old one
+(``x * 2``) is treated the same way, as a constant where it changed the value.
+
+**Hooks belong to the call, not to the model.** They live in a context variable
+(:mod:`attnlab.nn._context`) for the duration of the call or the ``with`` block, so two
+threads running one model with different hooks each get their own results, and the
+activations kept for backward live on the calling thread's tape. A thread started
+*inside* a ``with model.hooks(...)`` block does not see those hooks (Python starts a thread
+with an empty context; attach them inside the thread, or run the thread's work in
+``contextvars.copy_context().run``). ``train()``/``eval()`` is the model's state, shared
+by every thread: set it before threads start.
 
 Hooks are removed when the call or the ``with`` block ends, also when it raises. A hook
-receives the live activation: keep a copy if you keep it (``run_with_cache`` does). For an
-unbatched call (one sequence without its batch axis) the residual-stream hooks have no
-batch axis either, while the attention's own hooks (``attn.hook_q`` ... ``attn.hook_z``)
-keep a batch axis of 1, as the layer computes with one.
-With no hook attached a hook point costs one attribute test.
+receives the live activation (or gradient): keep a copy if you keep it (``run_with_cache``
+does). For an unbatched call (one sequence without its batch axis) the residual-stream
+hooks have no batch axis either, while the attention's own hooks (``attn.hook_q`` ...
+``attn.hook_z``) keep a batch axis of 1, as the layer computes with one.
+With no hook attached a hook point costs one context-variable read.
 """
 
 from __future__ import annotations
@@ -35,54 +66,106 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from attnlab._validation import fmt_shape
+from attnlab.nn import _context
 from attnlab.nn.module import Module
 
 __all__ = ["ActivationCache", "HookPoint", "hook_points", "record_layers"]
+
+_hooks_now = _context.current_hooks
 
 HookFn = Callable[[np.ndarray, str], "np.ndarray | None"]
 
 
 class HookPoint(Module):
     """An identity layer that marks an activation: ``hook(x)`` returns ``x``, or what the
-    attached hook functions make of it.
+    hook functions attached in this call make of it; ``hook.backward(grad)`` returns the
+    gradient, or what the call's backward hooks make of it (see :mod:`attnlab.nn.hooks`).
 
     >>> hp = HookPoint()
     >>> hp(np.ones(2))
     array([1., 1.])
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        object.__setattr__(self, "_fns", ())
+    @property
+    def _fns(self) -> tuple:
+        """The ``((fn, name), ...)`` forward hooks attached to this point in this context."""
+        h = _hooks_now()
+        return () if h is None else h.fwd.get(self, ())
+
+    @property
+    def hooked(self) -> bool:
+        """Whether a forward or a backward hook is attached to this point in this context
+        (a layer then computes what it would otherwise skip or overwrite)."""
+        h = _hooks_now()
+        return h is not None and (self in h.fwd or self in h.bwd)
 
     def __call__(self, x):
-        if not self._fns:
+        h = _hooks_now()
+        if h is None and not self.training:  # the hot path: nothing attached, nothing kept
             return x
-        for fn, name in self._fns:
+        fwd = bwd = ()
+        if h is not None:
+            fwd, bwd = h.fwd.get(self, ()), h.bwd.get(self, ())
+        keep = self.training or (h is not None and h.keep)
+        if not fwd and not bwd:
+            if keep:  # nothing for backward: forget what an earlier hooked call kept here
+                tape = _context.existing_tape()
+                if tape is not None:
+                    tape.drop(self)
+            return x
+        before = None
+        if keep and isinstance(x, np.ndarray) and not all(getattr(fn, "reads_only", False) for fn, _ in fwd):
+            before = x.copy()  # a hook may write into x: what it changed stops the gradient
+        for fn, name in fwd:
             out = fn(x, name)
             if out is not None:
                 x = _replacement(out, x, name)
+        if keep:
+            passes = None  # the elements whose gradient reaches the activation (None: all)
+            if before is not None:
+                same = x == before
+                passes = None if same.all() else (False if not same.any() else same)
+            if bwd or passes is not None:
+                _context.tape().push(self, (bwd, passes))
+            else:  # read only: the gradient passes unchanged
+                _context.tape().drop(self)
         return x
 
     def forward(self, x):
         return self(x)
 
     def backward(self, grad_output):
-        return grad_output
+        """The gradient with respect to the activation's input: the call's backward hooks
+        run on ``grad_output`` (each may replace it), then elements a forward hook changed
+        pass no gradient."""
+        tape = _context.existing_tape()
+        record = None if tape is None else tape.pop_if_any(self)
+        if record is None:
+            return grad_output
+        bwd, passes = record
+        g = grad_output
+        for fn, name in bwd:
+            out = fn(g, name)
+            if out is not None:
+                g = _replacement(out, g, name, what="gradient")
+        if passes is False:
+            return np.zeros_like(g)
+        return g if passes is None else g * passes
 
     def __repr__(self) -> str:
         return "HookPoint()"
 
 
-def _replacement(out, x, name: str) -> np.ndarray:
-    """A hook's returned array, checked against the activation it replaces, as a fresh
-    array (the forward pass may update it in place)."""
+def _replacement(out, x, name: str, what: str = "activation") -> np.ndarray:
+    """A hook's returned array, checked against the activation (or gradient) it replaces,
+    as a fresh array (the pass may update it in place)."""
+    kind = "backward hook" if what == "gradient" else "hook"
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
-        raise TypeError(f"the hook on {name!r} returned {type(out).__name__}: a hook returns None "
+        raise TypeError(f"the {kind} on {name!r} returned {type(out).__name__}: a hook returns None "
                         f"(read only) or an array {fmt_shape(x.shape)} of dtype {x.dtype}")
     if tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype:
-        raise ValueError(f"the hook on {name!r} returned an array {fmt_shape(tuple(out.shape))} of dtype "
-                         f"{out.dtype}, but the activation is {fmt_shape(tuple(x.shape))} of dtype {x.dtype}")
+        raise ValueError(f"the {kind} on {name!r} returned an array {fmt_shape(tuple(out.shape))} of dtype "
+                         f"{out.dtype}, but the {what} is {fmt_shape(tuple(x.shape))} of dtype {x.dtype}")
     return np.array(out, copy=True) if isinstance(out, np.ndarray) else out
 
 
@@ -128,20 +211,20 @@ def _check_known(name: str, known: list[str]) -> None:
         raise KeyError(f"no hook point is named {name!r}{hint}")
 
 
-def _attach(module: Module, fwd_hooks) -> list[HookPoint]:
-    """Attach ``fwd_hooks`` to ``module``'s hook points; returns the points touched."""
-    points = dict(hook_points(module))
+def _plan(points: dict[str, HookPoint], hook_list, what: str) -> dict[HookPoint, tuple]:
+    """``{hook point: ((fn, name), ...)}`` of a list of ``(name or predicate, fn)``."""
     known = list(points)
-    if isinstance(fwd_hooks, tuple) and len(fwd_hooks) == 2 and callable(fwd_hooks[1]):
-        fwd_hooks = [fwd_hooks]
+    if isinstance(hook_list, tuple) and len(hook_list) == 2 and callable(hook_list[1]):
+        hook_list = [hook_list]
     plan: dict[str, list] = {}
-    for item in fwd_hooks:
+    for item in hook_list:
         if not (isinstance(item, tuple | list) and len(item) == 2):
-            raise TypeError("fwd_hooks must be a list of (name or predicate, fn) pairs, got an item "
+            raise TypeError(f"{what} must be a list of (name or predicate, fn) pairs, got an item "
                             f"of type {type(item).__name__}")
         target, fn = item
         if not callable(fn):
-            raise TypeError(f"the hook for {target!r} is {type(fn).__name__}, not a function fn(activation, name)")
+            arg = "grad" if what == "bwd_hooks" else "activation"
+            raise TypeError(f"the hook for {target!r} is {type(fn).__name__}, not a function fn({arg}, name)")
         if isinstance(target, str):
             _check_known(target, known)
             plan.setdefault(target, []).append(fn)
@@ -152,24 +235,19 @@ def _attach(module: Module, fwd_hooks) -> list[HookPoint]:
         else:
             raise TypeError(f"a hook's target must be a hook name or a predicate name -> bool, "
                             f"got {type(target).__name__}")
-    touched = []
-    for name, fns in plan.items():
-        point = points[name]
-        object.__setattr__(point, "_fns", point._fns + tuple((fn, name) for fn in fns))
-        touched.append(point)
-    return touched
+    return {points[name]: tuple((fn, name) for fn in fns) for name, fns in plan.items()}
 
 
 @contextlib.contextmanager
-def hooks(module: Module, fwd_hooks) -> Iterator[Module]:
-    """Attach ``fwd_hooks`` for the ``with`` block; removed on exit, also on an error."""
-    touched: list[HookPoint] = []
-    try:
-        touched = _attach(module, fwd_hooks)
+def hooks(module: Module, fwd_hooks=(), bwd_hooks=(), *, keep: bool = False) -> Iterator[Module]:
+    """Attach ``fwd_hooks`` and ``bwd_hooks`` to ``module``'s hook points for the ``with``
+    block, in this context (thread) only; removed on exit, also on an error. ``keep``: the
+    block's calls keep what backward needs in eval mode too."""
+    points = dict(hook_points(module))
+    fwd = _plan(points, fwd_hooks, "fwd_hooks")
+    bwd = _plan(points, bwd_hooks, "bwd_hooks")
+    with _context.attached(fwd, bwd, keep=keep):
         yield module
-    finally:
-        for point in touched:
-            object.__setattr__(point, "_fns", ())
 
 
 class ActivationCache(Mapping):
@@ -207,30 +285,54 @@ class ActivationCache(Mapping):
         return sum(a.nbytes for a in self._arrays.values())
 
 
-def _recorder(store: dict) -> HookFn:
+def _recorder(store: dict, suffix: str = "") -> HookFn:
     def record(x, name):
         a = np.array(x, copy=True)  # later in-place updates must not reach the cache
         a.flags.writeable = False
-        store[name] = a
+        store[name + suffix] = a
 
+    record.reads_only = True  # changes nothing: the hook point need not watch for writes
     return record
 
 
-def run_with_cache(module: Module, *args, names_filter=None, **kwargs):
-    """``(module(*args, **kwargs), cache)``: see :mod:`attnlab.nn.hooks`."""
+def run_with_cache(module: Module, *args, names_filter=None, incl_bwd: bool = False, grad_out=None, **kwargs):
+    """``(module(*args, **kwargs), cache)``: see :mod:`attnlab.nn.hooks`.
+
+    With ``incl_bwd=True``, ``module.backward(grad_out)`` runs in the same call and the
+    cache also holds ``name + "_grad"``, the gradient of each cached activation, after the
+    activations (both in forward order).
+
+    Raises:
+        ValueError: ``incl_bwd=True`` without ``grad_out``, or ``grad_out`` without
+            ``incl_bwd=True``; the errors of ``module.backward`` (``grad_out`` of the
+            wrong shape or dtype, quantized weights).
+    """
+    if incl_bwd and grad_out is None:
+        raise ValueError("incl_bwd=True needs grad_out, the gradient of the loss with respect to the output "
+                         "(e.g. of the logits (B, T, V) of a decoder): attnlab runs backward(grad_out) itself")
+    if grad_out is not None and not incl_bwd:
+        raise ValueError("grad_out is read only with incl_bwd=True (the gradients are then cached too)")
     known = [name for name, _ in hook_points(module)]
     keep = _check_name_filter(names_filter, known)
     store: dict[str, np.ndarray] = {}
+    grads: dict[str, np.ndarray] = {}
     wanted = [name for name in known if keep(name)]
-    with hooks(module, [(name, _recorder(store)) for name in wanted]):
+    record, record_grad = _recorder(store), _recorder(grads, "_grad")
+    with hooks(module, [(name, record) for name in wanted],
+               [(name, record_grad) for name in wanted] if incl_bwd else (), keep=bool(incl_bwd)):
         out = module(*args, **kwargs)
+        if incl_bwd:
+            module.backward(grad_out)
     order = {name: i for i, name in enumerate(known)}
-    return out, ActivationCache(dict(sorted(store.items(), key=lambda kv: order[kv[0]])))
+    arrays = dict(sorted(store.items(), key=lambda kv: order[kv[0]]))
+    arrays.update(sorted(grads.items(), key=lambda kv: order[kv[0][:-5]]))
+    return out, ActivationCache(arrays)
 
 
-def run_with_hooks(module: Module, *args, fwd_hooks=(), **kwargs):
-    """``module(*args, **kwargs)`` with ``fwd_hooks`` attached for the call."""
-    with hooks(module, fwd_hooks):
+def run_with_hooks(module: Module, *args, fwd_hooks=(), bwd_hooks=(), **kwargs):
+    """``module(*args, **kwargs)`` with ``fwd_hooks`` attached for the call, and
+    ``bwd_hooks`` for the backward pass that follows it."""
+    with hooks(module, fwd_hooks, bwd_hooks):
         return module(*args, **kwargs)
 
 
@@ -248,6 +350,8 @@ def record_layers(model: Module, run: Callable[[], object], *, maps: bool = True
 
     def keep(x, name):  # these arrays are not updated in place later: np.stack copies them
         store[name] = x
+
+    keep.reads_only = True
 
     names = ["blocks.0.hook_resid_pre"] + [f"blocks.{i}.{b.output_hook}" for i, b in enumerate(blocks)]
     pattern = [f"blocks.{i}.attn.hook_pattern" for i in range(len(blocks))] if maps else []

@@ -16,6 +16,7 @@ import numpy as np
 from attnlab._threads import matmul
 from attnlab._validation import float_dtype, generator, positive_int, probability
 from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
+from attnlab.core._reduce import col_sum
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.hooks import HookPoint
@@ -89,17 +90,21 @@ class Embedding(Module):
         return xp.reshape(rows, (*ids.shape, self.embedding_dim))
 
     def backward(self, grad_output: np.ndarray) -> None:
-        """Accumulates ``weight.grad``; ids have no gradient, so returns None."""
-        ids = self._saved()["ids"].reshape(-1)
-        g = grad_output.reshape(-1, self.embedding_dim)
+        """Accumulates ``weight.grad``; ids have no gradient, so returns None. A gradient
+        with more leading axes than the ids (rows looked up once and broadcast, as shared
+        positions over a batch) is summed over them first."""
+        ids = self._saved()["ids"]
+        g = grad_output
+        if g.ndim > ids.ndim + 1:
+            g = g.reshape(-1, *ids.shape, self.embedding_dim).sum(axis=0)
+        ids = ids.reshape(-1)
+        g = g.reshape(-1, self.embedding_dim)
         V = self.num_embeddings
         if V * len(ids) <= 1 << 22:  # small table: one GEMM with the one-hot ids is fastest
             one_hot = ids[None, :] == np.arange(V)[:, None]  # (V, N)
-            grad = matmul(one_hot.astype(g.dtype), g, tokens=len(ids))
-        else:
-            grad = np.zeros_like(self.weight.data)
-            np.add.at(grad, ids, g)
-        self.weight.accumulate(grad)
+            self.weight.accumulate(matmul(one_hot.astype(g.dtype), g, tokens=len(ids)), owned=True)
+        else:  # a large table: the rows added into its gradient where they are
+            self.weight.add_rows(ids, g)
         return None
 
     def extra_repr(self) -> str:
@@ -148,20 +153,26 @@ class LayerNorm(Module):
         x = check_input(x, "x", self._like, self.normalized_shape)
         w = None if self.weight is None else self.weight.data
         b = None if self.bias is None else self.bias.data
-        if not self.training and not self.hook_normalized._fns:  # x_hat wanted by neither
+        hooked = self.hook_normalized.hooked
+        if not hooked and not self._keeping():  # x_hat wanted by neither
             return F.layer_norm(x, w, b, self.eps, keep_x_hat=False)[0]
         y, x_hat, rstd = F.layer_norm(x, w, b, self.eps)
-        if self.hook_normalized._fns:  # a hook reads or replaces x_hat: y follows it
-            x_hat = self.hook_normalized(x_hat)
-            y = x_hat * w if w is not None else x_hat
+        x_used = x_hat
+        if hooked:  # a hook reads or replaces x_hat: y follows it
+            x_used = self.hook_normalized(x_hat.copy() if self._keeping() else x_hat)
+            y = x_used * w if w is not None else x_used
             y = y + b if b is not None else y
-        self._save(x_hat=x_hat, rstd=rstd)
+        self._save(x_hat=x_hat, x_used=x_used, rstd=rstd, hooked=hooked)
         return y
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         c = self._saved()
         w = None if self.weight is None else self.weight.data
-        gx, gw, gb = F.layer_norm_backward(grad_output, c["x_hat"], c["rstd"], w)
+        if not c["hooked"]:
+            gx, gw, gb = F.layer_norm_backward(grad_output, c["x_hat"], c["rstd"], w)
+        else:  # through hook_normalized: the gradient of x_hat first, seen by its backward hooks
+            gw, gb, g_hat = _affine_backward(grad_output, c["x_used"], w, bias=self.bias is not None)
+            gx = F.layer_norm_backward(self.hook_normalized.backward(g_hat), c["x_hat"], c["rstd"], None)[0]
         if self.weight is not None:
             self.weight.accumulate(gw)
         if self.bias is not None:
@@ -170,6 +181,16 @@ class LayerNorm(Module):
 
     def extra_repr(self) -> str:
         return f"({self.normalized_shape},), eps={self.eps}"
+
+
+def _affine_backward(grad_y, x_used, scale, *, bias: bool):
+    """``(grad_weight, grad_bias, grad_x_used)`` of ``y = x_used * scale (+ bias)`` over the
+    last axis (batch dims summed; None for an absent weight or bias)."""
+    D = x_used.shape[-1]
+    g2 = grad_y.reshape(-1, D)
+    gw = col_sum(g2 * x_used.reshape(-1, D)) if scale is not None else None
+    gb = col_sum(g2) if bias else None
+    return gw, gb, grad_y * scale if scale is not None else grad_y
 
 
 class GELU(Module):
@@ -193,7 +214,7 @@ class GELU(Module):
         if is_numpy(x):
             x = np.asarray(x)
         self._save(x=x)
-        out = x if self.inplace and not self.training else None
+        out = x if self.inplace and not self._keeping() else None
         return F.gelu(x, approximate=self.approximate, out=out)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
@@ -346,7 +367,9 @@ class RMSNorm(Module):
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = check_input(x, "x", self._like, self.normalized_shape)
         w = None if self.weight is None else self.weight.data
-        scaled_only = not self.training and w is not None and not self.hook_normalized._fns  # x_hat wanted by no one
+        hooked = self.hook_normalized.hooked
+        keeping = self._keeping()
+        scaled_only = not keeping and w is not None and not hooked  # x_hat wanted by no one
         if scaled_only:
             scale = (1.0 + w) if self.add_unit_offset else w
             fused = F._rms_normalize_fused(x, self.eps, scale)  # x_hat * scale in the same pass
@@ -355,18 +378,22 @@ class RMSNorm(Module):
         x_hat, rstd = F.rms_normalize(x, self.eps)
         if scaled_only and type(x_hat) is np.ndarray and x_hat.dtype == w.dtype:  # x_hat is fresh: scaled in place
             return np.multiply(x_hat, scale, out=x_hat)
-        x_hat = self._normalized(x_hat)
-        self._save(x_hat=x_hat, rstd=rstd)
-        return F.rms_scale(x_hat, w, add_unit_offset=self.add_unit_offset)
-
-    def _normalized(self, x_hat: np.ndarray) -> np.ndarray:
-        """The normalised input before the weight, through the hook point ``hook_normalized``."""
-        return self.hook_normalized(x_hat) if self.hook_normalized._fns else x_hat
+        x_used = x_hat
+        if hooked:  # the normalised input before the weight, through hook_normalized
+            x_used = self.hook_normalized(x_hat.copy() if keeping else x_hat)
+        self._save(x_hat=x_hat, x_used=x_used, rstd=rstd, hooked=hooked)
+        return F.rms_scale(x_used, w, add_unit_offset=self.add_unit_offset)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         c = self._saved()
         w = None if self.weight is None else self.weight.data
-        gx, gw = F.rms_norm_backward(grad_output, c["x_hat"], c["rstd"], w, add_unit_offset=self.add_unit_offset)
+        if not c["hooked"]:
+            gx, gw = F.rms_norm_backward(grad_output, c["x_hat"], c["rstd"], w,
+                                         add_unit_offset=self.add_unit_offset)
+        else:  # through hook_normalized: the gradient of x_hat first, seen by its backward hooks
+            scale = None if w is None else ((1.0 + w) if self.add_unit_offset else w)
+            gw, _, g_hat = _affine_backward(grad_output, c["x_used"], scale, bias=False)
+            gx = F.rms_norm_backward(self.hook_normalized.backward(g_hat), c["x_hat"], c["rstd"], None)[0]
         if self.weight is not None:
             self.weight.accumulate(gw)
         return gx

@@ -1,9 +1,12 @@
 """``Module`` and ``Parameter``: parameters, modes, state dicts and gradients.
 
 The backward mechanism: a module called in training mode keeps what its backward pass
-needs (its cache); ``module.backward(grad_output)`` returns the gradients of its inputs and
+needs on the call's tape (:mod:`attnlab.nn._context`: per thread, not on the module, so two
+threads can train one model and a module may be called twice in one forward pass);
+``module.backward(grad_output)`` takes it back, returns the gradients of its inputs and
 **adds** each parameter's gradient to ``param.grad``. Composite modules call their
-children's ``backward`` in reverse order, so each piece of math is written once.
+children's ``backward`` in reverse order, so each piece of math is written once. One
+backward per forward: the backward pass frees what the forward pass kept.
 
 The array library: parameters are NumPy arrays until :meth:`Module.to` converts them, once,
 to another Array API library (torch, CuPy, JAX, ``array_api_strict``) or device; the
@@ -13,6 +16,7 @@ forward passes then compute in that library through the core's namespace path
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable, Iterator, Mapping
 
@@ -21,7 +25,12 @@ import numpy as np
 from attnlab._validation import fmt_shape
 from attnlab.core._namespace import array_type, is_numpy, namespace
 from attnlab.core._namespace import device as device_of
+from attnlab.nn import _context
 from attnlab.quant import is_quantized
+
+# Gradients of one parameter may be added by two threads' backward passes at once.
+_GRAD_LOCK = threading.Lock()
+_hooks_now = _context.current_hooks
 
 
 class Parameter:
@@ -51,14 +60,24 @@ class Parameter:
         layer's newly computed gradient); on first use it becomes ``self.grad`` itself
         rather than a copy, as torch's autograd keeps a fresh gradient (a weight matrix's
         copy costs as much as a pass over it)."""
-        if self.grad is None:
-            if owned and type(grad) is np.ndarray and grad.base is None and grad.dtype == self.data.dtype \
-                    and grad.shape == self.data.shape and grad.flags.writeable:
-                self.grad = grad
+        with _GRAD_LOCK:
+            if self.grad is None:
+                if owned and type(grad) is np.ndarray and grad.base is None and grad.dtype == self.data.dtype \
+                        and grad.shape == self.data.shape and grad.flags.writeable:
+                    self.grad = grad
+                else:
+                    self.grad = np.array(grad, dtype=self.data.dtype, copy=True)
             else:
-                self.grad = np.array(grad, dtype=self.data.dtype, copy=True)
-        else:
-            self.grad += grad
+                self.grad += grad
+
+    def add_rows(self, rows: np.ndarray, grad: np.ndarray) -> None:
+        """Add ``grad`` ``(N, ...)`` to the rows ``rows`` ``(N,)`` of ``self.grad`` (made of
+        zeros on first use; a row named twice gets both): an embedding table's gradient
+        without a second table-sized array."""
+        with _GRAD_LOCK:
+            if self.grad is None:
+                self.grad = np.zeros(self.data.shape, dtype=self.data.dtype)
+            np.add.at(self.grad, rows, grad)
 
     def __array__(self, dtype=None, copy=None):
         data = to_host(self.data)
@@ -130,7 +149,6 @@ class Module:
         object.__setattr__(self, "_parameters", {})
         object.__setattr__(self, "_modules", {})
         object.__setattr__(self, "training", True)
-        object.__setattr__(self, "_cache", None)
 
     def __setattr__(self, name: str, value) -> None:
         params, modules = self.__dict__.get("_parameters"), self.__dict__.get("_modules")
@@ -145,7 +163,18 @@ class Module:
         object.__setattr__(self, name, value)
 
     def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
+        if not self.training:
+            h = _hooks_now()
+            if h is None or not h.keep:  # inference: nothing to keep (the hot path: one read)
+                return self.forward(*args, **kwargs)
+        tape = _context.tape()  # a top-level call starts a new generation of the tape
+        if not tape.depth:
+            tape.generation += 1
+        tape.depth += 1
+        try:
+            return self.forward(*args, **kwargs)
+        finally:
+            tape.depth -= 1
 
     def forward(self, *args, **kwargs):
         raise NotImplementedError
@@ -313,28 +342,108 @@ class Module:
 
     # ---- modes ------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Module:
+        """Training mode (``mode=True``): forward passes keep what :meth:`backward` needs (and
+        dropout drops). ``train(False)`` (:meth:`eval`) also frees what this thread's forward
+        passes kept for these modules. The mode is the modules' state, shared by every
+        thread: set it before threads start."""
+        tape = None if mode else _context.existing_tape()
         for _, m in self.named_modules():
             object.__setattr__(m, "training", bool(mode))
-            if not mode:
-                object.__setattr__(m, "_cache", None)
+            if tape is not None:
+                tape.drop(m)
         return self
 
     def eval(self) -> Module:
         return self.train(False)
 
-    # ---- the cache that backward reads ------------------------------------------------
-    def _save(self, **cache) -> None:
+    # ---- what backward reads: the call's tape (attnlab.nn._context) --------------------
+    def _keeping(self) -> bool:
+        """Whether this call keeps what backward needs: training mode, or a call that keeps
+        its tape in any mode (``run_with_cache(incl_bwd=True)``). Eval-mode shortcuts that
+        overwrite inputs or skip intermediates check this."""
         if self.training:
-            object.__setattr__(self, "_cache", cache)
+            return True
+        h = _hooks_now()
+        return h is not None and h.keep
+
+    def _save(self, **cache) -> None:
+        if self._keeping():
+            _context.tape().push(self, cache)
+
+    def _missing(self) -> str:
+        name = type(self).__name__
+        return (f"{name}.backward() needs a forward call in training mode first: call .train() before the "
+                "forward pass (eval mode, the default after loading, keeps nothing for backward)")
+
+    def _freed(self) -> str:
+        name = type(self).__name__
+        return (f"{name}.backward() already ran for the last forward pass, which freed what that pass kept: "
+                "run the forward pass again (one backward per forward)")
+
+    def _save_call(self, **record) -> None:
+        """What a model's :meth:`backward` reads of its forward pass (see
+        :meth:`_start_backward`), with the backward hooks attached around that pass. In a
+        call that keeps nothing (eval mode) what an earlier call kept is forgotten, so a
+        backward after it says so instead of reading stale arrays."""
+        if self._keeping():
+            h = _context.current_hooks()
+            self._save(bwd_hooks=h.bwd if h is not None else {}, **record)
+        else:
+            tape = _context.existing_tape()
+            if tape is not None:
+                tape.drop(self)
+
+    def _start_backward(self, grad_output, name: str = "grad_out") -> tuple[dict, np.ndarray]:
+        """``(record, grad)`` for a model's backward pass, checked in this order, before
+        anything is freed: float (not quantized) NumPy weights; a forward pass that kept its
+        record (training mode, not freed by an earlier backward, no key/value cache
+        (``record["cached"]``)); ``grad_output`` of the
+        output's shape (``record["shape"]``) and the weights' dtype; no backward hooks
+        attached now that were not attached around the forward pass."""
+        if self._array_type is not None:
+            raise TypeError(f"{type(self).__name__}.backward() runs on NumPy arrays only, but its weights are "
+                            f"{self._array_type}: call .to(np) before training with attnlab, or train in torch "
+                            "(attnlab.interop.to_torch)")
+        for pname, p in self.named_parameters():
+            if is_quantized(p.data):
+                raise TypeError(
+                    f"{type(self).__name__}.backward(): {pname} is kept quantized ({p.data.kind}), and there is no "
+                    "backward pass through quantized weights: load the model dequantized (load_smollm2() or "
+                    "from_pretrained(path) without quantized=True; dtype=np.float64 for float64)")
+        tape = _context.tape()
+        record = tape.peek(self, missing=self._missing(), freed=self._freed())
+        if record.get("cached"):
+            raise RuntimeError(f"{type(self).__name__} has no backward pass through a call with a key/value cache: "
+                               "run the whole sequence without cache= to train")
+        g = grad_output
+        if not isinstance(g, np.ndarray):
+            if not is_numpy(g):
+                raise TypeError(f"{name} is {array_type(g)}, but backward runs on NumPy arrays")
+            g = np.asarray(g)
+        shape, dtype = tuple(record["shape"]), self._dtype_of_params()
+        if g.shape != shape:
+            raise ValueError(f"{name} has shape {fmt_shape(g.shape)}, but should be {fmt_shape(shape)}: the "
+                             "shape of the output of the last forward pass")
+        if g.dtype != dtype:
+            raise TypeError(f"{name} has dtype {g.dtype}, but should be {dtype}, the output's dtype (cast it: "
+                            f"{name}.astype(np.{dtype}))")
+        now = _context.current_hooks()
+        if now is not None and now.bwd:
+            kept = record["bwd_hooks"]
+            if any(kept.get(point) != fns for point, fns in now.bwd.items()):
+                names = sorted({name for fns in now.bwd.values() for _, name in fns})
+                raise ValueError(f"backward hooks on {', '.join(names)} are attached around backward() but were "
+                                 "not around the forward pass: a backward pass runs the hooks of its forward pass; "
+                                 "attach them around both (with model.hooks(bwd_hooks=...): forward, backward)")
+        return tape.pop(self, missing=self._missing(), freed=self._freed()), g
+
+    def _dtype_of_params(self) -> np.dtype:
+        for p in self.parameters():
+            return np.dtype(p.data.dtype)
+        return np.dtype(np.float32)
 
     def _saved(self) -> dict:
-        if self._cache is None:
-            raise RuntimeError(
-                f"{type(self).__name__}.backward() needs a forward call in training mode "
-                "first (call .train() before the forward pass)"
-            )
-        cache = self._cache
-        object.__setattr__(self, "_cache", None)
+        cache = _context.tape().pop(self, missing=self._missing(), freed=self._freed())
         if self._array_type is not None or not is_numpy(*cache.values()):
             kind = self._array_type or next(array_type(v) for v in cache.values() if not is_numpy(v))
             raise TypeError(
@@ -352,19 +461,24 @@ class Module:
 
         return [name for name, _ in hook_points(self)]
 
-    def hooks(self, fwd_hooks):
+    def hooks(self, fwd_hooks=(), bwd_hooks=()):
         """A context manager that attaches ``fwd_hooks`` (a list of ``(name or predicate,
-        fn)``, ``fn(activation, name) -> None | array``) for its ``with`` block, around any
-        call (``generate`` included: the hooks run once per step). Removed on exit, also
-        on an error."""
+        fn)``, ``fn(activation, name) -> None | array``) and ``bwd_hooks`` (``fn(grad,
+        name) -> None | array``, run by :meth:`backward` after a forward pass inside the
+        block) for its ``with`` block, around any call (``generate`` included: the hooks
+        run once per step), in this thread (context) only. Removed on exit, also on an
+        error. See :mod:`attnlab.nn.hooks`."""
         from attnlab.nn.hooks import hooks
 
-        return hooks(self, fwd_hooks)
+        return hooks(self, fwd_hooks, bwd_hooks)
 
-    def run_with_cache(self, *args, names_filter=None, **kwargs):
+    def run_with_cache(self, *args, names_filter=None, incl_bwd: bool = False, grad_out=None, **kwargs):
         """``(output, cache)``: the forward pass on ``args``/``kwargs`` and an
         :class:`~attnlab.nn.hooks.ActivationCache` of the activations whose names pass
         ``names_filter`` (None: all; a name; a list of names; a predicate ``name -> bool``).
+        With ``incl_bwd=True`` the call also runs ``backward(grad_out)`` and caches each
+        activation's gradient under ``name + "_grad"`` (as TransformerLens; see
+        :func:`attnlab.nn.hooks.run_with_cache`).
 
         >>> from attnlab.nn import LayerNorm
         >>> _, cache = LayerNorm(3).run_with_cache(np.array([[1.0, 2.0, 3.0]], dtype=np.float32))
@@ -373,12 +487,14 @@ class Module:
         """
         from attnlab.nn.hooks import run_with_cache
 
-        return run_with_cache(self, *args, names_filter=names_filter, **kwargs)
+        return run_with_cache(self, *args, names_filter=names_filter, incl_bwd=incl_bwd, grad_out=grad_out,
+                              **kwargs)
 
-    def run_with_hooks(self, *args, fwd_hooks=(), **kwargs):
+    def run_with_hooks(self, *args, fwd_hooks=(), bwd_hooks=(), **kwargs):
         """The forward pass on ``args``/``kwargs`` with ``fwd_hooks`` attached for the
         call: each ``fn(activation, name)`` returns None (read) or an array of the same
-        shape and dtype that replaces the activation.
+        shape and dtype that replaces the activation. ``bwd_hooks`` (``fn(grad, name)``)
+        belong to this call too: a :meth:`backward` after it runs them.
 
         >>> from attnlab.nn import LayerNorm
         >>> zero = lambda x, name: np.zeros_like(x)
@@ -388,7 +504,7 @@ class Module:
         """
         from attnlab.nn.hooks import run_with_hooks
 
-        return run_with_hooks(self, *args, fwd_hooks=fwd_hooks, **kwargs)
+        return run_with_hooks(self, *args, fwd_hooks=fwd_hooks, bwd_hooks=bwd_hooks, **kwargs)
 
     def extra_repr(self) -> str:
         return ""
