@@ -31,6 +31,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
+from attnlab._tuning import thresholds as _thresholds
 from attnlab._validation import positive_int
 
 _num_threads: int | None = None
@@ -452,8 +453,9 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
 
 
 # When matmul() splits a product over attnlab's threads instead of BLAS's own: at least
-# POOL_MATMUL_MIN multiply-adds and at least POOL_MATMUL_MIN_TOKENS tokens (the rows of a
-# projection, the inner dimension of a weight gradient). A pool call
+# pool_matmul_min() multiply-adds (attnlab._tuning: where one thread's product takes 8x a
+# pool call, from the figures measured on this machine) and at least POOL_MATMUL_MIN_TOKENS
+# tokens (the rows of a projection, the inner dimension of a weight gradient). A pool call
 # costs about 100 us of thread wake-ups on a 2-core cloud machine against BLAS's ~10 us
 # (its threads spin), so small products keep BLAS's threads; and the rule depends on the
 # tokens first so that all the products of one layer call take the same side (BLAS's
@@ -463,9 +465,21 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
 # alone; but beside the attention kernel's pool: MultiheadAttention(512, 8)
 # forward+backward at L=512 took 43-62 ms with BLAS's threads, 32.5 ms with attnlab's;
 # a TinyTransformer training step (products up to 25M) ran 50-51 steps/s with BLAS's
-# threads, 31-37 on the pool.
-POOL_MATMUL_MIN = 1 << 25
+# threads, 31-37 on the pool. The token rule is BLAS's (its packing of the smaller
+# operand), not the CPU's.
 POOL_MATMUL_MIN_TOKENS = 256
+
+
+def pool_matmul_min() -> int:
+    """Multiply-adds from which :func:`matmul` splits a product over attnlab's threads
+    (:func:`attnlab._tuning.thresholds`).
+
+    >>> pool_matmul_min() >= 1
+    True
+    """
+    return _thresholds().pool_matmul_min
+
+
 # Fewest rows (columns) of the product per thread: below, the blocks lose BLAS's rate.
 _MATMUL_MIN_ROWS = 32
 
@@ -483,7 +497,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
     here keeps every thread of a layer in one pool, whose idle threads sleep.
 
-    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds, or over fewer than
+    Smaller products (under :func:`pool_matmul_min` multiply-adds, or over fewer than
     :data:`POOL_MATMUL_MIN_TOKENS` tokens: where a pool call's thread wake-ups would cost
     more than the spin does), a decoding step's matrix-vector products, calls inside a
     pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
@@ -562,8 +576,8 @@ def _pooled(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
     N = b.shape[-1] if b.ndim >= 2 else 1
     threads = get_num_threads()
     return not (a.ndim != 2 or b.ndim != 2 or threads == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS
-                or M * N * K < POOL_MATMUL_MIN or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS
-                or in_pool() or not (have_threadpoolctl() or blas_single_threaded_by_env()))
+                or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS or in_pool()
+                or not (have_threadpoolctl() or blas_single_threaded_by_env()) or M * N * K < pool_matmul_min())
 
 
 def _product_out(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -38,7 +38,6 @@ dispatcher (:mod:`attnlab.core.dispatch`) picks it. Axis legend: see
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from contextlib import nullcontext
@@ -47,13 +46,14 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._threads import (
-    POOL_MATMUL_MIN,
     POOL_MATMUL_MIN_TOKENS,
     ScratchPool,
     one_blas_thread,
+    pool_matmul_min,
     pool_threads,
     run_units,
 )
+from attnlab._tuning import thresholds
 from attnlab.core._blas import sgemm_address
 from attnlab.core.blockwise import fused_planned, score_stride, scores_buffer, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
@@ -175,13 +175,11 @@ def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
-@functools.cache
 def _block_bytes() -> int:
     """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
     return int(cpu_info().l2 * _BLOCK_L2_SHARE)
 
 
-@functools.cache
 def _heads_bytes() -> int:
     """Bytes of float32 scores that several heads share in one block (see _HEADS_L2_SHARE)."""
     return int(cpu_info().l2 * _HEADS_L2_SHARE)
@@ -189,8 +187,10 @@ def _heads_bytes() -> int:
 
 def _copies_transposed(E: int, S: int) -> bool:
     """Whether heads of ``S`` keys of width ``E`` multiply by contiguous transposed copies
-    of the keys and values (see :meth:`_Layout.transposed`)."""
-    return E >= 32 and E * S <= 4096
+    of the keys and values (see :meth:`_Layout.transposed`): ``E >= 32`` and a head's keys
+    within half the L1 data cache (:attr:`attnlab._tuning.Thresholds.transpose_copy_bytes`;
+    on a 32 KiB L1d, 4096 floats, where it was measured to pay)."""
+    return E >= 32 and 4 * E * S <= thresholds().transpose_copy_bytes
 
 
 def _min_scores_per_thread() -> int:
@@ -704,7 +704,7 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     threads = pool_threads(None)
     if N != 1 or threads < 2 or H % threads or L < POOL_MATMUL_MIN_TOKENS or L > max_keys():
         return 0
-    if L * E_in * 3 * H * D < POOL_MATMUL_MIN or not fused_planned(np.float32, 0, min_n=0):
+    if L * E_in * 3 * H * D < pool_matmul_min() or not fused_planned(np.float32, 0, min_n=0):
         return 0
     return threads if sgemm_address() else 0
 
