@@ -19,7 +19,7 @@ from attnlab import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
-from attnlab._cpu import CPUInfo, _caches, _cpuinfo
+from attnlab._cpu import CPUInfo, _caches, _cpuinfo, pinned_cpu
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, rows
 from attnlab.core.spec import check_attention_args
@@ -76,7 +76,7 @@ def _torch_sdpa(torch, q, k, v, g, *, math=False, **kw):
 
 @pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkeypatch):
+def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkeypatch, pin_cpu):
     """Finite masks however negative: no NaN, torch's numbers (a row masked everywhere with a
     finite value is torch's uniform average), forward and backward, through the public
     functions at a size the dispatcher sends to the blockwise kernel.
@@ -89,6 +89,7 @@ def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkey
     rng = np.random.default_rng(20)
     q, k, v, g = attention_inputs(rng, (1,), 2, 2, L, L, 64, 64, np.float32)
     mask = _mask_case(case, rng)
+    pin_cpu("xeon-avx512")  # 8 MiB of scores overflow even a 2 MiB L2
     assert dispatch.use_blockwise(check_attention_args(q, k, v, mask))
     monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # the rows kernel: tests/test_rows.py
     want, _ = _torch_sdpa(torch, q, k, v, g, attn_mask=mask)
@@ -164,7 +165,8 @@ def test_float16_small_takes_naive_path_in_float32():
     q *= 40  # scores above float16's 65504: computed in float16 they would be inf and NaN
     k *= 40
     spec = check_attention_args(q, k, v)
-    assert not dispatch.use_blockwise(dispatch.widened(spec))
+    with pinned_cpu("avx2-512k"):  # 2 x 99 scores: the naive path even on the smallest L2
+        assert not dispatch.use_blockwise(dispatch.widened(spec))
     out = scaled_dot_product_attention(q, k, v)
     grads = scaled_dot_product_attention_backward(g, q, k, v)
     w = dispatch.attention_weights(q, k)
@@ -382,24 +384,24 @@ def test_cpu_description_from_the_os(tmp_path):
     assert info.avx2 and info.avx512f and "avx512f yes" in info.describe()
 
 
-def test_dispatch_threshold_follows_the_l2_cache(monkeypatch):
+def test_dispatch_threshold_follows_the_l2_cache():
     rng = np.random.default_rng(31)
     q = rng.standard_normal((4, 512, 16)).astype(np.float32)  # 4 x 512^2 scores: 4 MiB
     spec = check_attention_args(q, q, q)
     small = CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True)
     huge = CPUInfo("x", frozenset(), 32768, 8 * 2**20, 2**25, True)
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: small)
-    assert dispatch.use_blockwise(spec)
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: huge)
-    assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
+    with pinned_cpu(small):
+        assert dispatch.use_blockwise(spec)
+    with pinned_cpu(huge):
+        assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
 
 
-def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(monkeypatch):
+def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(pin_cpu):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((12, 200, 16)).astype(np.float32)  # 200^2 per head, 1.8 MiB in all
     spec = check_attention_args(q, q, q)
     # a 512 KiB L2 (the scores overflow twice the L2); on a 1 MiB-L2 CPU they would not
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True))
+    pin_cpu(CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True))
     with bw.tuned(fused=True):
         assert dispatch.use_blockwise(spec)  # compiled pass: blockwise from 192^2 per head
     with bw.tuned(fused=False):
