@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
-os.environ["ATTNLAB_TUNE"] = "off"  # before attnlab reads it (at its first decision)
+os.environ["ATTNLAB_TUNE"] = "off"  # as the root conftest.py sets it (for the doctests in src/ too)
 
 import numpy as np
 import pytest

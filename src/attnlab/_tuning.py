@@ -147,7 +147,7 @@ def derive(profile: Profile, cpu: CPUInfo) -> Thresholds:
     >>> t = derive(TYPICAL, PRESETS["zen4"])
     >>> t.min_scores_per_thread == 2**18, t.pool_matmul_min == 2**25, t.transpose_copy_bytes
     (True, True, 16384)
-    >>> derive(Profile(200.0, 50.0), PRESETS["zen4"]).min_scores_per_thread == 2**20
+    >>> derive(Profile(320.0, 100.0), PRESETS["zen4"]).min_scores_per_thread == 2**20  # a 4x slower pool
     True
     """
     work_us = SPLIT_FACTOR * profile.pool_us
@@ -233,7 +233,7 @@ def read_cache(path: Path, key: dict) -> Profile | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(_MAX_FILE_BYTES + 1)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise _Unusable(f"it cannot be read ({exc.strerror or exc})") from None
@@ -370,6 +370,10 @@ def _load_or_measure(again: bool) -> Profile:
     except (RuntimeError, OSError) as exc:  # no home folder
         path = None
         _warn_once("folder", f"attnlab has no cache folder ({exc}); tuning kept in memory for this process")
+    if path is not None and path.parent.exists() and not path.parent.is_dir():
+        where = "ATTNLAB_CACHE=" if os.environ.get("ATTNLAB_CACHE", "").strip() else "attnlab's cache folder "
+        _warn_once("folder", f"{where}{path.parent} is a file, not a folder: tuning kept in memory for this process")
+        return dataclasses.replace(measure(), source="measured, kept in memory (the cache folder is a file)")
     if path is not None and not again:
         try:
             found = read_cache(path, key)
