@@ -22,7 +22,6 @@ from attnlab._tuning import TYPICAL, Profile, TuningCacheWarning, derive
 from attnlab.core import dispatch, naive
 from attnlab.core.spec import check_attention_args
 
-
 # --------------------------------------------------------------------------- describing a CPU
 
 
