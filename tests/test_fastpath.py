@@ -647,6 +647,70 @@ _TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sc
                                reason="needs two CPUs and Linux's affinity calls")
 
 
+@pytest.fixture
+def pinning(monkeypatch):
+    """The pool pins its threads, as with ATTNLAB_PIN_THREADS=1 (off by default)."""
+    monkeypatch.setattr(threads_mod, "_PIN", [True])
+
+
+@_TWO_CPUS
+def test_pool_pins_nothing_by_default(monkeypatch):
+    """Unless asked, no thread of the pool is held on a CPU: the caller and the workers keep
+    the whole mask (several processes then never hold their threads on one core)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(threads_mod, "_PIN", [])
+    monkeypatch.delenv("ATTNLAB_PIN_THREADS", raising=False)
+    before = frozenset(os.sched_getaffinity(0))
+    seen, unit = _affinity_recorder()
+    with threads_mod_threads(2):
+        for _ in range(2):
+            threads_mod._LAST_POOL_END[0] = -float("inf")  # after a pause (held, where pinning)
+            threads_mod.run_units(range(6), unit, 2)
+            time.sleep(2 * threads_mod._HOLD_AFTER_IDLE)
+    assert {mask for _, mask in seen} == {before}
+    assert len({tid for tid, _ in seen}) >= 2 and threading.get_native_id() in {tid for tid, _ in seen}
+
+
+def test_a_call_does_not_wait_for_a_worker_that_has_not_started():
+    """A worker the system gives no core (here: busy with another task) takes no unit, and
+    the call does not wait for it: the caller runs every unit."""
+    import threading
+
+    gate = threading.Event()
+    safety = threading.Timer(30, gate.set)  # a pool that waited would fail below, not hang
+    safety.start()
+    with threads_mod_threads(2):
+        ex = threads_mod._executor(1)
+        blocker = ex.submit(gate.wait)  # the only worker is busy until the gate opens
+        try:
+            ran = []
+            threads_mod.run_units(range(5), lambda i, _s: ran.append((i, threading.get_native_id())), 2)
+            assert sorted(i for i, _ in ran) == list(range(5))
+            assert {tid for _, tid in ran} == {threading.get_native_id()}
+            assert not blocker.done()
+        finally:
+            gate.set()
+            safety.cancel()
+            blocker.result()
+
+
+def test_a_failing_unit_stops_the_call_and_raises():
+    ran = []
+
+    def unit(i, _scratch):
+        if i == 3:
+            raise KeyError(i)
+        ran.append(i)
+
+    with threads_mod_threads(2), pytest.raises(KeyError):
+        threads_mod.run_units(range(100), unit, 2)
+    assert 3 not in ran and len(ran) < 99
+    with pytest.raises(KeyError):
+        threads_mod.run_units(range(10), unit, 1)
+
+
 def _affinity_recorder():
     """``(seen, unit)``: a pool unit that records ``(thread id, CPU mask)`` into ``seen``
     and sleeps long enough that the worker takes units too."""
@@ -663,7 +727,7 @@ def _affinity_recorder():
 
 
 @_TWO_CPUS
-def test_pool_keeps_caller_and_workers_on_different_cpus():
+def test_pool_keeps_caller_and_workers_on_different_cpus(pinning):
     """During a pool call after a pause the caller stays on its CPU and the workers run
     elsewhere (after idling, Linux would otherwise wake them onto one CPU); the caller's
     mask comes back. A call that follows another closely leaves the caller's mask alone."""
@@ -689,7 +753,7 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
 
 
 @_TWO_CPUS
-def test_a_new_worker_does_not_keep_the_held_callers_cpu():
+def test_a_new_worker_does_not_keep_the_held_callers_cpu(pinning):
     """The pool's first call creates its worker while it holds the caller on one CPU; the
     worker must not inherit that mask (a new thread takes its creator's): the next call,
     close behind, runs it on another CPU than the caller's."""
@@ -719,7 +783,7 @@ def test_a_new_worker_does_not_keep_the_held_callers_cpu():
 
 
 @_TWO_CPUS
-def test_pool_moves_workers_off_the_callers_new_cpu():
+def test_pool_moves_workers_off_the_callers_new_cpu(pinning):
     """Workers held off one CPU do not stay there when the caller has since moved onto
     their CPU: a call that follows closely (so the caller is not held) still runs them
     elsewhere, and leaves the caller's mask as it was."""

@@ -17,6 +17,20 @@ Three rules keep this safe however many Python threads call attnlab at once:
 - Without ``threadpoolctl`` a pool runs only where the environment already holds BLAS to
   one thread (``OPENBLAS_NUM_THREADS=1``); otherwise the work runs in the calling thread and
   BLAS uses the cores inside each matmul.
+
+And three keep a busy machine from stalling it (other processes on the cores):
+
+- **Nobody waits for a thread that has not started.** Each thread pulls the next unit from
+  one shared queue, and a call returns once every unit is done: a worker that the system
+  has not yet given a core finds nothing left when it does run, so the caller (and the
+  workers that did run) do all the work meanwhile, and the call takes at worst about what
+  one thread takes alone, plus the unit a descheduled worker holds.
+- **Idle threads sleep**, on a lock or a queue: they never spin on a core that another
+  process could use (BLAS's own threads spin after each call; see :func:`matmul`).
+- **No thread is pinned to a CPU** unless asked (``ATTNLAB_PIN_THREADS=1``, read at the
+  first pool call): several attnlab processes on one machine then never hold their
+  threads on the same core. The pool's size is the CPUs this process may use
+  (``os.sched_getaffinity``), so ``taskset`` and container limits are honoured.
 """
 
 from __future__ import annotations
@@ -36,6 +50,15 @@ from attnlab._validation import positive_int
 
 _num_threads: int | None = None
 _local = threading.local()  # .in_pool: this thread runs units of a pool
+_PIN: list = []  # [whether the pool pins its threads (ATTNLAB_PIN_THREADS)], read at first use
+
+
+def _pinning() -> bool:
+    """Whether pool calls keep the caller and the workers on different CPUs (see
+    :func:`_caller_and_workers_apart`): only where ``ATTNLAB_PIN_THREADS`` is ``1``."""
+    if not _PIN:
+        _PIN.append(os.environ.get("ATTNLAB_PIN_THREADS", "").strip() == "1")
+    return _PIN[0]
 
 
 _cpus: set[int] | None = None
@@ -244,7 +267,9 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _EXECUTOR
 
 
-# Where the workers may run. When a call starts after the machine has been idle, Linux
+# Where the workers may run (only with ATTNLAB_PIN_THREADS=1: on a machine that other
+# processes keep busy, or with several attnlab processes, a thread held on one CPU waits
+# for that CPU while another one idles). When a call starts after the machine has been idle, Linux
 # wakes a worker on the CPU of the thread that woke it (the caller's), and the two share
 # that CPU until the load balancer moves one, milliseconds later: measured on a 2-core
 # virtual machine, a causal attention call (8 heads, L=1024) took 16-20 ms after a 0.1 s
@@ -310,7 +335,11 @@ def _caller_and_workers_apart():
     """While the block runs, the workers are kept off the calling thread's CPU (their
     masks change only when the caller has moved). After a pause (no pool call ended in
     the last :data:`_HOLD_AFTER_IDLE` seconds) the caller is also held on its CPU, and its
-    own mask restored after. A no-op where the system cannot tell the CPU."""
+    own mask restored after. A no-op where the system cannot tell the CPU, and unless
+    pinning is asked for (:func:`_pinning`)."""
+    if not _pinning():
+        yield
+        return
     try:
         if time.monotonic() - _LAST_POOL_END[0] >= _HOLD_AFTER_IDLE:
             with _held_apart():
@@ -405,6 +434,66 @@ class ScratchPool:
             self._free.append(scratch)
 
 
+_END = object()  # no unit left
+
+
+class _Run:
+    """One :func:`run_units` call's shared queue of units and what is left to wait for."""
+
+    __slots__ = ("it", "lock", "active", "closed", "error", "done")
+
+    def __init__(self, units: Iterable) -> None:
+        self.it = iter(units)
+        self.lock = threading.Lock()
+        self.active = 0  # units taken and not finished
+        self.closed = False  # no unit will be handed out any more (all taken, or one failed)
+        self.error: BaseException | None = None
+        self.done = threading.Event()  # closed, and no unit in flight
+
+    def take(self):
+        with self.lock:
+            if self.closed:
+                return _END
+            unit = next(self.it, _END)
+            if unit is _END:
+                self.closed = True
+                if self.active == 0:
+                    self.done.set()
+                return _END
+            self.active += 1
+            return unit
+
+    def finish(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.active -= 1
+            if error is not None and self.error is None:
+                self.error, self.closed = error, True
+            if self.closed and self.active == 0:
+                self.done.set()
+
+
+def _work(run: _Run, run_unit: Callable, pool: ScratchPool | None) -> None:
+    """Take units of ``run`` until none is left (a thread of :func:`run_units`)."""
+    if run.closed:  # a worker that started late: nothing to do, nothing to wait for
+        return
+    mine = {} if pool is None else pool.take()
+    outer = getattr(_local, "in_pool", False)
+    _local.in_pool = True
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            while (unit := run.take()) is not _END:
+                try:
+                    run_unit(unit, mine)
+                except BaseException as exc:
+                    run.finish(exc)
+                    return
+                run.finish(None)
+    finally:
+        _local.in_pool = outer
+        if pool is not None:
+            pool.give(mine)
+
+
 def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: ScratchPool | None = None) -> None:
     """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
 
@@ -412,44 +501,32 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
     process's worker threads, kept between calls. Each thread has its own ``scratch`` dict
     of reusable buffers (from the ``scratch`` pool where given, so buffers outlive the
     call; else a fresh dict) and pulls the next unit from a shared iterator, so long
-    units balance out with short ones. Inside a unit, :func:`in_pool` is True, so
-    attnlab calls made there run single-threaded (no nested pools). Inside another pool's
-    unit, this runs every unit in the calling thread.
+    units balance out with short ones, and the call returns when every unit is done,
+    without waiting for a worker that has not started (on a busy machine the threads that
+    run do its share). Inside a unit, :func:`in_pool` is True, so attnlab calls made there
+    run single-threaded (no nested pools). Inside another pool's unit, this runs every
+    unit in the calling thread. The first exception a unit raises stops the handing out
+    of units and is raised here once the units in flight are done.
+
+    >>> out = []
+    >>> run_units(range(4), lambda i, _s: out.append(i * i), 2)
+    >>> sorted(out)
+    [0, 1, 4, 9]
     """
-    it = iter(units)
-    lock = threading.Lock()
-    pool = scratch
     if in_pool():
         threads = 1
-
-    def loop() -> None:
-        mine = {} if pool is None else pool.take()
-        outer = getattr(_local, "in_pool", False)
-        _local.in_pool = True
-        try:
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                while True:
-                    with lock:
-                        unit = next(it, None)
-                    if unit is None:
-                        return
-                    run_unit(unit, mine)
-        finally:
-            _local.in_pool = outer
-            if pool is not None:
-                pool.give(mine)
-
+    run = _Run(units)
     if threads == 1:
-        loop()
-        return
-    ex = _executor(threads - 1)
-    with blas_limit(threads), _caller_and_workers_apart():
-        futures = [ex.submit(loop) for _ in range(threads - 1)]
-        try:
-            loop()
-        finally:
-            for f in futures:
-                f.result()
+        _work(run, run_unit, scratch)
+    else:
+        ex = _executor(threads - 1)
+        with blas_limit(threads), _caller_and_workers_apart():
+            for _ in range(threads - 1):
+                ex.submit(_work, run, run_unit, scratch)
+            _work(run, run_unit, scratch)
+            run.done.wait()
+    if run.error is not None:
+        raise run.error
 
 
 # When matmul() splits a product over attnlab's threads instead of BLAS's own: at least
