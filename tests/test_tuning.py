@@ -16,7 +16,8 @@ import warnings
 import numpy as np
 import pytest
 
-from attnlab import _cpu, _tuning
+from attnlab import _cpu, _threads, _tuning
+from attnlab._threads import available_cpus
 from attnlab._cpu import PRESETS, CPUInfo, _caches, cpu_info, describe_cpu, pinned_cpu
 from attnlab._tuning import TYPICAL, Profile, TuningCacheWarning, derive
 from attnlab.core import dispatch, naive
@@ -126,6 +127,7 @@ def test_thresholds_follow_the_measured_figures():
 # --------------------------------------------------------------------------- the cache file
 
 FIGURES = Profile(123.0, 77.0, "stub")
+CPUS = str(available_cpus())
 
 
 @pytest.fixture
@@ -163,6 +165,7 @@ def test_measured_once_then_read_from_the_file(tuning_env):
     assert (prof.pool_us, prof.gemm_gflops) == (123.0, 77.0) and thr.profile is prof
     data = json.loads((folder / "tuning.json").read_text())
     assert data["format"] == 1 and data["key"] == _tuning.machine_key()
+    assert list(data["profiles"]) == [str(available_cpus())]
     prof, _, warned = _figures()  # the next process
     assert calls == [1] and not warned and prof.source.startswith("measured, read from")
     assert (prof.pool_us, prof.gemm_gflops) == (123.0, 77.0)
@@ -181,6 +184,7 @@ def _good_file(folder) -> dict:
     ("another CPU", "it was measured on another CPU"),
     ("negative figure", "pool_us is -5, not a number"),
     ("a bool figure", "gemm_gflops is True, not a number"),
+    ("not a record", "are not a record"),
     ("huge", "larger than 65536 bytes"),
 ])
 def test_a_bad_file_is_ignored_with_one_warning_and_measured_again(tuning_env, case, match):
@@ -200,10 +204,13 @@ def test_a_bad_file_is_ignored_with_one_warning_and_measured_again(tuning_env, c
         data["key"]["cpu"] = dict(data["key"]["cpu"], model="Other CPU", l2=123)
         path.write_text(json.dumps(data))
     elif case == "negative figure":
-        data["profile"]["pool_us"] = -5
+        data["profiles"][CPUS]["pool_us"] = -5
         path.write_text(json.dumps(data))
     elif case == "a bool figure":
-        data["profile"]["gemm_gflops"] = True
+        data["profiles"][CPUS]["gemm_gflops"] = True
+        path.write_text(json.dumps(data))
+    elif case == "not a record":
+        data["profiles"][CPUS] = [1, 2]
         path.write_text(json.dumps(data))
     elif case == "huge":
         path.write_text(" " * 70000 + text)
@@ -220,9 +227,26 @@ def test_other_library_versions_are_measured_again_silently(tuning_env):
     folder, calls = tuning_env
     data = _good_file(folder)
     data["key"]["numpy"] = "0.1"
+    data["profiles"]["64"] = data["profiles"][CPUS]
     (folder / "tuning.json").write_text(json.dumps(data))
     calls.clear()
     assert not _figures()[2] and calls == [1]
+    assert list(json.loads((folder / "tuning.json").read_text())["profiles"]) == [CPUS]  # the old ones dropped
+
+
+def test_each_number_of_usable_cpus_keeps_its_own_figures(tuning_env):
+    folder, calls = tuning_env
+    _good_file(folder)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_threads, "available_cpus", lambda: 64)  # e.g. under taskset, or a bigger share
+        calls.clear()
+        prof, _, warned = _figures()
+        assert calls == [1] and not warned
+    data = json.loads((folder / "tuning.json").read_text())
+    assert sorted(data["profiles"]) == sorted([CPUS, "64"])
+    calls.clear()
+    prof, _, warned = _figures()
+    assert not warned and calls == [] and prof.source.startswith("measured, read from")
 
 
 @pytest.mark.parametrize("where", ["a file", "below a file", "read-only system folder"])
@@ -259,7 +283,7 @@ def test_results_stay_right_whatever_the_cache_held(tuning_env):
     spec = check_attention_args(q, q, q, is_causal=True)
     want = naive.forward(spec)
     for pool_us in (1e-3, 1e5):  # every split, or none
-        data["profile"]["pool_us"] = pool_us
+        data["profiles"][CPUS]["pool_us"] = pool_us
         (folder / "tuning.json").write_text(json.dumps(data))
         _tuning.forget()
         from attnlab.core import blockwise as bw

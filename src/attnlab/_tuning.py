@@ -15,8 +15,9 @@ They are measured at the first call that needs them (about 0.1 s; never during a
 and kept in ``tuning.json`` in attnlab's cache folder (``$ATTNLAB_CACHE``, else
 ``$XDG_CACHE_HOME/attnlab`` or ``~/.cache/attnlab``; ``~/Library/Caches/attnlab`` on macOS,
 ``%LOCALAPPDATA%\\attnlab\\Cache`` on Windows), with what they were measured on: the CPU
-description, the usable CPUs and the versions of Python, attnlab, NumPy and numba. A
-process whose machine or libraries differ measures again and replaces the file. A file
+description and the versions of Python, attnlab, NumPy and numba, and apart for each
+number of usable CPUs (``taskset``). A process whose libraries or CPU count differ
+measures again and updates the file. A file
 that cannot be read (corrupt, truncated, not attnlab's, another CPU's) is ignored with one
 warning and measured again; a folder that cannot be written keeps the figures in memory
 for the process, with one warning. Nothing here ever raises, and the figures change only
@@ -204,14 +205,11 @@ def _versions() -> dict:
 
 
 def machine_key(cpu: CPUInfo | None = None) -> dict:
-    """What a tuning file's figures hold for: the CPU (model, SIMD flags, caches), the CPUs
-    this process may use, the libraries' versions."""
-    from attnlab._threads import available_cpus
-
+    """What a tuning file's figures hold for: the CPU (model, SIMD flags, caches) and the
+    libraries' versions. (The figures of each number of usable CPUs are kept apart in it.)"""
     cpu = cpu_info() if cpu is None else cpu
     simd = sorted(f for f in cpu.flags if f.startswith(("avx", "sse", "fma", "amx", "neon", "sve", "asimd")))
-    return {"cpu": {"model": cpu.model, "simd": simd, "l1d": cpu.l1d, "l2": cpu.l2, "l3": cpu.l3},
-            "cpus": available_cpus(), **_versions()}
+    return {"cpu": {"model": cpu.model, "simd": simd, "l1d": cpu.l1d, "l2": cpu.l2, "l3": cpu.l3}, **_versions()}
 
 
 class _Unusable(Exception):
@@ -224,12 +222,11 @@ def _positive(value, name: str, upper: float) -> float:
     return float(value)
 
 
-def read_cache(path: Path, key: dict) -> Profile | None:
-    """The figures in ``path`` if they were measured for ``key``; None where there is no
-    file or it holds another version's figures (measured again, silently).
+def _read_json(path: Path) -> dict | None:
+    """The tuning file's JSON, or None where there is none.
 
     Raises:
-        _Unusable: a file that is not a tuning file, or another CPU's.
+        _Unusable: a file that cannot be read or is not an attnlab tuning file.
     """
     try:
         with open(path, "rb") as f:
@@ -245,22 +242,39 @@ def read_cache(path: Path, key: dict) -> Profile | None:
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _Unusable(f"it is not JSON ({exc.__class__.__name__}: {exc}); truncated or corrupt") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("key"), dict) \
-            or not isinstance(data.get("profile"), dict):
+            or not isinstance(data.get("profiles"), dict):
         raise _Unusable(f"it is not an attnlab tuning file of format {FORMAT}")
+    return data
+
+
+def read_cache(path: Path, key: dict, cpus: int) -> Profile | None:
+    """The figures in ``path`` measured for ``key`` with ``cpus`` usable CPUs; None where
+    there are none (no file, other library versions, another number of CPUs: measured
+    again, silently).
+
+    Raises:
+        _Unusable: a file that is not a tuning file, or another CPU's.
+    """
+    data = _read_json(path)
+    if data is None:
+        return None
     theirs = data["key"]
-    if theirs.get("cpu") != key["cpu"] or theirs.get("cpus") != key["cpus"]:
+    if theirs.get("cpu") != key["cpu"]:
         model = theirs.get("cpu", {}).get("model") if isinstance(theirs.get("cpu"), dict) else None
-        raise _Unusable(f"it was measured on another CPU ({model!r} with {theirs.get('cpus')!r} usable CPUs, "
-                        f"not {key['cpu']['model']!r} with {key['cpus']})")
-    if theirs != key:
-        return None  # other library versions: measure again
-    p = data["profile"]
+        raise _Unusable(f"it was measured on another CPU ({model!r}, not {key['cpu']['model']!r}, or other caches "
+                        "or SIMD flags)")
+    p = data["profiles"].get(str(cpus))
+    if theirs != key or p is None:
+        return None
+    if not isinstance(p, dict):
+        raise _Unusable(f"its figures for {cpus} CPUs are not a record")
     return Profile(_positive(p.get("pool_us"), "pool_us", 1e6), _positive(p.get("gemm_gflops"), "gemm_gflops", 1e6),
                    f"measured, read from {path}")
 
 
-def write_cache(path: Path, key: dict, profile: Profile) -> None:
-    """Write the figures atomically (a failure leaves any old file as it was).
+def write_cache(path: Path, key: dict, cpus: int, profile: Profile) -> None:
+    """Write the figures for ``cpus`` usable CPUs atomically, beside those of other CPU
+    counts already there for the same ``key`` (a failure leaves any old file as it was).
 
     Raises:
         OSError: the folder cannot be made or written.
@@ -270,9 +284,14 @@ def write_cache(path: Path, key: dict, profile: Profile) -> None:
     if path.parent.exists() and not path.parent.is_dir():
         raise NotADirectoryError(f"{path.parent} is a file, not a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"format": FORMAT, "key": key,
-                       "profile": {"pool_us": round(profile.pool_us, 2), "gemm_gflops": round(profile.gemm_gflops, 2),
-                                   "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}}, indent=1)
+    try:
+        old = _read_json(path)
+    except _Unusable:
+        old = None
+    profiles = old["profiles"] if old is not None and old["key"] == key else {}
+    profiles[str(cpus)] = {"pool_us": round(profile.pool_us, 2), "gemm_gflops": round(profile.gemm_gflops, 2),
+                           "measured": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    text = json.dumps({"format": FORMAT, "key": key, "profiles": profiles}, indent=1)
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
 
@@ -365,7 +384,9 @@ _local = threading.local()
 
 
 def _load_or_measure(again: bool) -> Profile:
-    key = machine_key()
+    from attnlab._threads import available_cpus
+
+    key, cpus = machine_key(), available_cpus()
     try:
         path = cache_path()
     except (RuntimeError, OSError) as exc:  # no home folder
@@ -377,7 +398,7 @@ def _load_or_measure(again: bool) -> Profile:
         return dataclasses.replace(measure(), source="measured, kept in memory (the cache folder is a file)")
     if path is not None and not again:
         try:
-            found = read_cache(path, key)
+            found = read_cache(path, key, cpus)
             if found is not None:
                 return found
         except _Unusable as exc:
@@ -385,7 +406,7 @@ def _load_or_measure(again: bool) -> Profile:
     found = measure()
     if path is not None:
         try:
-            write_cache(path, key, found)
+            write_cache(path, key, cpus, found)
             found = dataclasses.replace(found, source=f"measured, kept in {path}")
         except OSError as exc:
             where = "ATTNLAB_CACHE" if os.environ.get("ATTNLAB_CACHE", "").strip() else "the cache folder"
