@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from attnlab import _cpu, _threads, _tuning
-from attnlab._threads import available_cpus
 from attnlab._cpu import PRESETS, CPUInfo, _caches, cpu_info, describe_cpu, pinned_cpu
+from attnlab._threads import available_cpus
 from attnlab._tuning import TYPICAL, Profile, TuningCacheWarning, derive
 from attnlab.core import dispatch, naive
 from attnlab.core.spec import check_attention_args
