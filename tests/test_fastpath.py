@@ -977,3 +977,79 @@ def test_a_few_rows_times_a_weights_transpose_run_weight_first():
     assert not threads_mod._weight_first(np.asfortranarray(x), w.T)
     # a projection of a short prompt goes this way, with NumPy's numbers
     np.testing.assert_allclose(F.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------- a repeated step's thread count
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _steps(chooser, clock, n, seconds):
+    """Run ``n`` steps; ``seconds(k)`` is how long a step takes on ``k`` threads. The
+    thread counts used, in order."""
+    used = []
+    for _ in range(n):
+        with chooser.step() as k:
+            clock.now += seconds(k)
+            used.append(k)
+        clock.now += 0.001  # the caller's work between two steps
+    return used
+
+
+def test_step_threads_keep_all_threads_on_a_quiet_machine():
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 0)
+    with threads_mod_threads(2):
+        used = _steps(chooser, clock, 600, lambda k: 0.010 if k == 2 else 0.016)
+    probes = sum(k == 1 for k in used)
+    assert used[:2] == [2, 2] and not chooser.one_thread
+    assert 0 < probes <= 6 * threads_mod.StepThreads.PROBE_STEPS  # probes back off: 2, 32, 64, 128, 256, 512
+
+
+def test_step_threads_go_to_one_thread_when_the_cores_are_taken():
+    """Other processes hold the cores from the start: one thread from the first step, and
+    no probe of two threads while that lasts; once they are gone, two threads again."""
+    clock, busy = _FakeClock(), [3]
+    chooser = threads_mod.StepThreads(clock=clock, running=lambda: busy[0])
+
+    def seconds(k):
+        return 0.016 if k == 1 else (0.5 if busy[0] else 0.010)  # two threads on taken cores: a stall
+
+    with threads_mod_threads(2):
+        used = _steps(chooser, clock, 300, seconds)
+        assert used == [1] * 300 and chooser.one_thread
+        busy[0] = 0
+        used = _steps(chooser, clock, 1200, seconds)
+    assert used[-10:] == [2] * 10 and not chooser.one_thread
+
+
+def test_step_threads_leave_two_threads_when_a_load_arrives():
+    """A load that arrives while the steps run on two threads slows them down: a probe of
+    one thread follows at once and wins."""
+    clock, load = _FakeClock(), [False]
+    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 0)  # the load is not seen: only timed
+
+    def seconds(k):
+        return (0.016 if k == 1 else 0.2) if load[0] else (0.016 if k == 1 else 0.010)
+
+    with threads_mod_threads(2):
+        _steps(chooser, clock, 200, seconds)
+        assert not chooser.one_thread
+        load[0] = True
+        used = _steps(chooser, clock, 20, seconds)
+    assert chooser.one_thread and used.count(2) <= 4 and used[-5:] == [1] * 5
+
+
+def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread():
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 5)
+    with threads_mod_threads(2), chooser.step() as k:
+        assert k == 1 and threads_mod.get_num_threads() == 1
+        assert threads_mod.BLAS_LIMITER.users >= 1
+    assert threads_mod.get_num_threads() == 2

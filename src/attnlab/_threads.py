@@ -86,11 +86,15 @@ def available_cpus() -> int:
 
 
 def get_num_threads() -> int:
-    """Threads attnlab's parallel loops use by default (all usable CPUs unless set).
+    """Threads attnlab's parallel loops use by default (all usable CPUs unless set; inside
+    a step that :class:`StepThreads` runs on one thread, 1).
 
     >>> get_num_threads() >= 1
     True
     """
+    step = getattr(_local, "step_threads", None)
+    if step is not None:
+        return step
     return _num_threads if _num_threads is not None else available_cpus()
 
 
@@ -680,3 +684,160 @@ def _product_parts(a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int) 
 def _product_unit(part: tuple, _scratch) -> None:
     a, b, out = part
     np.matmul(a, b, out=out)
+
+
+class StepThreads:
+    """The threads for a step that repeats many times (a decoding step), chosen by how fast
+    the step runs now: all of attnlab's threads (:func:`get_num_threads`), or one.
+
+    On a quiet machine every thread helps a decoding step (its products read the weights
+    from memory, and two threads read faster than one). On a machine that other
+    processes keep busy the same threads stall: the compiled kernels' threads (numba's
+    OpenMP) and BLAS's spin between the step's many short parallel regions, and a region
+    waits for a thread that has no core (SmolLM2 quantized on a 2-core EPYC, other
+    processes keeping the load at 3 to 7: 2.6 to 13 tokens/s on two threads against 57 to
+    87 on one). Neither is right everywhere, so :meth:`step` times each step and now and
+    then runs a few steps the other way (a probe: :data:`PROBE_STEPS` steps after the
+    first :data:`FIRST_PROBE`, then after :data:`EVERY` steps, twice as long after each
+    probe that loses, up to :data:`MAX_EVERY`; a probe step twice as slow ends the probe
+    at once), keeping whichever ran faster. When the steps slow down by half (a new load)
+    it probes at once. A probe of all threads is put off while the machine's runnable
+    tasks leave no core free for the extra threads (``/proc/loadavg``: a probe step on
+    taken cores can cost as much as a hundred steps on one), and the process's first step
+    starts on one thread when that is so. The choice is the process's, kept from one
+    generation to the next. Each step's numbers do not
+    depend on its thread count (each output is computed by one thread either way).
+    """
+
+    FIRST_PROBE = 2
+    PROBE_STEPS = 3
+    LOSING = 2.0  # a probe step this much slower than the arm in use ends the probe
+    EVERY = 32
+    MAX_EVERY = 1024
+    SLOWER = 1.5  # steps this much slower than when last decided: probe now
+    PAUSE = 1.0  # seconds between two steps after which the machine may have changed
+
+    def __init__(self, clock=time.perf_counter, running=None) -> None:
+        self._clock = clock
+        self._running = _running_tasks if running is None else running
+        self._first = True
+        self._lock = threading.Lock()
+        self._one = False  # the arm in use: one thread (True) or all (False)
+        self._every = self.EVERY
+        self._until_probe = self.FIRST_PROBE
+        self._probe_left = 0  # steps of the running probe still to run
+        self._probe: list[float] = []  # the probe's step times
+        self._recent: list[float] = []  # the arm in use's last step times
+        self._baseline: float | None = None  # its median when last decided
+        self._last_end = -math.inf
+
+    def _pick_one(self, wanted: int) -> bool:
+        """One thread for the next step? (under the lock)"""
+        if self._first:  # the process's first step: all threads, unless the cores are taken now
+            self._first = False
+            self._one = self._busy(wanted)
+        if self._clock() - self._last_end > self.PAUSE:
+            self._until_probe = min(self._until_probe, self.FIRST_PROBE)
+        if self._probe_left == 0 and self._until_probe <= 0:
+            if self._one and self._busy(wanted):  # the cores are taken: the probe would only lose
+                self._every = min(2 * self._every, self.MAX_EVERY)
+                self._until_probe = self._every
+            else:
+                self._probe_left, self._probe = self.PROBE_STEPS, []
+        return self._one != (self._probe_left > 0)
+
+    def _record(self, one: bool, seconds: float) -> None:
+        self._last_end = self._clock()
+        if one != self._one:  # a probe step
+            self._probe.append(seconds)
+            self._probe_left -= 1
+            mine = _median(self._recent[-self.PROBE_STEPS - 2:]) if self._recent else math.inf
+            if seconds > self.LOSING * mine:  # clearly slower: no need to run the rest of the probe
+                self._probe_left = 0
+            if self._probe_left == 0:
+                if _median(self._probe) < 0.95 * mine:
+                    self._one, self._every = one, self.EVERY
+                    self._recent, self._baseline = list(self._probe), _median(self._probe)
+                else:
+                    self._every = min(2 * self._every, self.MAX_EVERY)
+                    self._baseline = mine
+                self._until_probe = self._every
+            return
+        self._recent = (self._recent + [seconds])[-8:]
+        self._until_probe -= 1
+        if self._baseline is None and len(self._recent) >= 3:
+            self._baseline = _median(self._recent)
+        elif self._baseline is not None and len(self._recent) >= 3 \
+                and _median(self._recent[-3:]) > self.SLOWER * self._baseline:
+            self._until_probe, self._baseline = 0, None  # slower by half: probe now
+
+    @contextmanager
+    def step(self):
+        """Run one step (a ``with`` block) on the thread count chosen for it; yields it.
+        With one thread, BLAS is held to one thread too and :func:`get_num_threads` is 1
+        inside the block (the compiled kernels follow it)."""
+        wanted = get_num_threads()
+        if wanted == 1 or in_pool():
+            yield wanted
+            return
+        with self._lock:
+            one = self._pick_one(wanted)
+        outer = getattr(_local, "step_threads", None)
+        t0 = self._clock()
+        try:
+            if one:
+                _local.step_threads = 1
+                with one_blas_thread():
+                    yield 1
+            else:
+                yield wanted
+        finally:
+            _local.step_threads = outer
+            seconds = self._clock() - t0
+            with self._lock:
+                self._record(one, seconds)
+
+    def _busy(self, wanted: int) -> bool:
+        """Whether other processes hold the cores the extra threads would need right now:
+        their runnable tasks (:func:`_running_tasks`) leave fewer than ``wanted - 1`` of
+        this process's CPUs beside the caller's free. False where the system does not say."""
+        others = self._running()
+        if others is None:
+            return False
+        return others > available_cpus() - wanted
+
+    @property
+    def one_thread(self) -> bool:
+        """Whether the steps run on one thread now (outside a probe)."""
+        return self._one
+
+
+def _running_tasks() -> int | None:
+    """The tasks of other processes runnable on the machine now: Linux's
+    ``/proc/loadavg`` (its fourth field counts every runnable task) less this process's
+    own runnable threads (``/proc/self/task/*/stat``: its caller, and any BLAS or OpenMP
+    thread still spinning), or None where the system does not say."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            total = int(f.read().split()[3].split(b"/")[0])
+        mine = 0
+        for task in os.scandir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task.name}/stat", "rb") as f:
+                    mine += f.read().rpartition(b")")[2].split()[0] == b"R"
+            except (OSError, IndexError):  # a thread that has just exited
+                pass
+        return max(0, total - mine)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+#: The decoding steps' chooser (:func:`attnlab.models.generate.generate` runs each step in it).
+DECODE_STEPS = StepThreads()
+
