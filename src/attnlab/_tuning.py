@@ -121,7 +121,7 @@ class Thresholds:
         """The thresholds and why, one line each (``attnlab bench --explain-dispatch``)."""
         p = self.profile
         return [
-            f"measured: {p.line()}",
+            f"figures: {p.line()}",
             f"a call splits over the pool from {self.split_work_us:.0f} us of one thread's work "
             f"({SPLIT_FACTOR} x the pool call)",
             f"  attention: from {self.min_scores_per_thread} scores of 64-wide heads (2^"
