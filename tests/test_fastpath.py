@@ -1002,7 +1002,13 @@ def _steps(chooser, clock, n, seconds):
     return used
 
 
-def test_step_threads_keep_all_threads_on_a_quiet_machine():
+@pytest.fixture
+def adapting(monkeypatch):
+    """attnlab decides by what it sees of the machine (the suite turns that off: ATTNLAB_TUNE=off)."""
+    monkeypatch.setattr(threads_mod, "_adapts", lambda: True)
+
+
+def test_step_threads_keep_all_threads_on_a_quiet_machine(adapting):
     clock = _FakeClock()
     chooser = threads_mod.StepThreads(clock=clock, running=lambda: 0)
     with threads_mod_threads(2):
@@ -1012,7 +1018,7 @@ def test_step_threads_keep_all_threads_on_a_quiet_machine():
     assert 0 < probes <= 6 * threads_mod.StepThreads.PROBE_STEPS  # probes back off: 2, 32, 64, 128, 256, 512
 
 
-def test_step_threads_go_to_one_thread_when_the_cores_are_taken():
+def test_step_threads_go_to_one_thread_when_the_cores_are_taken(adapting):
     """Other processes hold the cores from the start: one thread from the first step, and
     no probe of two threads while that lasts; once they are gone, two threads again."""
     clock, busy = _FakeClock(), [3]
@@ -1029,7 +1035,7 @@ def test_step_threads_go_to_one_thread_when_the_cores_are_taken():
     assert used[-10:] == [2] * 10 and not chooser.one_thread
 
 
-def test_step_threads_leave_two_threads_when_a_load_arrives():
+def test_step_threads_leave_two_threads_when_a_load_arrives(adapting):
     """A load that arrives while the steps run on two threads slows them down: a probe of
     one thread follows at once and wins."""
     clock, load = _FakeClock(), [False]
@@ -1046,10 +1052,55 @@ def test_step_threads_leave_two_threads_when_a_load_arrives():
     assert chooser.one_thread and used.count(2) <= 4 and used[-5:] == [1] * 5
 
 
-def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread():
+def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread(adapting):
     clock = _FakeClock()
     chooser = threads_mod.StepThreads(clock=clock, running=lambda: 5)
     with threads_mod_threads(2), chooser.step() as k:
         assert k == 1 and threads_mod.get_num_threads() == 1
         assert threads_mod.BLAS_LIMITER.users >= 1
     assert threads_mod.get_num_threads() == 2
+
+
+def test_a_busy_machine_holds_blas_to_one_thread_and_the_pools_to_the_caller(monkeypatch, adapting):
+    """Other processes' runnable tasks on the cores, at two looks in a row: BLAS on one
+    thread and every pool call on its caller; the first look that finds the cores free
+    again lets both go."""
+    import threading
+
+    others, now = [0], [100.0]
+    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: others[0])
+    monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": False, "at": -float("inf")})
+    users = threads_mod.BLAS_LIMITER.users
+
+    def look(n_others):
+        others[0] = n_others
+        now[0] += 2 * threads_mod.BUSY_CHECK_SECONDS
+        return threads_mod.watch_the_machine()
+
+    def who_runs():
+        tids = set()
+        threads_mod.run_units(range(8), lambda i, _s: tids.add(threading.get_native_id()), 2)
+        return tids
+
+    with threads_mod_threads(2):
+        assert not look(0) and not look(3)  # one look is not a load
+        assert look(3) and threads_mod.BLAS_LIMITER.users == users + 1
+        now[0] += threads_mod.BUSY_CHECK_SECONDS / 10  # too soon to look again: still busy
+        assert who_runs() == {threading.get_native_id()}
+        a = np.ones((512, 4096), np.float32)
+        assert not threads_mod._pooled(a, a.T, None)
+        assert not look(0) and threads_mod.BLAS_LIMITER.users == users
+        now[0] -= threads_mod.BUSY_CHECK_SECONDS  # (no new look within the next calls)
+        assert threads_mod._pooled(a, a.T, None)
+
+
+def test_with_tune_off_nothing_follows_the_load(monkeypatch):
+    """ATTNLAB_TUNE=off (the suite's setting): no watch, and every decoding step on all threads."""
+    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: 99)
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
+    assert not threads_mod._adapts()
+    assert not threads_mod.watch_the_machine()
+    chooser = threads_mod.StepThreads(running=lambda: 99)
+    with threads_mod_threads(2):
+        assert all(_steps(chooser, _FakeClock(), 10, lambda k: 1.0 if k == 2 else 0.1) == [2] * 10 for _ in range(1))

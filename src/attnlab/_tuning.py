@@ -25,7 +25,9 @@ which kernel or how many threads run, never what is computed beyond float roundi
 
 ``ATTNLAB_TUNE=off`` (the test suite sets it) and a described CPU (``ATTNLAB_CPU``,
 :func:`attnlab._cpu.pinned_cpu`) take the :data:`TYPICAL` figures instead: no
-measurement, no file, the same decisions on every run.
+measurement, no file, the same decisions on every run. ``ATTNLAB_TUNE=off`` also turns off
+what attnlab decides by the machine's load (:func:`adapts`): the busy-machine watch and
+the decoding steps' choice of threads (:mod:`attnlab._threads`).
 
 The rule (:func:`derive`): a call splits over the pool where one thread's work takes at
 least :data:`SPLIT_FACTOR` times the pool's cost, so that the pool's cost stays within an
@@ -358,11 +360,23 @@ def _mode() -> str:
     return _MODE[0]
 
 
+def adapts() -> bool:
+    """Whether attnlab may decide by what it measures or sees now (``ATTNLAB_TUNE`` is not
+    ``off``): the figures measured at first use, the busy-machine watch and the decoding
+    steps' thread count (:mod:`attnlab._threads`). The test suite turns it off, so that
+    no result there depends on a timing or on the machine's load.
+
+    >>> isinstance(adapts(), bool)
+    True
+    """
+    return _mode() not in ("off", "0", "no", "typical")
+
+
 def profile(*, again: bool = False) -> Profile:
     """The figures in force: :data:`TYPICAL` where the CPU is described or
     ``ATTNLAB_TUNE=off``; else this machine's, from the cache file or measured now (once
     per process; ``again`` measures again and rewrites the file)."""
-    if is_described() or _mode() in ("off", "0", "no", "typical"):
+    if is_described() or not adapts():
         return TYPICAL
     if _measured and not again:
         return _measured[0]
