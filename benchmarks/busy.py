@@ -133,8 +133,9 @@ def main(argv=None) -> int:
                         elif work == "decode":
                             extra = "" if res["token_3000"] is None else \
                                 f"; token 100 {res['token_100']:.1f}/s, token 3000 {res['token_3000']:.1f}/s"
+                            windows = ", ".join(f"{w:.1f}" for w in res["windows"])
                             print(f"{work:7} round {r + 1}  {name:15} {how:16} {res['rate']:6.1f} tokens/s (windows of "
-                                  f"100: {', '.join(f'{w:.1f}' for w in res['windows'])}{extra}); load {res['load']:.1f}")
+                                  f"100: {windows}{extra}); load {res['load']:.1f}")
                         else:
                             print(f"{work:7} round {r + 1}  {name:15} {how:16} {res['ms']:6.1f} ms a step; "
                                   f"load {res['load']:.1f}")

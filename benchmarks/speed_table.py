@@ -154,42 +154,17 @@ def main(argv=None) -> int:
 
         row("GPT-2 6x768 prefill, 512 tokens", {"attnlab": g_ours, "other": g_theirs})
     if "train" in rows:
-        from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
-        from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
-        from attnlab.nn import CrossEntropyLoss
-        from attnlab.train.optim import AdamW, clip_grad_norm_
-        from attnlab.train.tasks import RecallTask
+        from attnlab.benchmark import training_step_fns
 
-        task = RecallTask(num_pairs=10, num_queries=10, num_keys=20, num_values=16)
-        cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=96, d_ff=192,
-                                    activation="relu")
-        model = TinyTransformer(cfg, rng=np.random.default_rng(0))
-        twin = torch_tiny_transformer(cfg)
-        copy_to_torch(model, twin)
-        batches = [task.sample(32, rng=np.random.default_rng(i)) for i in range(10)]
-        tb = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
-        opt, loss_fn = AdamW(model.parameters(), lr=1e-3), CrossEntropyLoss()
-        topt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
-
-        def t_ours():
-            for ids, targets in batches:
-                loss_fn(model(ids), targets)
-                model.zero_grad()
-                model.backward(loss_fn.backward())
-                clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-
-        def t_theirs():
-            for ids, targets in tb:
-                logits = twin(ids)
-                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
-                topt.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(twin.parameters(), 1.0)
-                topt.step()
-
-        row("training step, TinyTransformer d=96, batch 32x40", {"attnlab": t_ours, "other": t_theirs},
-            unit_scale=1e3 / len(batches), unit="ms/step")
+        steps = 10
+        try:
+            plan = training_step_fns(torch, steps, batch_size=32, d_model=96, num_pairs=10)
+            tokens = 40
+        except TypeError:  # an older checkout: its recall task only, 32 tokens
+            plan = training_step_fns(torch, steps, batch_size=32, d_model=96)
+            tokens = 32
+        row(f"training step, TinyTransformer d=96, batch 32x{tokens}",
+            {"attnlab": plan.fns["attnlab"], "other": plan.fns["torch"]}, unit_scale=1e3 / steps, unit="ms/step")
     if "smollm2" in rows:
         from attnlab.models.llama import load_smollm2
 

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--d-model", type=int, default=96)
     p.add_argument("--num-pairs", type=int, default=10, help="recall pairs (and queries) a sequence (default 10)")
-    p.add_argument("--profile", type=int, default=10, help="attnlab steps under cProfile (0: none; default 10)")
+    p.add_argument("--no-profile", action="store_true", help="leave out the cProfile of a round of attnlab steps")
     args = p.parse_args(argv)
     threads = pin_threads(args.threads)
     load_before = machine_load()
@@ -118,22 +118,12 @@ def main(argv=None) -> int:
         t = sum(med["torch"].values()) if n == "step" else med["torch"][n]
         print(f"{n:10} {a:11.3f} {t:9.3f} {a / t:14.2f}")
     print("(medians per phase; 'step' is their sum)")
-    if args.profile:
+    if not args.no_profile:
         prof = cProfile.Profile()
-        few = batches[: args.profile]
-
-        def profiled():
-            for ids, targets in few:
-                loss_fn(model(ids), targets)
-                model.zero_grad()
-                model.backward(loss_fn.backward())
-                clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-
-        prof.runcall(profiled)
+        prof.runcall(ours, {n: [] for n in PHASES})
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
-        print(f"\nattnlab, {len(few)} steps under cProfile (its own time per function, the heaviest 15):")
+        print(f"\nattnlab, {len(batches)} steps under cProfile (its own time per function, the heaviest 15):")
         print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:4000])
     return 0
 

@@ -976,17 +976,20 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
 
 
 def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_size: int = 64, d_model: int = 64,
-                      activation: str = "relu") -> _Plan:
+                      activation: str = "relu", num_pairs: int | None = None) -> _Plan:
     """``steps`` training steps per call on the recall task, attnlab's TinyTransformer and its
     torch twin (the same weights and batches): forward, cross-entropy, backward, gradient
-    clipping at 1.0, AdamW. ``row``, when given, gets a note naming the model."""
+    clipping at 1.0, AdamW. ``row``, when given, gets a note naming the model.
+    ``num_pairs``: the task's pairs and queries (sequences of ``4 * num_pairs`` tokens;
+    None: the task's default, 32 tokens)."""
     from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
     from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
     from attnlab.nn import CrossEntropyLoss
     from attnlab.train.optim import AdamW, clip_grad_norm_
     from attnlab.train.tasks import RecallTask
 
-    task = RecallTask()
+    task = RecallTask() if num_pairs is None else \
+        RecallTask(num_pairs=num_pairs, num_queries=num_pairs, num_keys=max(16, 2 * num_pairs), num_values=16)
     cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=d_model,
                                 d_ff=2 * d_model, activation=activation)
     model = TinyTransformer(cfg, rng=np.random.default_rng(0))
