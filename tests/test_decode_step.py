@@ -206,6 +206,7 @@ def test_generation_gives_the_same_tokens_whatever_thread_count_a_step_takes(qua
             self.seen.append(_threads.get_num_threads() if not one else 1)
 
     monkeypatch.setattr(_threads, "_adapts", lambda: True)  # the steps' choice is on (the suite turns it off)
+    monkeypatch.setattr(_threads, "watch_the_machine", lambda: False)  # but not the busy-machine watch
     model = quantized_llama("Q4_1", seed=3) if quantized else Llama(
         LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=64), rng=np.random.default_rng(3))

@@ -1104,3 +1104,16 @@ def test_with_tune_off_nothing_follows_the_load(monkeypatch):
     chooser = threads_mod.StepThreads(running=lambda: 99)
     with threads_mod_threads(2):
         assert all(_steps(chooser, _FakeClock(), 10, lambda k: 1.0 if k == 2 else 0.1) == [2] * 10 for _ in range(1))
+
+
+def test_the_watch_lets_blas_go_when_turned_off(monkeypatch):
+    """A watch that held BLAS when the choice was turned off (ATTNLAB_TUNE=off) lets it go at
+    its next call, instead of holding it for good."""
+    users = threads_mod.BLAS_LIMITER.users
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
+    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: 99)
+    with threads_mod_threads(2):
+        monkeypatch.setattr(threads_mod, "_adapts", lambda: True)
+        assert threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users + 1
+        monkeypatch.setattr(threads_mod, "_adapts", lambda: False)
+        assert not threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users

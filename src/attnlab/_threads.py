@@ -844,6 +844,11 @@ def watch_the_machine() -> bool:
     True
     """
     if not _adapts():
+        if _WATCH["busy"]:  # turned off while it held BLAS: let go
+            with _WATCH_LOCK:
+                if _WATCH["busy"]:
+                    _WATCH["busy"] = _WATCH["seen"] = False
+                    BLAS_LIMITER.release()
         return False
     now = time.monotonic()
     if now - _WATCH["at"] < BUSY_CHECK_SECONDS or not _WATCH_LOCK.acquire(blocking=False):
