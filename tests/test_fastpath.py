@@ -1010,7 +1010,7 @@ def adapting(monkeypatch):
 
 def test_step_threads_keep_all_threads_on_a_quiet_machine(adapting):
     clock = _FakeClock()
-    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 0)
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)
     with threads_mod_threads(2):
         used = _steps(chooser, clock, 600, lambda k: 0.010 if k == 2 else 0.016)
     probes = sum(k == 1 for k in used)
@@ -1022,7 +1022,7 @@ def test_step_threads_go_to_one_thread_when_the_cores_are_taken(adapting):
     """Other processes hold the cores from the start: one thread from the first step, and
     no probe of two threads while that lasts; once they are gone, two threads again."""
     clock, busy = _FakeClock(), [3]
-    chooser = threads_mod.StepThreads(clock=clock, running=lambda: busy[0])
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: busy[0] > 0)
 
     def seconds(k):
         return 0.016 if k == 1 else (0.5 if busy[0] else 0.010)  # two threads on taken cores: a stall
@@ -1039,7 +1039,7 @@ def test_step_threads_leave_two_threads_when_a_load_arrives(adapting):
     """A load that arrives while the steps run on two threads slows them down: a probe of
     one thread follows at once and wins."""
     clock, load = _FakeClock(), [False]
-    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 0)  # the load is not seen: only timed
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)  # the load is not seen: only timed
 
     def seconds(k):
         return (0.016 if k == 1 else 0.2) if load[0] else (0.016 if k == 1 else 0.010)
@@ -1054,7 +1054,7 @@ def test_step_threads_leave_two_threads_when_a_load_arrives(adapting):
 
 def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread(adapting):
     clock = _FakeClock()
-    chooser = threads_mod.StepThreads(clock=clock, running=lambda: 5)
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: True)
     with threads_mod_threads(2), chooser.step() as k:
         assert k == 1 and threads_mod.get_num_threads() == 1
         assert threads_mod.BLAS_LIMITER.users >= 1
@@ -1062,13 +1062,13 @@ def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread(adapting):
 
 
 def test_a_busy_machine_holds_blas_to_one_thread_and_the_pools_to_the_caller(monkeypatch, adapting):
-    """Other processes' runnable tasks on the cores, at two looks in a row: BLAS on one
-    thread and every pool call on its caller; the first look that finds the cores free
-    again lets both go."""
+    """Other processes on the cores (more than half a core beyond what the extra threads
+    leave), at two looks in a row: BLAS on one thread and every pool call on its caller;
+    the first look that finds the cores free again lets both go."""
     import threading
 
     others, now = [0], [100.0]
-    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: others[0])
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: others[0])
     monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": False, "at": -float("inf")})
     users = threads_mod.BLAS_LIMITER.users
@@ -1084,8 +1084,9 @@ def test_a_busy_machine_holds_blas_to_one_thread_and_the_pools_to_the_caller(mon
         return tids
 
     with threads_mod_threads(2):
-        assert not look(0) and not look(3)  # one look is not a load
-        assert look(3) and threads_mod.BLAS_LIMITER.users == users + 1
+        assert not look(0) and not look(1.6)  # one look is not a load
+        assert not look(0.4)  # nor is less than half a core
+        assert not look(1.6) and look(1.6) and threads_mod.BLAS_LIMITER.users == users + 1
         now[0] += threads_mod.BUSY_CHECK_SECONDS / 10  # too soon to look again: still busy
         assert who_runs() == {threading.get_native_id()}
         a = np.ones((512, 4096), np.float32)
@@ -1097,11 +1098,11 @@ def test_a_busy_machine_holds_blas_to_one_thread_and_the_pools_to_the_caller(mon
 
 def test_with_tune_off_nothing_follows_the_load(monkeypatch):
     """ATTNLAB_TUNE=off (the suite's setting): no watch, and every decoding step on all threads."""
-    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: 99)
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: 99)
     monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
     assert not threads_mod._adapts()
     assert not threads_mod.watch_the_machine()
-    chooser = threads_mod.StepThreads(running=lambda: 99)
+    chooser = threads_mod.StepThreads(taken=lambda: True)
     with threads_mod_threads(2):
         assert all(_steps(chooser, _FakeClock(), 10, lambda k: 1.0 if k == 2 else 0.1) == [2] * 10 for _ in range(1))
 
@@ -1111,9 +1112,32 @@ def test_the_watch_lets_blas_go_when_turned_off(monkeypatch):
     its next call, instead of holding it for good."""
     users = threads_mod.BLAS_LIMITER.users
     monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
-    monkeypatch.setattr(threads_mod, "_running_tasks", lambda: 99)
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: 99)
     with threads_mod_threads(2):
         monkeypatch.setattr(threads_mod, "_adapts", lambda: True)
         assert threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users + 1
         monkeypatch.setattr(threads_mod, "_adapts", lambda: False)
         assert not threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users
+
+
+def test_other_processes_cores_from_the_busy_time_of_this_process_cpus(monkeypatch):
+    """/proc/stat's busy ticks on this process's CPUs, less its own CPU time, over the wall
+    time: here 1.5 cores busy in 0.1 s, 0.05 s of it this process's own."""
+    real = threads_mod._cpu_ticks({0})
+    assert real is None or (set(real) == {0} and 0 <= real[0][0] <= real[0][1])
+    samples = iter([(10.0, 1.00, {0: (100, 1000), 1: (200, 1000)}), (10.1, 1.05, {0: (110, 1010), 1: (210, 1010)})])
+    monkeypatch.setattr(threads_mod, "_LAST_SAMPLE", [])
+    monkeypatch.setattr(threads_mod, "_allowed_cpus", lambda: {0, 1})
+
+    def fake_sample():
+        now, mine, ticks = next(samples)
+        monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now)
+        monkeypatch.setattr(threads_mod.time, "process_time", lambda: mine)
+        return ticks
+
+    first = fake_sample()
+    monkeypatch.setattr(threads_mod, "_cpu_ticks", lambda cpus: first)
+    assert threads_mod._other_cores() is None  # nothing to compare with yet
+    second = fake_sample()
+    monkeypatch.setattr(threads_mod, "_cpu_ticks", lambda cpus: second)
+    assert threads_mod._other_cores() == pytest.approx((20 * 0.01 - 0.05) / 0.1)

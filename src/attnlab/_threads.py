@@ -703,12 +703,12 @@ class StepThreads:
     first :data:`FIRST_PROBE`, then after :data:`EVERY` steps, twice as long after each
     probe that loses, up to :data:`MAX_EVERY`; a probe step twice as slow ends the probe
     at once), keeping whichever ran faster. When the steps slow down by half (a new load)
-    it probes at once. A probe of all threads is put off while the machine's runnable
-    tasks leave no core free for the extra threads (``/proc/loadavg``: a probe step on
-    taken cores can cost as much as a hundred steps on one), and the process's first step
-    starts on one thread when that is so. The choice is the process's, kept from one
-    generation to the next. Each step's numbers do not
-    depend on its thread count (each output is computed by one thread either way).
+    it probes at once. A probe of all threads is put off while other processes hold the
+    cores the extra threads would need (:func:`watch_the_machine`'s last look: a probe step
+    on taken cores can cost as much as a hundred steps on one), and the process's first
+    step starts on one thread when that is so. The choice is the process's, kept from one
+    generation to the next. Each step's numbers do not depend on its thread count (each
+    output is computed by one thread either way).
     """
 
     FIRST_PROBE = 2
@@ -719,9 +719,9 @@ class StepThreads:
     SLOWER = 1.5  # steps this much slower than when last decided: probe now
     PAUSE = 1.0  # seconds between two steps after which the machine may have changed
 
-    def __init__(self, clock=time.perf_counter, running=None) -> None:
+    def __init__(self, clock=time.perf_counter, taken=None) -> None:
         self._clock = clock
-        self._running = _running_tasks if running is None else running
+        self._taken = _cores_taken if taken is None else taken
         self._first = True
         self._lock = threading.Lock()
         self._one = False  # the arm in use: one thread (True) or all (False)
@@ -800,13 +800,8 @@ class StepThreads:
                 self._record(one, seconds)
 
     def _busy(self, wanted: int) -> bool:
-        """Whether other processes hold the cores the extra threads would need right now:
-        their runnable tasks (:func:`_running_tasks`) leave fewer than ``wanted - 1`` of
-        this process's CPUs beside the caller's free. False where the system does not say."""
-        others = self._running()
-        if others is None:
-            return False
-        return others > available_cpus() - wanted
+        """Whether other processes hold the cores the extra threads would need now."""
+        return self._taken()
 
     @property
     def one_thread(self) -> bool:
@@ -824,8 +819,10 @@ class StepThreads:
 # never spins, but waking a worker there costs the caller a time slice (the woken thread
 # takes the caller's core: 2.6 ms a wake-up in the same run, against 0.1 ms on a quiet
 # machine). So every call of matmul() and run_units() looks at the machine, at most every
-# BUSY_CHECK_SECONDS: while other processes' runnable tasks leave fewer cores free than
-# attnlab's extra threads need, at two looks in a row, BLAS is held to one thread
+# BUSY_CHECK_SECONDS: while other processes keep more of this process's CPUs busy than
+# attnlab's extra threads can spare (by half a core; /proc/stat's busy time on those CPUs
+# less this process's own CPU time, so a container on a larger host counts only its CPUs),
+# at two looks in a row, BLAS is held to one thread
 # (BLAS_LIMITER, released at the first look that finds the cores free again) and the pools
 # run on the calling thread alone: attnlab then does what one thread does, on whichever
 # core it gets (the same step: 64 ms, against 61 ms pinned to one core with taskset).
@@ -837,7 +834,7 @@ _WATCH_LOCK = threading.Lock()
 def watch_the_machine() -> bool:
     """Whether the machine is busy with other processes now (see above; looked at most every
     :data:`BUSY_CHECK_SECONDS`), holding BLAS to one thread while it is. False where the
-    system does not say (:func:`_running_tasks`), and with ``ATTNLAB_TUNE=off``
+    system does not say (:func:`_other_cores`), and with ``ATTNLAB_TUNE=off``
     (:func:`attnlab._tuning.adapts`).
 
     >>> isinstance(watch_the_machine(), bool)
@@ -855,8 +852,8 @@ def watch_the_machine() -> bool:
         return _WATCH["busy"]
     try:
         _WATCH["at"] = now
-        others = _running_tasks()
-        taken = others is not None and others > available_cpus() - get_num_threads()
+        others = _other_cores()
+        taken = others is not None and others > available_cpus() - get_num_threads() + 0.5
         busy = taken and _WATCH["seen"]  # two looks in a row: a daemon's moment is not a load
         _WATCH["seen"] = taken
         if busy != _WATCH["busy"]:
@@ -870,24 +867,51 @@ def watch_the_machine() -> bool:
         _WATCH_LOCK.release()
 
 
-def _running_tasks() -> int | None:
-    """The tasks of other processes runnable on the machine now: Linux's
-    ``/proc/loadavg`` (its fourth field counts every runnable task) less this process's
-    own runnable threads (``/proc/self/task/*/stat``: its caller, and any BLAS or OpenMP
-    thread still spinning), or None where the system does not say."""
+def _cores_taken() -> bool:
+    """Whether the watch's last look found the cores the extra threads need taken by other
+    processes (one look: a decoding step's choice may act at once)."""
+    watch_the_machine()
+    return _WATCH["seen"]
+
+
+_TICK = 0.01  # seconds per /proc/stat tick (USER_HZ, 100 on Linux)
+_LAST_SAMPLE: list = []  # [(monotonic, process_time, {cpu: (busy ticks, all ticks)})]
+
+
+def _cpu_ticks(cpus: set[int]) -> dict[int, tuple[int, int]] | None:
+    """``{cpu: (busy ticks, all ticks)}`` from Linux's ``/proc/stat`` for ``cpus`` (idle and
+    iowait are not busy; a hypervisor's steal is), or None where the system does not say."""
+    found = {}
     try:
-        with open("/proc/loadavg", "rb") as f:
-            total = int(f.read().split()[3].split(b"/")[0])
-        mine = 0
-        for task in os.scandir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{task.name}/stat", "rb") as f:
-                    mine += f.read().rpartition(b")")[2].split()[0] == b"R"
-            except (OSError, IndexError):  # a thread that has just exited
-                pass
-        return max(0, total - mine)
-    except (OSError, ValueError, IndexError):
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if not line.startswith(b"cpu") or line[3:4] == b" ":
+                    if found:
+                        break
+                    continue
+                name, *fields = line.split()
+                cpu = int(name[3:])
+                if cpu in cpus:
+                    ticks = [int(x) for x in fields[:8]]
+                    found[cpu] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    except (OSError, ValueError):
         return None
+    return found or None
+
+
+def _other_cores() -> float | None:
+    """How many of this process's CPUs other processes kept busy since the last call: the
+    busy time ``/proc/stat`` counts on them, less this process's own CPU time, over the wall
+    time between (at most a second back; None the first time, after a longer pause, or where
+    the system does not say)."""
+    now, mine = time.monotonic(), time.process_time()
+    ticks = _cpu_ticks(_allowed_cpus())
+    last = _LAST_SAMPLE[0] if _LAST_SAMPLE else None
+    _LAST_SAMPLE[:] = [] if ticks is None else [(now, mine, ticks)]
+    if ticks is None or last is None or not (0 < now - last[0] <= 1.0):
+        return None
+    busy = sum(b - last[2][c][0] for c, (b, _) in ticks.items() if c in last[2])
+    return max(0.0, (busy * _TICK - (mine - last[1])) / (now - last[0]))
 
 
 def _median(xs: list[float]) -> float:
