@@ -594,7 +594,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     array([[ 5., 14.],
            [14., 50.]])
     """
-    watch_the_machine()
+    if get_num_threads() > 1:
+        watch_the_machine()
     if not _pooled(a, b, tokens):
         if _weight_first(a, b):
             out = _product_out(a, b, out)
