@@ -346,3 +346,26 @@ def test_importing_measures_nothing(tmp_path):
 def test_cpu_info_from_the_os_is_read_once():
     assert _cpu._os_cpu_info() is _cpu._os_cpu_info()
     assert isinstance(_cpu._os_cpu_info(), CPUInfo)
+
+
+def test_the_pool_is_measured_even_on_a_busy_machine(monkeypatch):
+    """The busy-machine watch runs pool calls on their caller alone; the measurement of the
+    pool's cost must still wake the pool (else it would measure nothing, and every later
+    call would split)."""
+    submits = []
+    real = _threads._executor
+
+    def counting(workers):
+        ex = real(workers)
+
+        class Counting:
+            def submit(self, *args):
+                submits.append(workers)
+                return ex.submit(*args)
+
+        return Counting()
+
+    monkeypatch.setattr(_threads, "watch_the_machine", lambda: True)
+    monkeypatch.setattr(_threads, "_executor", counting)
+    _tuning.measure(2, sleep=lambda s: None)
+    assert submits == [1] * 24  # each of the 24 timed calls woke the pool's worker

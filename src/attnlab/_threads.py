@@ -520,6 +520,12 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
     """
     if in_pool() or (threads > 1 and watch_the_machine()):
         threads = 1  # on a busy machine, waking a worker costs more than it brings (see watch_the_machine)
+    _run_on(units, run_unit, threads, scratch)
+
+
+def _run_on(units: Iterable, run_unit: Callable, threads: int, scratch: ScratchPool | None = None) -> None:
+    """:func:`run_units` on exactly ``threads`` threads, whatever the machine's load (the
+    tuning's measurement of the pool's cost runs here)."""
     run = _Run(units)
     if threads == 1:
         _work(run, run_unit, scratch)

@@ -312,7 +312,7 @@ def measure(threads: int | None = None, *, clock=time.perf_counter, sleep=time.s
     """
     import numpy as np
 
-    from attnlab._threads import get_num_threads, one_blas_thread, run_units
+    from attnlab._threads import _run_on, get_num_threads, one_blas_thread
 
     threads = get_num_threads() if threads is None else threads
     pool_us = TYPICAL.pool_us
@@ -321,7 +321,7 @@ def measure(threads: int | None = None, *, clock=time.perf_counter, sleep=time.s
         for _ in range(24):
             sleep(0.002)  # a short pause: the workers sleep, as between two layers
             t0 = clock()
-            run_units(range(threads), _noop, threads)
+            _run_on(range(threads), _noop, threads)  # the pool itself, even on a busy machine
             costs.append(clock() - t0)
         pool_us = max(1.0, min(costs) * 1e6)
     a = np.ones((256, 256), dtype=np.float32)
