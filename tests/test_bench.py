@@ -392,3 +392,47 @@ def test_turns_pause_less_after_torch_and_can_skip_the_warm_up(monkeypatch):
     assert set(times) == {"attnlab", "torch"}
     bm.interleaved_medians(fns, 1, settle=0.1)
     assert calls[4:] == ["a", "t", "a", "t"] and pauses[4:] == [0.1, 0.1]  # warm-up calls, then timed ones
+
+
+# ---- --explain-dispatch: which kernel runs for a shape, and why (the CPU pinned) ----------
+
+
+@pytest.mark.parametrize("cpu, shape, forward, backward", [
+    ("zen4", "1,8,4096,64", "blockwise", "rows"),  # 1 MiB L2: 4096 keys fit the backward's blocks only...
+    ("avx2-512k", "1,8,4096,64", "blockwise", "blockwise"),  # ...a 512 KiB L2 holds neither
+    ("xeon-avx512", "1,8,4096,64", "rows", "rows"),
+    ("zen4", "1,8,2048,64,float64", "blockwise", "blockwise"),
+    ("xeon-avx512", "1,1,520,8,530,causal,float64", "naive", "naive"),
+    ("avx2-512k", "1,1,520,8,530,causal,float64", "blockwise", "blockwise"),
+])
+def test_explain_dispatch_names_the_kernel_and_why(capsys, pin_cpu, cpu, shape, forward, backward):
+    pin_cpu(cpu)
+    assert main(["bench", "--explain-dispatch", shape]) == 0
+    out = capsys.readouterr().out
+    assert f"(described, not this machine: {cpu})" in out.splitlines()[0]
+    assert f"forward: kernel {forward}" in out and f"backward: kernel {backward}" in out
+    assert "tuning: figures: pool call 80 us, one thread's SGEMM 100 GFLOP/s (typical figures, not measured)" in out
+    if forward == "rows":
+        assert re.search(r"blocks of \d+ query row\(s\) x \d+ head\(s\)", out)
+    if forward == "blockwise":
+        assert re.search(r"tiles of 512 x \d+", out)
+
+
+def test_explain_dispatch_follows_the_l2_cache(capsys, pin_cpu):
+    """The rows kernel's reach: scores of 512 query rows in 4x the L2 forward."""
+    pin_cpu("zen4,l2=256K")
+    assert main(["bench", "--explain-dispatch", "1,8,1024,64"]) == 0
+    out = capsys.readouterr().out
+    assert "forward: kernel blockwise" in out and "1024 keys > 512" in out and "the 256 KiB L2" in out
+
+
+@pytest.mark.parametrize("shape, match", [
+    ("1,8,x,64", "must be integers"),
+    ("1,8,64", "a shape is one of minilm, bert, smollm2, gpt2 or B,H,L,E"),
+    ("1,9/2,64,64", "Hq a multiple of Hkv"),
+    ("1,0,64,64", "every size must be positive"),
+])
+def test_explain_dispatch_bad_shapes(capsys, shape, match):
+    assert main(["bench", "--explain-dispatch", shape]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--explain-dispatch: " in err and match in err

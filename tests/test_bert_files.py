@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import tracemalloc
 
 import numpy as np
@@ -141,23 +140,26 @@ def test_a_config_larger_than_the_checkpoint_is_refused_at_once(tmp_path, field,
     folder = write_tiny_bert(tmp_path / "t")
     _write_config(folder, **{field: value})
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         with pytest.raises(CheckpointError, match=rf"config.json: {field} is {value}, but .*model.safetensors"):
             BertEncoder.from_pretrained(folder)
-        seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert seconds < 1.0 and peak < 200 * 2**20, (seconds, peak)
+    assert peak < 200 * 2**20, peak  # refused before anything large is built (memory, not a timing)
 
 
 def test_weights_in_memory_are_checked_against_the_config_too():
     cfg = BertConfig(**dict(TINY_BERT, num_hidden_layers=10**7))
-    t0 = time.perf_counter()
-    with pytest.raises(CheckpointError, match="num_hidden_layers is 10000000, but weights holds 2 layer"):
-        BertEncoder(cfg, tiny_bert_weights())
-    assert time.perf_counter() - t0 < 1.0
+    weights = tiny_bert_weights()
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match="num_hidden_layers is 10000000, but weights holds 2 layer"):
+            BertEncoder(cfg, weights)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * 2**20, peak  # refused before ten million layers are built
 
 
 @pytest.mark.parametrize("eps", [float("nan"), float("inf"), -1.0, 0.0, "1e-12", True])
@@ -211,9 +213,8 @@ def test_a_hub_id_offline_is_one_clear_error():
             "try:\n    BertEncoder.from_pretrained('attnlab-tests/no-such-model')\n"
             "except FileNotFoundError as exc:\n    print(exc)\n")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
-    assert time.perf_counter() - t0 < 30
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=120)  # a guard against a hang on the network, not a speed check
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("attnlab-tests/no-such-model is not a folder, and the Hugging Face hub did not "
                                  "provide it (")

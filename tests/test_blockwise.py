@@ -19,6 +19,7 @@ from attnlab import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
+from attnlab._cpu import pinned_cpu
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive, rows
 from attnlab.core import spec as attention_mod
@@ -418,8 +419,13 @@ def test_sdpa_backward_dispatch_matches_naive():
     rng = np.random.default_rng(11)
     q, k, v, g = inputs(rng, (), 1, 1, 520, 530, 8, 8, np.float64)
     spec = attention_mod.check_attention_args(q, k, v, is_causal=True)
-    assert dispatch.use_blockwise(spec)
-    got = scaled_dot_product_attention_backward(g, q, k, v, is_causal=True)
+    # 2.2 MB of float64 scores: blockwise on a 512 KiB-L2 CPU (from 1 MiB), the naive
+    # path on a 2 MiB-L2 one (from 4 MiB); the CPU this test reasons about is pinned
+    with pinned_cpu("avx2-512k"):
+        assert dispatch.use_blockwise(spec)
+        got = scaled_dot_product_attention_backward(g, q, k, v, is_causal=True)
+    with pinned_cpu("xeon-avx512"):
+        assert not dispatch.use_blockwise(spec)
     want = naive.backward(spec, g)
     for a, b in zip(got, want, strict=True):
         assert grad_err(a, b) <= 1e-12
@@ -432,8 +438,9 @@ def test_multihead_attention_without_weights_uses_blockwise(monkeypatch):
     monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # float32 would go there
     mha = attnlab.MultiheadAttention(16, 2, batch_first=True, rng=np.random.default_rng(0))
     x = np.random.default_rng(1).standard_normal((1, 600, 16)).astype(np.float32)
-    fast, _ = mha(x, x, x, need_weights=False, is_causal=True, attn_mask=causal_mask(600))
-    slow, w = mha(x, x, x, need_weights=True, is_causal=True, attn_mask=causal_mask(600))
+    with pinned_cpu("avx2-512k"):  # 2 x 600^2 float32 scores (2.9 MB) overflow twice its L2
+        fast, _ = mha(x, x, x, need_weights=False, is_causal=True, attn_mask=causal_mask(600))
+        slow, w = mha(x, x, x, need_weights=True, is_causal=True, attn_mask=causal_mask(600))
     assert calls and w is not None
     assert rel_err(fast, slow) <= 1e-5
 

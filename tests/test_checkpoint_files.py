@@ -7,7 +7,6 @@ import io
 import json
 import os
 import stat
-import time
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -136,17 +135,17 @@ def test_flipping_any_byte_gives_the_same_model_or_a_value_error(good, tmp_path)
 
 
 # ---- untrusted sizes: refused before anything is allocated ---------------------------------
-def _cheap(path, match: str) -> tuple[float, int]:
+def _cheap(path, match: str) -> int:
+    """Refused before anything large is built: checked by the memory allocated (a timing
+    would depend on the machine and its load)."""
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         _refused(path, match)
-        seconds = time.perf_counter() - t0
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 20 * 2**20, f"{peak / 2**20:.0f} MiB allocated before refusing"
-    return seconds, peak
+    return peak
 
 
 def test_zip_bomb(good, tmp_path):
@@ -184,8 +183,7 @@ def test_config_asking_for_far_more_than_the_file_holds(good, tmp_path, field, v
     if field == "vocab_size":  # keep the task consistent so that only the size is wrong
         arrays = _with_header(arrays, lambda h: h["task"].update(num_keys=value - 16))
     path = _write(tmp_path / "huge.npz", arrays)
-    seconds, _ = _cheap(path, "needs [0-9,]+ weights, but the file holds")
-    assert seconds < 1
+    _cheap(path, "needs [0-9,]+ weights, but the file holds")
 
 
 def test_task_far_bigger_than_the_model(good, tmp_path):

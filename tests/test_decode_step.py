@@ -186,3 +186,40 @@ def test_the_cache_past_its_length_is_never_read(config, calls, monkeypatch):
     for a, b in zip(runs[0.0], runs[np.nan], strict=True):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(runs[np.nan][0], runs[np.nan][1])
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_generation_gives_the_same_tokens_whatever_thread_count_a_step_takes(quantized, monkeypatch):
+    """generate() runs each decoding step on the threads that are fastest now
+    (attnlab._threads.StepThreads): one thread or all gives the same tokens."""
+    from attnlab import _threads
+
+    class Fixed(_threads.StepThreads):  # always the same arm (the real choice goes by timings)
+        def __init__(self, one):
+            super().__init__()
+            self.fixed, self.seen = one, []
+
+        def _pick_one(self, wanted):
+            return self.fixed
+
+        def _record(self, one, seconds):
+            self.seen.append(_threads.get_num_threads() if not one else 1)
+
+    monkeypatch.setattr(_threads, "_adapts", lambda: True)  # the steps' choice is on (the suite turns it off)
+    monkeypatch.setattr(_threads, "watch_the_machine", lambda: False)  # but not the busy-machine watch
+    model = quantized_llama("Q4_1", seed=3) if quantized else Llama(
+        LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64), rng=np.random.default_rng(3))
+    prompt = np.array([[5, 17, 42, 8], [9, 9, 1, 60]])
+    runs = {}
+    old = _threads._num_threads
+    _threads.set_num_threads(2)
+    try:
+        for one in (False, True):
+            chooser = Fixed(one)
+            monkeypatch.setattr("attnlab.models.generate.DECODE_STEPS", chooser)
+            runs[one] = model.generate(prompt, 12)
+            assert chooser.seen == [1 if one else 2] * 11  # every step after the prompt's
+    finally:
+        _threads._num_threads = old
+    np.testing.assert_array_equal(runs[False], runs[True])

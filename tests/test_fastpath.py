@@ -19,7 +19,7 @@ from attnlab import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
-from attnlab._cpu import CPUInfo, _caches, _cpuinfo
+from attnlab._cpu import CPUInfo, _caches, _cpuinfo, pinned_cpu
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, rows
 from attnlab.core.spec import check_attention_args
@@ -76,7 +76,7 @@ def _torch_sdpa(torch, q, k, v, g, *, math=False, **kw):
 
 @pytest.mark.parametrize("fused", ELEMENTWISE_PASSES)
 @pytest.mark.parametrize("case", MASK_CASES)
-def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkeypatch):
+def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkeypatch, pin_cpu):
     """Finite masks however negative: no NaN, torch's numbers (a row masked everywhere with a
     finite value is torch's uniform average), forward and backward, through the public
     functions at a size the dispatcher sends to the blockwise kernel.
@@ -89,6 +89,7 @@ def test_float_masks_match_torch_forward_and_backward(case, fused, torch, monkey
     rng = np.random.default_rng(20)
     q, k, v, g = attention_inputs(rng, (1,), 2, 2, L, L, 64, 64, np.float32)
     mask = _mask_case(case, rng)
+    pin_cpu("xeon-avx512")  # 8 MiB of scores overflow even a 2 MiB L2
     assert dispatch.use_blockwise(check_attention_args(q, k, v, mask))
     monkeypatch.setattr(rows, "planned", lambda spec, **kw: False)  # the rows kernel: tests/test_rows.py
     want, _ = _torch_sdpa(torch, q, k, v, g, attn_mask=mask)
@@ -164,7 +165,8 @@ def test_float16_small_takes_naive_path_in_float32():
     q *= 40  # scores above float16's 65504: computed in float16 they would be inf and NaN
     k *= 40
     spec = check_attention_args(q, k, v)
-    assert not dispatch.use_blockwise(dispatch.widened(spec))
+    with pinned_cpu("avx2-512k"):  # 2 x 99 scores: the naive path even on the smallest L2
+        assert not dispatch.use_blockwise(dispatch.widened(spec))
     out = scaled_dot_product_attention(q, k, v)
     grads = scaled_dot_product_attention_backward(g, q, k, v)
     w = dispatch.attention_weights(q, k)
@@ -382,24 +384,24 @@ def test_cpu_description_from_the_os(tmp_path):
     assert info.avx2 and info.avx512f and "avx512f yes" in info.describe()
 
 
-def test_dispatch_threshold_follows_the_l2_cache(monkeypatch):
+def test_dispatch_threshold_follows_the_l2_cache():
     rng = np.random.default_rng(31)
     q = rng.standard_normal((4, 512, 16)).astype(np.float32)  # 4 x 512^2 scores: 4 MiB
     spec = check_attention_args(q, q, q)
     small = CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True)
     huge = CPUInfo("x", frozenset(), 32768, 8 * 2**20, 2**25, True)
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: small)
-    assert dispatch.use_blockwise(spec)
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: huge)
-    assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
+    with pinned_cpu(small):
+        assert dispatch.use_blockwise(spec)
+    with pinned_cpu(huge):
+        assert not dispatch.use_blockwise(spec)  # the naive path's scores still fit in cache
 
 
-def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(monkeypatch):
+def test_dispatch_threshold_is_lower_when_the_compiled_pass_runs(pin_cpu):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((12, 200, 16)).astype(np.float32)  # 200^2 per head, 1.8 MiB in all
     spec = check_attention_args(q, q, q)
     # a 512 KiB L2 (the scores overflow twice the L2); on a 1 MiB-L2 CPU they would not
-    monkeypatch.setattr(dispatch, "cpu_info", lambda: CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True))
+    pin_cpu(CPUInfo("x", frozenset(), 32768, 512 * 1024, 2**25, True))
     with bw.tuned(fused=True):
         assert dispatch.use_blockwise(spec)  # compiled pass: blockwise from 192^2 per head
     with bw.tuned(fused=False):
@@ -645,6 +647,70 @@ _TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sc
                                reason="needs two CPUs and Linux's affinity calls")
 
 
+@pytest.fixture
+def pinning(monkeypatch):
+    """The pool pins its threads, as with ATTNLAB_PIN_THREADS=1 (off by default)."""
+    monkeypatch.setattr(threads_mod, "_PIN", [True])
+
+
+@_TWO_CPUS
+def test_pool_pins_nothing_by_default(monkeypatch):
+    """Unless asked, no thread of the pool is held on a CPU: the caller and the workers keep
+    the whole mask (several processes then never hold their threads on one core)."""
+    import threading
+    import time
+
+    monkeypatch.setattr(threads_mod, "_PIN", [])
+    monkeypatch.delenv("ATTNLAB_PIN_THREADS", raising=False)
+    before = frozenset(os.sched_getaffinity(0))
+    seen, unit = _affinity_recorder()
+    with threads_mod_threads(2):
+        for _ in range(2):
+            threads_mod._LAST_POOL_END[0] = -float("inf")  # after a pause (held, where pinning)
+            threads_mod.run_units(range(6), unit, 2)
+            time.sleep(2 * threads_mod._HOLD_AFTER_IDLE)
+    assert {mask for _, mask in seen} == {before}
+    assert len({tid for tid, _ in seen}) >= 2 and threading.get_native_id() in {tid for tid, _ in seen}
+
+
+def test_a_call_does_not_wait_for_a_worker_that_has_not_started():
+    """A worker the system gives no core (here: busy with another task) takes no unit, and
+    the call does not wait for it: the caller runs every unit."""
+    import threading
+
+    gate = threading.Event()
+    safety = threading.Timer(30, gate.set)  # a pool that waited would fail below, not hang
+    safety.start()
+    with threads_mod_threads(2):
+        ex = threads_mod._executor(1)
+        blocker = ex.submit(gate.wait)  # the only worker is busy until the gate opens
+        try:
+            ran = []
+            threads_mod.run_units(range(5), lambda i, _s: ran.append((i, threading.get_native_id())), 2)
+            assert sorted(i for i, _ in ran) == list(range(5))
+            assert {tid for _, tid in ran} == {threading.get_native_id()}
+            assert not blocker.done()
+        finally:
+            gate.set()
+            safety.cancel()
+            blocker.result()
+
+
+def test_a_failing_unit_stops_the_call_and_raises():
+    ran = []
+
+    def unit(i, _scratch):
+        if i == 3:
+            raise KeyError(i)
+        ran.append(i)
+
+    with threads_mod_threads(2), pytest.raises(KeyError):
+        threads_mod.run_units(range(100), unit, 2)
+    assert 3 not in ran and len(ran) < 99
+    with pytest.raises(KeyError):
+        threads_mod.run_units(range(10), unit, 1)
+
+
 def _affinity_recorder():
     """``(seen, unit)``: a pool unit that records ``(thread id, CPU mask)`` into ``seen``
     and sleeps long enough that the worker takes units too."""
@@ -661,7 +727,7 @@ def _affinity_recorder():
 
 
 @_TWO_CPUS
-def test_pool_keeps_caller_and_workers_on_different_cpus():
+def test_pool_keeps_caller_and_workers_on_different_cpus(pinning):
     """During a pool call after a pause the caller stays on its CPU and the workers run
     elsewhere (after idling, Linux would otherwise wake them onto one CPU); the caller's
     mask comes back. A call that follows another closely leaves the caller's mask alone."""
@@ -687,7 +753,7 @@ def test_pool_keeps_caller_and_workers_on_different_cpus():
 
 
 @_TWO_CPUS
-def test_a_new_worker_does_not_keep_the_held_callers_cpu():
+def test_a_new_worker_does_not_keep_the_held_callers_cpu(pinning):
     """The pool's first call creates its worker while it holds the caller on one CPU; the
     worker must not inherit that mask (a new thread takes its creator's): the next call,
     close behind, runs it on another CPU than the caller's."""
@@ -717,7 +783,7 @@ def test_a_new_worker_does_not_keep_the_held_callers_cpu():
 
 
 @_TWO_CPUS
-def test_pool_moves_workers_off_the_callers_new_cpu():
+def test_pool_moves_workers_off_the_callers_new_cpu(pinning):
     """Workers held off one CPU do not stay there when the caller has since moved onto
     their CPU: a call that follows closely (so the caller is not held) still runs them
     elsewhere, and leaves the caller's mask as it was."""
@@ -922,3 +988,167 @@ def test_a_few_rows_times_a_weights_transpose_run_weight_first():
     assert not threads_mod._weight_first(np.asfortranarray(x), w.T)
     # a projection of a short prompt goes this way, with NumPy's numbers
     np.testing.assert_allclose(F.linear(x, w), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+# ------------------------------------------------------- a repeated step's thread count
+
+
+class _FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _steps(chooser, clock, n, seconds):
+    """Run ``n`` steps; ``seconds(k)`` is how long a step takes on ``k`` threads. The
+    thread counts used, in order."""
+    used = []
+    for _ in range(n):
+        with chooser.step() as k:
+            clock.now += seconds(k)
+            used.append(k)
+        clock.now += 0.001  # the caller's work between two steps
+    return used
+
+
+@pytest.fixture
+def adapting(monkeypatch):
+    """attnlab decides by what it sees of the machine (the suite turns that off: ATTNLAB_TUNE=off)."""
+    monkeypatch.setattr(threads_mod, "_adapts", lambda: True)
+
+
+def test_step_threads_keep_all_threads_on_a_quiet_machine(adapting):
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)
+    with threads_mod_threads(2):
+        used = _steps(chooser, clock, 600, lambda k: 0.010 if k == 2 else 0.016)
+    probes = sum(k == 1 for k in used)
+    assert used[:2] == [2, 2] and not chooser.one_thread
+    assert 0 < probes <= 6 * threads_mod.StepThreads.PROBE_STEPS  # probes back off: 2, 32, 64, 128, 256, 512
+
+
+def test_step_threads_go_to_one_thread_when_the_cores_are_taken(adapting):
+    """Other processes hold the cores from the start: one thread from the first step, and
+    no probe of two threads while that lasts; once they are gone, two threads again."""
+    clock, busy = _FakeClock(), [3]
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: busy[0] > 0)
+
+    def seconds(k):
+        return 0.016 if k == 1 else (0.5 if busy[0] else 0.010)  # two threads on taken cores: a stall
+
+    with threads_mod_threads(2):
+        used = _steps(chooser, clock, 300, seconds)
+        assert used == [1] * 300 and chooser.one_thread
+        busy[0] = 0
+        used = _steps(chooser, clock, 1200, seconds)
+    assert used[-10:] == [2] * 10 and not chooser.one_thread
+
+
+def test_step_threads_leave_two_threads_when_a_load_arrives(adapting):
+    """A load that arrives while the steps run on two threads slows them down: a probe of
+    one thread follows at once and wins."""
+    clock, load = _FakeClock(), [False]
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)  # the load is not seen: only timed
+
+    def seconds(k):
+        return (0.016 if k == 1 else 0.2) if load[0] else (0.016 if k == 1 else 0.010)
+
+    with threads_mod_threads(2):
+        _steps(chooser, clock, 200, seconds)
+        assert not chooser.one_thread
+        load[0] = True
+        used = _steps(chooser, clock, 20, seconds)
+    assert chooser.one_thread and used.count(2) <= 4 and used[-5:] == [1] * 5
+
+
+def test_a_one_thread_step_holds_blas_and_the_pools_to_one_thread(adapting):
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: True)
+    with threads_mod_threads(2), chooser.step() as k:
+        assert k == 1 and threads_mod.get_num_threads() == 1
+        assert threads_mod.BLAS_LIMITER.users >= 1
+    assert threads_mod.get_num_threads() == 2
+
+
+def test_a_busy_machine_holds_blas_to_one_thread_and_the_pools_to_the_caller(monkeypatch, adapting):
+    """Other processes on the cores (more than half a core beyond what the extra threads
+    leave), at two looks in a row: BLAS on one thread and every pool call on its caller;
+    the first look that finds the cores free again lets both go."""
+    import threading
+
+    others, now = [0], [100.0]
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: others[0])
+    monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": False, "at": -float("inf")})
+    users = threads_mod.BLAS_LIMITER.users
+
+    def look(n_others):
+        others[0] = n_others
+        now[0] += 2 * threads_mod.BUSY_CHECK_SECONDS
+        return threads_mod.watch_the_machine()
+
+    def who_runs():
+        tids = set()
+        threads_mod.run_units(range(8), lambda i, _s: tids.add(threading.get_native_id()), 2)
+        return tids
+
+    with threads_mod_threads(2):
+        assert not look(0) and not look(1.6)  # one look is not a load
+        assert not look(0.4)  # nor is less than half a core
+        assert not look(1.6) and look(1.6) and threads_mod.BLAS_LIMITER.users == users + 1
+        now[0] += threads_mod.BUSY_CHECK_SECONDS / 10  # too soon to look again: still busy
+        assert who_runs() == {threading.get_native_id()}
+        a = np.ones((512, 4096), np.float32)
+        assert not threads_mod._pooled(a, a.T, None)
+        assert not look(0) and threads_mod.BLAS_LIMITER.users == users
+        now[0] -= threads_mod.BUSY_CHECK_SECONDS  # (no new look within the next calls)
+        assert threads_mod._pooled(a, a.T, None)
+
+
+def test_with_tune_off_nothing_follows_the_load(monkeypatch):
+    """ATTNLAB_TUNE=off (the suite's setting): no watch, and every decoding step on all threads."""
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: 99)
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
+    assert not threads_mod._adapts()
+    assert not threads_mod.watch_the_machine()
+    chooser = threads_mod.StepThreads(taken=lambda: True)
+    with threads_mod_threads(2):
+        assert all(_steps(chooser, _FakeClock(), 10, lambda k: 1.0 if k == 2 else 0.1) == [2] * 10 for _ in range(1))
+
+
+def test_the_watch_lets_blas_go_when_turned_off(monkeypatch):
+    """A watch that held BLAS when the choice was turned off (ATTNLAB_TUNE=off) lets it go at
+    its next call, instead of holding it for good."""
+    users = threads_mod.BLAS_LIMITER.users
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
+    monkeypatch.setattr(threads_mod, "_other_cores", lambda: 99)
+    with threads_mod_threads(2):
+        monkeypatch.setattr(threads_mod, "_adapts", lambda: True)
+        assert threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users + 1
+        monkeypatch.setattr(threads_mod, "_adapts", lambda: False)
+        assert not threads_mod.watch_the_machine() and threads_mod.BLAS_LIMITER.users == users
+
+
+def test_other_processes_cores_from_the_busy_time_of_this_process_cpus(monkeypatch):
+    """/proc/stat's busy ticks on this process's CPUs, less its own CPU time, over the wall
+    time: here 1.5 cores busy in 0.1 s, 0.05 s of it this process's own."""
+    real = threads_mod._cpu_ticks({0})
+    assert real is None or (set(real) == {0} and 0 <= real[0][0] <= real[0][1])
+    samples = iter([(10.0, 1.00, {0: (100, 1000), 1: (200, 1000)}), (10.1, 1.05, {0: (110, 1010), 1: (210, 1010)})])
+    monkeypatch.setattr(threads_mod, "_LAST_SAMPLE", [])
+    monkeypatch.setattr(threads_mod, "_allowed_cpus", lambda: {0, 1})
+
+    def fake_sample():
+        now, mine, ticks = next(samples)
+        monkeypatch.setattr(threads_mod.time, "monotonic", lambda: now)
+        monkeypatch.setattr(threads_mod.time, "process_time", lambda: mine)
+        return ticks
+
+    first = fake_sample()
+    monkeypatch.setattr(threads_mod, "_cpu_ticks", lambda cpus: first)
+    assert threads_mod._other_cores() is None  # nothing to compare with yet
+    second = fake_sample()
+    monkeypatch.setattr(threads_mod, "_cpu_ticks", lambda cpus: second)
+    assert threads_mod._other_cores() == pytest.approx((20 * 0.01 - 0.05) / 0.1)

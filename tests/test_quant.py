@@ -301,3 +301,31 @@ def test_cli_generate_quantized(tmp_path, capsys):
     (tmp_path / "folder").mkdir()
     assert main(["generate", "--checkpoint", str(tmp_path / "folder"), "--quantized", "hi"]) == 2
     assert "--quantized needs a .gguf file" in capsys.readouterr().err
+
+
+def test_without_the_compiled_kernels_a_quantized_load_is_float32_with_one_warning(tmp_path, monkeypatch):
+    """Quantized decoding without numba would dequantize every weight at every step (slower
+    than float32): the loader dequantizes once instead, and says so once."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("tokenizers")
+    from attnlab import quant
+    from attnlab.models.llama import Llama
+    from gguf_files import write_tiny_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, qtype="Q4_1")
+    ref = Llama.from_pretrained(path)
+    monkeypatch.setattr(quant, "_FALLBACK_WARNED", [])
+    with tuned(fused=False):  # as without numba (or ATTNLAB_NO_NUMBA=1)
+        with pytest.warns(quant.QuantizedFallbackWarning, match=r"to float32 .*pip install 'attnlab\[fast\]'"):
+            model = Llama.from_pretrained(path, quantized=True)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = Llama.from_pretrained(path, quantized=True)  # once per process
+    for m in (model, again):
+        assert not any(isinstance(p.data, QuantizedTensor) for p in m.parameters())
+        np.testing.assert_array_equal(m.layers[0].attn.in_proj_weight.data, ref.layers[0].attn.in_proj_weight.data)
+    ids = np.array([[5, 9, 77, 3, 120, 8]])
+    np.testing.assert_array_equal(model.generate(ids, 4), ref.generate(ids, 4))

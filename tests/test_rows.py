@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from attnlab import scaled_dot_product_attention, scaled_dot_product_attention_backward
+from attnlab._cpu import PRESETS
 from attnlab.core import blockwise as bw
 from attnlab.core import dispatch, naive, rows
 from attnlab.core._blas import sgemm_address
@@ -458,7 +459,9 @@ def test_other_calls_take_the_general_layout():
     assert rel_err(rows.forward(spec), naive.forward(spec)) <= 3e-6
 
 
-def test_dispatch():
+@pytest.mark.parametrize("cpu", list(PRESETS))
+def test_dispatch(cpu, pin_cpu):
+    pin_cpu(cpu)
     rng = np.random.default_rng(45)
     q = rng.standard_normal((8, 64, 16)).astype(np.float32)  # 8 x 64 x 64 = 2^15 scores
     assert rows.planned(check_attention_args(q, q, q))

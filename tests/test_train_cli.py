@@ -249,18 +249,16 @@ def test_cli_interrupted_run_writes_its_own_metrics_and_curves(tmp_path, capsys,
                                    ["--num-keys", "5000000", "--num-pairs", "5000000",
                                     "--num-queries", "1"]])
 def test_cli_sizes_that_cannot_fit_exit_2_before_allocating(tmp_path, capsys, flags):
-    import time
     import tracemalloc
 
     tracemalloc.start()
-    t0 = time.perf_counter()
     try:
         code = main(["train", *flags, "--out", str(tmp_path / "x")])
-        seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+        peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot be trained here" in err and "of memory is free" in err
-    assert seconds < 1 and peak < 20 * 2**20
+    assert peak < 20 * 2**20  # refused before allocating (memory, not a timing)
     assert not (tmp_path / "x").exists()

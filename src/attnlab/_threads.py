@@ -17,6 +17,20 @@ Three rules keep this safe however many Python threads call attnlab at once:
 - Without ``threadpoolctl`` a pool runs only where the environment already holds BLAS to
   one thread (``OPENBLAS_NUM_THREADS=1``); otherwise the work runs in the calling thread and
   BLAS uses the cores inside each matmul.
+
+And three keep a busy machine from stalling it (other processes on the cores):
+
+- **Nobody waits for a thread that has not started.** Each thread pulls the next unit from
+  one shared queue, and a call returns once every unit is done: a worker that the system
+  has not yet given a core finds nothing left when it does run, so the caller (and the
+  workers that did run) do all the work meanwhile, and the call takes at worst about what
+  one thread takes alone, plus the unit a descheduled worker holds.
+- **Idle threads sleep**, on a lock or a queue: they never spin on a core that another
+  process could use (BLAS's own threads spin after each call; see :func:`matmul`).
+- **No thread is pinned to a CPU** unless asked (``ATTNLAB_PIN_THREADS=1``, read at the
+  first pool call): several attnlab processes on one machine then never hold their
+  threads on the same core. The pool's size is the CPUs this process may use
+  (``os.sched_getaffinity``), so ``taskset`` and container limits are honoured.
 """
 
 from __future__ import annotations
@@ -31,10 +45,21 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
+from attnlab._tuning import adapts as _adapts
+from attnlab._tuning import thresholds as _thresholds
 from attnlab._validation import positive_int
 
 _num_threads: int | None = None
 _local = threading.local()  # .in_pool: this thread runs units of a pool
+_PIN: list = []  # [whether the pool pins its threads (ATTNLAB_PIN_THREADS)], read at first use
+
+
+def _pinning() -> bool:
+    """Whether pool calls keep the caller and the workers on different CPUs (see
+    :func:`_caller_and_workers_apart`): only where ``ATTNLAB_PIN_THREADS`` is ``1``."""
+    if not _PIN:
+        _PIN.append(os.environ.get("ATTNLAB_PIN_THREADS", "").strip() == "1")
+    return _PIN[0]
 
 
 _cpus: set[int] | None = None
@@ -62,11 +87,15 @@ def available_cpus() -> int:
 
 
 def get_num_threads() -> int:
-    """Threads attnlab's parallel loops use by default (all usable CPUs unless set).
+    """Threads attnlab's parallel loops use by default (all usable CPUs unless set; inside
+    a step that :class:`StepThreads` runs on one thread, 1).
 
     >>> get_num_threads() >= 1
     True
     """
+    step = getattr(_local, "step_threads", None)
+    if step is not None:
+        return step
     return _num_threads if _num_threads is not None else available_cpus()
 
 
@@ -243,7 +272,9 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _EXECUTOR
 
 
-# Where the workers may run. When a call starts after the machine has been idle, Linux
+# Where the workers may run (only with ATTNLAB_PIN_THREADS=1: on a machine that other
+# processes keep busy, or with several attnlab processes, a thread held on one CPU waits
+# for that CPU while another one idles). When a call starts after the machine has been idle, Linux
 # wakes a worker on the CPU of the thread that woke it (the caller's), and the two share
 # that CPU until the load balancer moves one, milliseconds later: measured on a 2-core
 # virtual machine, a causal attention call (8 heads, L=1024) took 16-20 ms after a 0.1 s
@@ -309,7 +340,11 @@ def _caller_and_workers_apart():
     """While the block runs, the workers are kept off the calling thread's CPU (their
     masks change only when the caller has moved). After a pause (no pool call ended in
     the last :data:`_HOLD_AFTER_IDLE` seconds) the caller is also held on its CPU, and its
-    own mask restored after. A no-op where the system cannot tell the CPU."""
+    own mask restored after. A no-op where the system cannot tell the CPU, and unless
+    pinning is asked for (:func:`_pinning`)."""
+    if not _pinning():
+        yield
+        return
     try:
         if time.monotonic() - _LAST_POOL_END[0] >= _HOLD_AFTER_IDLE:
             with _held_apart():
@@ -404,6 +439,66 @@ class ScratchPool:
             self._free.append(scratch)
 
 
+_END = object()  # no unit left
+
+
+class _Run:
+    """One :func:`run_units` call's shared queue of units and what is left to wait for."""
+
+    __slots__ = ("it", "lock", "active", "closed", "error", "done")
+
+    def __init__(self, units: Iterable) -> None:
+        self.it = iter(units)
+        self.lock = threading.Lock()
+        self.active = 0  # units taken and not finished
+        self.closed = False  # no unit will be handed out any more (all taken, or one failed)
+        self.error: BaseException | None = None
+        self.done = threading.Event()  # closed, and no unit in flight
+
+    def take(self):
+        with self.lock:
+            if self.closed:
+                return _END
+            unit = next(self.it, _END)
+            if unit is _END:
+                self.closed = True
+                if self.active == 0:
+                    self.done.set()
+                return _END
+            self.active += 1
+            return unit
+
+    def finish(self, error: BaseException | None) -> None:
+        with self.lock:
+            self.active -= 1
+            if error is not None and self.error is None:
+                self.error, self.closed = error, True
+            if self.closed and self.active == 0:
+                self.done.set()
+
+
+def _work(run: _Run, run_unit: Callable, pool: ScratchPool | None) -> None:
+    """Take units of ``run`` until none is left (a thread of :func:`run_units`)."""
+    if run.closed:  # a worker that started late: nothing to do, nothing to wait for
+        return
+    mine = {} if pool is None else pool.take()
+    outer = getattr(_local, "in_pool", False)
+    _local.in_pool = True
+    try:
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            while (unit := run.take()) is not _END:
+                try:
+                    run_unit(unit, mine)
+                except BaseException as exc:
+                    run.finish(exc)
+                    return
+                run.finish(None)
+    finally:
+        _local.in_pool = outer
+        if pool is not None:
+            pool.give(mine)
+
+
 def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: ScratchPool | None = None) -> None:
     """Run ``run_unit(unit, scratch)`` for every unit on ``threads`` threads.
 
@@ -411,49 +506,44 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
     process's worker threads, kept between calls. Each thread has its own ``scratch`` dict
     of reusable buffers (from the ``scratch`` pool where given, so buffers outlive the
     call; else a fresh dict) and pulls the next unit from a shared iterator, so long
-    units balance out with short ones. Inside a unit, :func:`in_pool` is True, so
-    attnlab calls made there run single-threaded (no nested pools). Inside another pool's
-    unit, this runs every unit in the calling thread.
+    units balance out with short ones, and the call returns when every unit is done,
+    without waiting for a worker that has not started (on a busy machine the threads that
+    run do its share). Inside a unit, :func:`in_pool` is True, so attnlab calls made there
+    run single-threaded (no nested pools). Inside another pool's unit, this runs every
+    unit in the calling thread. The first exception a unit raises stops the handing out
+    of units and is raised here once the units in flight are done.
+
+    >>> out = []
+    >>> run_units(range(4), lambda i, _s: out.append(i * i), 2)
+    >>> sorted(out)
+    [0, 1, 4, 9]
     """
-    it = iter(units)
-    lock = threading.Lock()
-    pool = scratch
-    if in_pool():
-        threads = 1
+    if in_pool() or (threads > 1 and watch_the_machine()):
+        threads = 1  # on a busy machine, waking a worker costs more than it brings (see watch_the_machine)
+    _run_on(units, run_unit, threads, scratch)
 
-    def loop() -> None:
-        mine = {} if pool is None else pool.take()
-        outer = getattr(_local, "in_pool", False)
-        _local.in_pool = True
-        try:
-            with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-                while True:
-                    with lock:
-                        unit = next(it, None)
-                    if unit is None:
-                        return
-                    run_unit(unit, mine)
-        finally:
-            _local.in_pool = outer
-            if pool is not None:
-                pool.give(mine)
 
+def _run_on(units: Iterable, run_unit: Callable, threads: int, scratch: ScratchPool | None = None) -> None:
+    """:func:`run_units` on exactly ``threads`` threads, whatever the machine's load (the
+    tuning's measurement of the pool's cost runs here)."""
+    run = _Run(units)
     if threads == 1:
-        loop()
-        return
-    ex = _executor(threads - 1)
-    with blas_limit(threads), _caller_and_workers_apart():
-        futures = [ex.submit(loop) for _ in range(threads - 1)]
-        try:
-            loop()
-        finally:
-            for f in futures:
-                f.result()
+        _work(run, run_unit, scratch)
+    else:
+        ex = _executor(threads - 1)
+        with blas_limit(threads), _caller_and_workers_apart():
+            for _ in range(threads - 1):
+                ex.submit(_work, run, run_unit, scratch)
+            _work(run, run_unit, scratch)
+            run.done.wait()
+    if run.error is not None:
+        raise run.error
 
 
 # When matmul() splits a product over attnlab's threads instead of BLAS's own: at least
-# POOL_MATMUL_MIN multiply-adds and at least POOL_MATMUL_MIN_TOKENS tokens (the rows of a
-# projection, the inner dimension of a weight gradient). A pool call
+# pool_matmul_min() multiply-adds (attnlab._tuning: where one thread's product takes 8x a
+# pool call, from the figures measured on this machine) and at least POOL_MATMUL_MIN_TOKENS
+# tokens (the rows of a projection, the inner dimension of a weight gradient). A pool call
 # costs about 100 us of thread wake-ups on a 2-core cloud machine against BLAS's ~10 us
 # (its threads spin), so small products keep BLAS's threads; and the rule depends on the
 # tokens first so that all the products of one layer call take the same side (BLAS's
@@ -463,9 +553,21 @@ def run_units(units: Iterable, run_unit: Callable, threads: int, *, scratch: Scr
 # alone; but beside the attention kernel's pool: MultiheadAttention(512, 8)
 # forward+backward at L=512 took 43-62 ms with BLAS's threads, 32.5 ms with attnlab's;
 # a TinyTransformer training step (products up to 25M) ran 50-51 steps/s with BLAS's
-# threads, 31-37 on the pool.
-POOL_MATMUL_MIN = 1 << 25
+# threads, 31-37 on the pool. The token rule is BLAS's (its packing of the smaller
+# operand), not the CPU's.
 POOL_MATMUL_MIN_TOKENS = 256
+
+
+def pool_matmul_min() -> int:
+    """Multiply-adds from which :func:`matmul` splits a product over attnlab's threads
+    (:func:`attnlab._tuning.thresholds`).
+
+    >>> pool_matmul_min() >= 1
+    True
+    """
+    return _thresholds().pool_matmul_min
+
+
 # Fewest rows (columns) of the product per thread: below, the blocks lose BLAS's rate.
 _MATMUL_MIN_ROWS = 32
 
@@ -483,7 +585,7 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
     here keeps every thread of a layer in one pool, whose idle threads sleep.
 
-    Smaller products (under :data:`POOL_MATMUL_MIN` multiply-adds, or over fewer than
+    Smaller products (under :func:`pool_matmul_min` multiply-adds, or over fewer than
     :data:`POOL_MATMUL_MIN_TOKENS` tokens: where a pool call's thread wake-ups would cost
     more than the spin does), a decoding step's matrix-vector products, calls inside a
     pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
@@ -498,6 +600,8 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     array([[ 5., 14.],
            [14., 50.]])
     """
+    if get_num_threads() > 1:
+        watch_the_machine()
     if not _pooled(a, b, tokens):
         if _weight_first(a, b):
             out = _product_out(a, b, out)
@@ -561,9 +665,9 @@ def _pooled(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
     M, K = a.shape[-2:] if a.ndim >= 2 else (1, a.shape[-1])
     N = b.shape[-1] if b.ndim >= 2 else 1
     threads = get_num_threads()
-    return not (a.ndim != 2 or b.ndim != 2 or threads == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS
-                or M * N * K < POOL_MATMUL_MIN or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS
-                or in_pool() or not (have_threadpoolctl() or blas_single_threaded_by_env()))
+    return not (a.ndim != 2 or b.ndim != 2 or threads == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS or _WATCH["busy"]
+                or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS or in_pool()
+                or not (have_threadpoolctl() or blas_single_threaded_by_env()) or M * N * K < pool_matmul_min())
 
 
 def _product_out(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray:
@@ -589,3 +693,240 @@ def _product_parts(a: np.ndarray, b: np.ndarray, out: np.ndarray, threads: int) 
 def _product_unit(part: tuple, _scratch) -> None:
     a, b, out = part
     np.matmul(a, b, out=out)
+
+
+class StepThreads:
+    """The threads for a step that repeats many times (a decoding step), chosen by how fast
+    the step runs now: all of attnlab's threads (:func:`get_num_threads`), or one.
+
+    On a quiet machine every thread helps a decoding step (its products read the weights
+    from memory, and two threads read faster than one). On a machine that other
+    processes keep busy the same threads stall: the compiled kernels' threads (numba's
+    OpenMP) and BLAS's spin between the step's many short parallel regions, and a region
+    waits for a thread that has no core (SmolLM2 quantized on a 2-core EPYC, other
+    processes keeping the load at 3 to 7: 2.6 to 13 tokens/s on two threads against 57 to
+    87 on one). Neither is right everywhere, so :meth:`step` times each step and now and
+    then runs a few steps the other way (a probe: :data:`PROBE_STEPS` steps after the
+    first :data:`FIRST_PROBE`, then after :data:`EVERY` steps, twice as long after each
+    probe that loses, up to :data:`MAX_EVERY`; a probe step twice as slow ends the probe
+    at once), keeping whichever ran faster. When the steps slow down by half (a new load)
+    it probes at once. A probe of all threads is put off while other processes hold the
+    cores the extra threads would need (:func:`watch_the_machine`'s last look: a probe step
+    on taken cores can cost as much as a hundred steps on one), and the process's first
+    step starts on one thread when that is so. The choice is the process's, kept from one
+    generation to the next. Each step's numbers do not depend on its thread count (each
+    output is computed by one thread either way).
+    """
+
+    FIRST_PROBE = 2
+    PROBE_STEPS = 3
+    LOSING = 2.0  # a probe step this much slower than the arm in use ends the probe
+    EVERY = 32
+    MAX_EVERY = 1024
+    SLOWER = 1.5  # steps this much slower than when last decided: probe now
+    PAUSE = 1.0  # seconds between two steps after which the machine may have changed
+
+    def __init__(self, clock=time.perf_counter, taken=None) -> None:
+        self._clock = clock
+        self._taken = _cores_taken if taken is None else taken
+        self._first = True
+        self._lock = threading.Lock()
+        self._one = False  # the arm in use: one thread (True) or all (False)
+        self._every = self.EVERY
+        self._until_probe = self.FIRST_PROBE
+        self._probe_left = 0  # steps of the running probe still to run
+        self._probe: list[float] = []  # the probe's step times
+        self._recent: list[float] = []  # the arm in use's last step times
+        self._baseline: float | None = None  # its median when last decided
+        self._last_end = -math.inf
+
+    def _pick_one(self, wanted: int) -> bool:
+        """One thread for the next step? (under the lock)"""
+        if self._first:  # the process's first step: all threads, unless the cores are taken now
+            self._first = False
+            self._one = self._busy(wanted)
+        if self._clock() - self._last_end > self.PAUSE:
+            self._until_probe = min(self._until_probe, self.FIRST_PROBE)
+        if self._probe_left == 0 and self._until_probe <= 0:
+            if self._one and self._busy(wanted):  # the cores are taken: the probe would only lose
+                self._every = min(2 * self._every, self.MAX_EVERY)
+                self._until_probe = self._every
+            else:
+                self._probe_left, self._probe = self.PROBE_STEPS, []
+        return self._one != (self._probe_left > 0)
+
+    def _record(self, one: bool, seconds: float) -> None:
+        self._last_end = self._clock()
+        if one != self._one:  # a probe step
+            self._probe.append(seconds)
+            self._probe_left -= 1
+            mine = _median(self._recent[-self.PROBE_STEPS - 2:]) if self._recent else math.inf
+            if seconds > self.LOSING * mine:  # clearly slower: no need to run the rest of the probe
+                self._probe_left = 0
+            if self._probe_left == 0:
+                if _median(self._probe) < 0.95 * mine:
+                    self._one, self._every = one, self.EVERY
+                    self._recent, self._baseline = list(self._probe), _median(self._probe)
+                else:
+                    self._every = min(2 * self._every, self.MAX_EVERY)
+                    self._baseline = mine
+                self._until_probe = self._every
+            return
+        self._recent = (self._recent + [seconds])[-8:]
+        self._until_probe -= 1
+        if self._baseline is None and len(self._recent) >= 3:
+            self._baseline = _median(self._recent)
+        elif self._baseline is not None and len(self._recent) >= 3 \
+                and _median(self._recent[-3:]) > self.SLOWER * self._baseline:
+            self._until_probe, self._baseline = 0, None  # slower by half: probe now
+
+    @contextmanager
+    def step(self):
+        """Run one step (a ``with`` block) on the thread count chosen for it; yields it.
+        With one thread, BLAS is held to one thread too and :func:`get_num_threads` is 1
+        inside the block (the compiled kernels follow it)."""
+        wanted = get_num_threads()
+        if wanted == 1 or in_pool() or not _adapts():  # ATTNLAB_TUNE=off: no timing decides
+            yield wanted
+            return
+        with self._lock:
+            one = self._pick_one(wanted)
+        outer = getattr(_local, "step_threads", None)
+        t0 = self._clock()
+        try:
+            if one:
+                _local.step_threads = 1
+                with one_blas_thread():
+                    yield 1
+            else:
+                yield wanted
+        finally:
+            _local.step_threads = outer
+            seconds = self._clock() - t0
+            with self._lock:
+                self._record(one, seconds)
+
+    def _busy(self, wanted: int) -> bool:
+        """Whether other processes hold the cores the extra threads would need now."""
+        return self._taken()
+
+    @property
+    def one_thread(self) -> bool:
+        """Whether the steps run on one thread now (outside a probe)."""
+        return self._one
+
+
+# ---- a machine that other processes keep busy ------------------------------------------
+# BLAS's threads spin between calls (OpenBLAS's for about 2^28 cycles after each, on x86-64
+# without yielding), and the calls of a layer come microseconds apart: on a quiet machine
+# that keeps them ready, but where other processes want the cores, a call waits for a thread
+# that spins on a core it shares, or has lost it. Measured on a 2-core EPYC, other processes
+# keeping the load at 6 to 9: a TinyTransformer training step (d_model 96, batch 32 x 40)
+# took 214 ms with BLAS's 2 threads against 10 ms on a quiet machine. attnlab's own pool
+# never spins, but waking a worker there costs the caller a time slice (the woken thread
+# takes the caller's core: 2.6 ms a wake-up in the same run, against 0.1 ms on a quiet
+# machine). So every call of matmul() and run_units() looks at the machine, at most every
+# BUSY_CHECK_SECONDS: while other processes keep more of this process's CPUs busy than
+# attnlab's extra threads can spare (by half a core; /proc/stat's busy time on those CPUs
+# less this process's own CPU time, so a container on a larger host counts only its CPUs),
+# at two looks in a row, BLAS is held to one thread
+# (BLAS_LIMITER, released at the first look that finds the cores free again) and the pools
+# run on the calling thread alone: attnlab then does what one thread does, on whichever
+# core it gets (the same step: 64 ms, against 61 ms pinned to one core with taskset).
+BUSY_CHECK_SECONDS = 0.1
+_WATCH = {"busy": False, "seen": False, "at": -math.inf}
+_WATCH_LOCK = threading.Lock()
+
+
+def watch_the_machine() -> bool:
+    """Whether the machine is busy with other processes now (see above; looked at most every
+    :data:`BUSY_CHECK_SECONDS`), holding BLAS to one thread while it is. False where the
+    system does not say (:func:`_other_cores`), and with ``ATTNLAB_TUNE=off``
+    (:func:`attnlab._tuning.adapts`).
+
+    >>> isinstance(watch_the_machine(), bool)
+    True
+    """
+    if not _adapts():
+        if _WATCH["busy"]:  # turned off while it held BLAS: let go
+            with _WATCH_LOCK:
+                if _WATCH["busy"]:
+                    _WATCH["busy"] = _WATCH["seen"] = False
+                    BLAS_LIMITER.release()
+        return False
+    now = time.monotonic()
+    if now - _WATCH["at"] < BUSY_CHECK_SECONDS or not _WATCH_LOCK.acquire(blocking=False):
+        return _WATCH["busy"]
+    try:
+        _WATCH["at"] = now
+        others = _other_cores()
+        taken = others is not None and others > available_cpus() - get_num_threads() + 0.5
+        busy = taken and _WATCH["seen"]  # two looks in a row: a daemon's moment is not a load
+        _WATCH["seen"] = taken
+        if busy != _WATCH["busy"]:
+            if busy:
+                BLAS_LIMITER.acquire()
+            else:
+                BLAS_LIMITER.release()
+            _WATCH["busy"] = busy
+        return busy
+    finally:
+        _WATCH_LOCK.release()
+
+
+def _cores_taken() -> bool:
+    """Whether the watch's last look found the cores the extra threads need taken by other
+    processes (one look: a decoding step's choice may act at once)."""
+    watch_the_machine()
+    return _WATCH["seen"]
+
+
+_TICK = 0.01  # seconds per /proc/stat tick (USER_HZ, 100 on Linux)
+_LAST_SAMPLE: list = []  # [(monotonic, process_time, {cpu: (busy ticks, all ticks)})]
+
+
+def _cpu_ticks(cpus: set[int]) -> dict[int, tuple[int, int]] | None:
+    """``{cpu: (busy ticks, all ticks)}`` from Linux's ``/proc/stat`` for ``cpus`` (idle and
+    iowait are not busy; a hypervisor's steal is), or None where the system does not say."""
+    found = {}
+    try:
+        with open("/proc/stat", "rb") as f:
+            for line in f:
+                if not line.startswith(b"cpu") or line[3:4] == b" ":
+                    if found:
+                        break
+                    continue
+                name, *fields = line.split()
+                cpu = int(name[3:])
+                if cpu in cpus:
+                    ticks = [int(x) for x in fields[:8]]
+                    found[cpu] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    except (OSError, ValueError):
+        return None
+    return found or None
+
+
+def _other_cores() -> float | None:
+    """How many of this process's CPUs other processes kept busy since the last call: the
+    busy time ``/proc/stat`` counts on them, less this process's own CPU time, over the wall
+    time between (at most a second back; None the first time, after a longer pause, or where
+    the system does not say)."""
+    now, mine = time.monotonic(), time.process_time()
+    ticks = _cpu_ticks(_allowed_cpus())
+    last = _LAST_SAMPLE[0] if _LAST_SAMPLE else None
+    _LAST_SAMPLE[:] = [] if ticks is None else [(now, mine, ticks)]
+    if ticks is None or last is None or not (0 < now - last[0] <= 1.0):
+        return None
+    busy = sum(b - last[2][c][0] for c, (b, _) in ticks.items() if c in last[2])
+    return max(0.0, (busy * _TICK - (mine - last[1])) / (now - last[0]))
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
+
+
+#: The decoding steps' chooser (:func:`attnlab.models.generate.generate` runs each step in it).
+DECODE_STEPS = StepThreads()
+

@@ -136,6 +136,68 @@ def model_shape(name: str) -> Shape:
     return shapes[name]
 
 
+def parse_shape(text: str) -> tuple[Shape, np.dtype]:
+    """An attention problem named by ``text``: a model shape (:data:`MODEL_SHAPES`), or
+    ``B,H,L,E`` then optionally ``S`` (default ``L``), with ``H`` as ``Hq/Hkv`` for grouped
+    query heads, ``causal`` and ``float64`` anywhere after the numbers.
+
+    >>> s, dtype = parse_shape("1,9/3,512,64,causal")
+    >>> s.describe(), s.causal, dtype.name
+    ('B=1 H=9/3 L=512 E=64', True, 'float32')
+    >>> parse_shape("gpt2")[0].L
+    1024
+
+    Raises:
+        ValueError: naming what is wrong.
+    """
+    parts = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if len(parts) == 1 and parts[0] in MODEL_SHAPES:
+        return model_shape(parts[0]), np.dtype(np.float32)
+    flags = [p for p in parts if p in ("causal", "float64", "float32")]
+    numbers = [p for p in parts if p not in flags]
+    if len(numbers) not in (4, 5):
+        raise ValueError(f"a shape is one of {', '.join(MODEL_SHAPES)} or B,H,L,E[,S] (H as Hq/Hkv for "
+                         f"grouped-query heads; 'causal', 'float64' may follow), got {text!r}")
+    try:
+        hq, _, h = numbers[1].partition("/")
+        B, Hq, H, L, E = int(numbers[0]), int(hq), int(h or hq), int(numbers[2]), int(numbers[3])
+        S = int(numbers[4]) if len(numbers) == 5 else L
+    except ValueError:
+        raise ValueError(f"B,H,L,E[,S] must be integers (H may be Hq/Hkv), got {text!r}") from None
+    if min(B, Hq, H, L, E, S) < 1 or Hq % H:
+        raise ValueError(f"every size must be positive and Hq a multiple of Hkv, got {text!r}")
+    return Shape("shape", B, Hq, H, L, S, E, "causal" in flags), np.dtype(
+        np.float64 if "float64" in flags else np.float32)
+
+
+def explain_dispatch(text: str) -> list[str]:
+    """What :func:`attnlab.scaled_dot_product_attention` and its backward run for the shape
+    ``text`` (:func:`parse_shape`) on this machine, and why: lines of text, headed by the
+    CPU description (``ATTNLAB_CPU`` describes another) and the tuning figures.
+
+    >>> explain_dispatch("1,2,4,8")[1].startswith("forward: kernel naive")
+    True
+    """
+    from attnlab._cpu import cpu_info
+    from attnlab._tuning import thresholds
+    from attnlab.core.dispatch import explain
+    from attnlab.core.spec import check_attention_args
+
+    shape, dtype = parse_shape(text)
+    if 3 * shape.B * shape.Hq * shape.L * max(shape.S, shape.E) * dtype.itemsize > (available_memory() or 1 << 62):
+        raise ValueError(f"{text}: its arrays do not fit in the memory available now")
+    q = np.zeros((shape.B, shape.Hq, shape.L, shape.E), dtype)
+    kv = np.zeros((shape.B, shape.H, shape.S, shape.E), dtype)
+    spec = check_attention_args(q, kv, kv, is_causal=shape.causal, enable_gqa=shape.gqa)
+    lines = [f"{shape.describe()}{' causal' if shape.causal else ''} {dtype.name} on {cpu_info().describe()}"]
+    for name, backward in (("forward", False), ("backward", True)):
+        first, *rest = explain(spec, backward=backward)
+        lines.append(f"{name}: {first.replace('kernel: ', 'kernel ')}")
+        lines += [f"  {r.strip()}" for r in rest if not r.strip().startswith("thresholds from")]
+    lines += [f"tuning: {line}" for line in thresholds().lines()]
+    return lines
+
+
 def sdpa_shapes(sizes: Sequence[int] = QUICK_SIZES, *, groups: Sequence[str] = SHAPE_GROUPS) -> list[Shape]:
     """The SDPA section's shapes: the model shapes named in ``groups`` (with their own
     causal flag), then, if ``"sweep"`` is among them, ``B=1, H=8, E=64`` at each ``L = S``
@@ -914,17 +976,20 @@ def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
 
 
 def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_size: int = 64, d_model: int = 64,
-                      activation: str = "relu") -> _Plan:
+                      activation: str = "relu", num_pairs: int | None = None) -> _Plan:
     """``steps`` training steps per call on the recall task, attnlab's TinyTransformer and its
     torch twin (the same weights and batches): forward, cross-entropy, backward, gradient
-    clipping at 1.0, AdamW. ``row``, when given, gets a note naming the model."""
+    clipping at 1.0, AdamW. ``row``, when given, gets a note naming the model.
+    ``num_pairs``: the task's pairs and queries (sequences of ``4 * num_pairs`` tokens;
+    None: the task's default, 32 tokens)."""
     from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
     from attnlab.models.tiny_torch import copy_to_torch, torch_tiny_transformer
     from attnlab.nn import CrossEntropyLoss
     from attnlab.train.optim import AdamW, clip_grad_norm_
     from attnlab.train.tasks import RecallTask
 
-    task = RecallTask()
+    task = RecallTask() if num_pairs is None else \
+        RecallTask(num_pairs=num_pairs, num_queries=num_pairs, num_keys=max(16, 2 * num_pairs), num_values=16)
     cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=d_model,
                                 d_ff=2 * d_model, activation=activation)
     model = TinyTransformer(cfg, rng=np.random.default_rng(0))

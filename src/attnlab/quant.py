@@ -45,8 +45,8 @@ import numpy as np
 from attnlab._threads import get_num_threads, run_units
 
 __all__ = [
-    "BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedTensor", "is_quantized", "quantized_linear",
-    "stack_rows",
+    "BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedFallbackWarning", "QuantizedTensor", "is_quantized",
+    "keeps_quantized", "quantized_linear", "stack_rows",
 ]
 
 #: values per block (every supported type)
@@ -307,6 +307,38 @@ def _kernels():
             _quant_kernels = None
         _KERNELS.append(_quant_kernels)
     return _KERNELS[0]
+
+
+class QuantizedFallbackWarning(UserWarning):
+    """Weights asked to stay quantized are dequantized to float32: the compiled kernels
+    that make quantized decoding fast are not there."""
+
+
+_FALLBACK_WARNED: list = []
+
+
+def keeps_quantized() -> bool:
+    """Whether weights asked to stay quantized (``from_pretrained(..., quantized=True)``)
+    should: True where the compiled matrix-vector kernels run (numba, the ``fast`` extra,
+    not turned off by ``ATTNLAB_NO_NUMBA=1`` or ``tuned(fused=False)``). Without them a
+    quantized decoding step dequantizes every weight it reads, several times slower than
+    float32 (SmolLM2 on a 2-core EPYC: about 6 tokens/s against 35), so the loaders
+    dequantize instead: the same numbers as a float32 load, as fast, with a float32
+    model's memory. Says so once per process (:class:`QuantizedFallbackWarning`).
+
+    >>> isinstance(keeps_quantized(), bool)
+    True
+    """
+    if _kernels() is not None:
+        return True
+    if not _FALLBACK_WARNED:
+        _FALLBACK_WARNED.append(True)
+        import warnings
+
+        warnings.warn("quantized weights are dequantized to float32 (as fast as float32, with its memory): numba, "
+                      "which runs quantized decoding, is not installed or is turned off; install it with "
+                      "pip install 'attnlab[fast]'", QuantizedFallbackWarning, stacklevel=3)
+    return False
 
 
 def _buffer(name: str, shape: tuple[int, ...]) -> np.ndarray:

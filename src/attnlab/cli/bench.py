@@ -112,6 +112,11 @@ def register(sub) -> None:
                         "(default 3; --full: 20)")
     p.add_argument("--new-tokens", type=int, default=None,
                    help="new tokens of the decode rows; 0 skips them (default 8; --full: 64)")
+    p.add_argument("--explain-dispatch", metavar="SHAPE", default=None,
+                   help="print which kernel, blocks and threads attnlab's attention runs for SHAPE on this "
+                        "machine (forward and backward) and why, then exit: minilm, bert, smollm2, gpt2, or "
+                        "B,H,L,E[,S] with H as Hq/Hkv for grouped-query heads, 'causal' and 'float64' after the "
+                        "numbers (e.g. 1,9/3,512,64,causal); ATTNLAB_CPU=xeon-avx512 shows another machine's")
     p.add_argument("--system-allocator", action="store_true",
                    help="leave malloc as the system set it (returning freed memory at once) "
                         "instead of attnlab.keep_freed_memory(), which every other command "
@@ -486,6 +491,13 @@ def _decode_section(s: _Settings, bm, models, progress) -> None:
 def run(args) -> int:
     started = time.perf_counter()
     from attnlab import benchmark as bm
+
+    if args.explain_dispatch is not None:
+        try:
+            print("\n".join(bm.explain_dispatch(args.explain_dispatch)))
+        except ValueError as exc:
+            raise CLIError(f"--explain-dispatch: {exc}") from None
+        return 0
 
     s = _Settings(args)  # every check before anything runs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

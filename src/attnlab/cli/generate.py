@@ -182,5 +182,10 @@ def run(args) -> int:
     print(f"prompt     {args.prompt}")
     print(f"generated  {new}")
     print(f"sequence   {whole}")
-    print(f"decoding   {how}, with a key/value cache" + (", quantized weights" if args.quantized else ""))
+    weights = ""
+    if args.quantized:
+        from attnlab.quant import keeps_quantized
+
+        weights = ", quantized weights" if keeps_quantized() else ", float32 weights (numba missing: dequantized)"
+    print(f"decoding   {how}, with a key/value cache{weights}")
     return 0

@@ -52,8 +52,9 @@ import threading
 
 import numpy as np
 
-from attnlab._cpu import CPUInfo, cpu_info
+from attnlab._cpu import CPUInfo
 from attnlab._threads import get_num_threads, pool_threads, run_units, set_num_threads
+from attnlab._tuning import TYPICAL, Thresholds, derive, thresholds
 from attnlab._validation import as_float_array, fmt_shape, positive_int, shape_error
 from attnlab.core.masks import ALIGNMENTS
 from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, reduce_to
@@ -127,15 +128,17 @@ _BLOCK_K_RANGE = (128, 2048)
 # of a full tile (measured: 128 rows 82 GF/s, 512 rows 86 GF/s on one core), while the
 # wasted work on the diagonal drops from block_k / 2 to 64 keys per row.
 _DIAG_ROWS = 128
-# Starting a pool (threads, BLAS limit) costs ~0.2 ms; a score costs ~1 ns per thread
-# (E = Ev = 64; the rows kernel counts smaller heads by their work).
-_MIN_SCORES_PER_THREAD = 2**18
+# The fewest scores worth starting a pool for come from the pool's cost and one thread's
+# rate measured on this machine (attnlab._tuning: min_scores_per_thread).
 # numba's import costs ~0.3 s per process: compiled kernels from about 0.1 s of work.
+# (A policy about the import, the same on every CPU.)
 _FUSED_MIN_SCORES = 2**23
 
 
-def derive_tuning(info: CPUInfo) -> Tuning:
-    """Tile sizes from the CPU's caches (the rule is documented above this function).
+def derive_tuning(info: CPUInfo, limits: Thresholds | None = None) -> Tuning:
+    """Tile sizes from the CPU's caches (the rule is documented above this function); the
+    threads' threshold from ``limits`` (:func:`attnlab._tuning.thresholds`; default: the
+    typical figures on ``info``).
 
     >>> from attnlab._cpu import CPUInfo
     >>> t = derive_tuning(CPUInfo("x", frozenset({"avx2"}), 32768, 512 * 1024, 2**25, True))
@@ -151,11 +154,12 @@ def derive_tuning(info: CPUInfo) -> Tuning:
         return min(max(k, _BLOCK_K_RANGE[0]), _BLOCK_K_RANGE[1])
 
     block_k, forward_block_k = keys(_TILE_L2_SHARE), keys(_FORWARD_TILE_L2_SHARE)
+    limits = derive(TYPICAL, info) if limits is None else limits
     return Tuning(
         block_q=_BLOCK_Q,
         block_k=block_k,
         forward_block_k=forward_block_k,
-        min_scores_per_thread=_MIN_SCORES_PER_THREAD,
+        min_scores_per_thread=limits.min_scores_per_thread,
         fused_min_scores=_FUSED_MIN_SCORES,
         diag_rows=min(_DIAG_ROWS, _BLOCK_Q),
         fused=False if os.environ.get("ATTNLAB_NO_NUMBA", "").strip() not in ("", "0") else None,
@@ -170,8 +174,9 @@ _override_lock = threading.Lock()
 
 
 def tuning() -> Tuning:
-    """The tile sizes and thresholds in force: derived from this machine's caches
-    (:func:`derive_tuning`), unless changed with :func:`tuned`.
+    """The tile sizes and thresholds in force: derived from this machine's caches and
+    measured figures (:func:`derive_tuning`, :func:`attnlab._tuning.thresholds`), unless
+    changed with :func:`tuned`.
 
     >>> tuning().block_q
     512
@@ -179,9 +184,17 @@ def tuning() -> Tuning:
     return _override if _override is not None else _machine_tuning()
 
 
-@functools.cache
+_MACHINE: list = [None]  # [(Thresholds, Tuning)]: derived again when the thresholds change
+
+
 def _machine_tuning() -> Tuning:
-    return derive_tuning(cpu_info())
+    limits = thresholds()
+    last = _MACHINE[0]
+    if last is not None and last[0] is limits:
+        return last[1]
+    found = derive_tuning(limits.cpu, limits)
+    _MACHINE[0] = (limits, found)
+    return found
 
 
 @contextlib.contextmanager

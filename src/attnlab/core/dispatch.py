@@ -100,19 +100,51 @@ def scaled_dot_product_attention(
     return out.astype(spec.query.dtype, copy=False)
 
 
-def kernel_for(spec: AttentionSpec, *, backward: bool = False) -> str:
+def kernel_for(spec: AttentionSpec, *, backward: bool = False, why: list | None = None) -> str:
     """The kernel the dispatcher runs for ``spec`` (NumPy arrays, widened to the compute
     dtype by :func:`widened`): ``"rows"`` (:mod:`attnlab.core.rows`), ``"blockwise"`` or
-    ``"naive"``. The one place the choice is made, so a benchmark can name it.
+    ``"naive"``. The one place the choice is made, so a benchmark can name it; ``why``: a
+    list that gets the reasons, in words (:func:`explain`).
 
     >>> from attnlab.core.spec import check_attention_args
     >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)
     >>> kernel_for(check_attention_args(q, q, q))   # tiny problems keep the reference kernel
     'naive'
     """
-    if rows.planned(spec, backward=backward):
+    if rows.planned(spec, backward=backward, why=why):
         return "rows"
-    return "blockwise" if use_blockwise(spec) else "naive"
+    return "blockwise" if use_blockwise(spec, why=why) else "naive"
+
+
+def explain(spec: AttentionSpec, *, backward: bool = False) -> list[str]:
+    """Which kernel :func:`scaled_dot_product_attention` (``backward``: its backward) runs
+    for ``spec`` on this machine, with which blocks and threads, and why: lines of text
+    (``attnlab bench --explain-dispatch``). The CPU is :func:`attnlab._cpu.cpu_info`'s
+    (``ATTNLAB_CPU`` or :func:`attnlab._cpu.pinned_cpu` describe another).
+
+    >>> from attnlab.core.spec import check_attention_args
+    >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)
+    >>> explain(check_attention_args(q, q, q))[0]
+    'kernel: naive'
+    """
+    from attnlab._tuning import thresholds
+
+    work = widened(spec)
+    why: list[str] = []
+    kernel = kernel_for(work, backward=backward, why=why)
+    lines = [f"kernel: {kernel}", *(f"  {w}" for w in why)]
+    if kernel == "rows":
+        lines.append("  " + rows.describe_blocks(work, backward=backward))
+    elif kernel == "blockwise":
+        plan = blockwise._plan(work, None, None, None, None)
+        n = len(plan.heads) * plan.L * plan.S
+        threads = 1 if n < plan.min_scores_per_thread else plan.threads
+        tiles = f"{plan.bq} x {plan.bk}" if backward else f"{plan.bq} x {plan.bk_forward}"
+        lines.append(f"  tiles of {tiles} (query rows x keys: {blockwise.tuning().source}); element-wise pass "
+                     f"{'compiled' if plan.fused else 'NumPy'}; {threads} thread(s) ({n} scores "
+                     f"{'>=' if n >= plan.min_scores_per_thread else '<'} {plan.min_scores_per_thread})")
+    lines.append("  thresholds from: " + thresholds().profile.line())
+    return lines
 
 
 def widened(spec: AttentionSpec) -> AttentionSpec:
@@ -155,19 +187,24 @@ def blockwise_min_score_bytes() -> int:
     return 2 * cpu_info().l2
 
 
-def use_blockwise(spec: AttentionSpec) -> bool:
+def use_blockwise(spec: AttentionSpec, *, why: list | None = None) -> bool:
     """The blockwise kernel is exact for everything but dropout; pick it where it is faster
-    (see :data:`BLOCKWISE_MIN_SCORES_PER_HEAD` and :func:`blockwise_min_score_bytes`)."""
+    (see :data:`BLOCKWISE_MIN_SCORES_PER_HEAD` and :func:`blockwise_min_score_bytes`).
+    ``why``: a list that gets the reason, in words."""
     dtype = spec.query.dtype
     if spec.dropout_p > 0 or dtype not in (np.float32, np.float64):
-        return False
+        return rows._because(why, False, "blockwise: no dropout, float32 or float64 only: the naive path")
     per_head = spec.L * spec.S
     heads = math.prod(spec.batch_shape)
-    if per_head * heads * dtype.itemsize < blockwise_min_score_bytes():
-        return False
-    if blockwise.fused_planned(dtype, per_head * heads):
-        return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD_FUSED
-    return per_head >= BLOCKWISE_MIN_SCORES_PER_HEAD
+    nbytes, least = per_head * heads * dtype.itemsize, blockwise_min_score_bytes()
+    if nbytes < least:
+        return rows._because(why, False, f"blockwise: all heads' scores, {nbytes // 1024} KiB, fit in twice the "
+                             f"{least // 2048} KiB L2: the naive path")
+    fused = blockwise.fused_planned(dtype, per_head * heads)
+    need = BLOCKWISE_MIN_SCORES_PER_HEAD_FUSED if fused else BLOCKWISE_MIN_SCORES_PER_HEAD
+    return rows._because(why, per_head >= need, f"blockwise: {nbytes // 1024} KiB of scores >= twice the "
+                         f"{least // 2048} KiB L2, {per_head} scores a head {'>=' if per_head >= need else '<'} "
+                         f"{need} ({'compiled' if fused else 'NumPy'} element-wise pass)")
 
 
 def attention_scores(

@@ -38,7 +38,6 @@ dispatcher (:mod:`attnlab.core.dispatch`) picks it. Axis legend: see
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 from contextlib import nullcontext
@@ -47,13 +46,14 @@ import numpy as np
 
 from attnlab._cpu import cpu_info
 from attnlab._threads import (
-    POOL_MATMUL_MIN,
     POOL_MATMUL_MIN_TOKENS,
     ScratchPool,
     one_blas_thread,
+    pool_matmul_min,
     pool_threads,
     run_units,
 )
+from attnlab._tuning import thresholds
 from attnlab.core._blas import sgemm_address
 from attnlab.core.blockwise import fused_planned, score_stride, scores_buffer, tuning
 from attnlab.core.spec import AttentionSpec, reduce_to
@@ -129,19 +129,52 @@ def max_keys(*, backward: bool = False) -> int:
     return max(64, _block_bytes() // (2 if backward else 1) // (4 * rows))
 
 
-def planned(spec: AttentionSpec, *, backward: bool = False) -> bool:
+def planned(spec: AttentionSpec, *, backward: bool = False, why: list | None = None) -> bool:
     """Whether the dispatcher runs this kernel for ``spec`` (already widened to its compute
     dtype): float32 NumPy arrays, no dropout, compiled kernels available and not turned off
     (:func:`attnlab.core.blockwise.fused_planned`), keys that fit (:func:`max_keys`), and
-    nothing empty, at least :data:`_MIN_SCORES` scores."""
+    nothing empty, at least :data:`_MIN_SCORES` scores. ``why``: a list that gets the
+    reason, in words (``attnlab bench --explain-dispatch``)."""
     if spec.dropout_p > 0 or spec.query.dtype != np.float32:
-        return False
+        return _because(why, False, "rows kernel: float32 without dropout only")
     L, S, Ev = spec.L, spec.S, spec.value.shape[-1]
     if L == 0 or S == 0 or Ev == 0 or math.prod(spec.batch_shape) == 0:
-        return False
-    if S > max_keys(backward=backward) or math.prod(spec.batch_shape) * L * S < _MIN_SCORES:
-        return False
-    return fused_planned(np.float32, 0, min_n=0)
+        return _because(why, False, "rows kernel: nothing to compute")
+    keys = max_keys(backward=backward)
+    if S > keys:
+        return _because(why, False, f"rows kernel: {S} keys > {keys}, the most whose scores for "
+                        f"{_BACKWARD_MIN_ROWS if backward else _FORWARD_MIN_ROWS} query rows fit "
+                        f"{_BLOCK_L2_SHARE / (2 if backward else 1):g}x the {cpu_info().l2 // 1024} KiB L2")
+    scores = math.prod(spec.batch_shape) * L * S
+    if scores < _MIN_SCORES:
+        return _because(why, False, f"rows kernel: {scores} scores < {_MIN_SCORES} (a call of microseconds: the "
+                        "naive path, no numba import)")
+    if not fused_planned(np.float32, 0, min_n=0):
+        return _because(why, False, "rows kernel: needs numba (the fast extra), not installed or turned off")
+    return _because(why, True, f"rows kernel: {S} keys <= {keys} (the scores of "
+                    f"{_BACKWARD_MIN_ROWS if backward else _FORWARD_MIN_ROWS} query rows fit "
+                    f"{_BLOCK_L2_SHARE / (2 if backward else 1):g}x the {cpu_info().l2 // 1024} KiB L2), "
+                    f"{scores} scores >= {_MIN_SCORES}, numba there")
+
+
+def _because(why: list | None, answer: bool, reason: str) -> bool:
+    if why is not None:
+        why.append(reason)
+    return answer
+
+
+def describe_blocks(spec: AttentionSpec, *, backward: bool = False) -> str:
+    """How a call runs here (``spec`` as :func:`planned` takes it): its blocks, units and
+    threads, in words."""
+    lay = _Layout(spec, backward=backward)
+    work = lay.scores * min(lay.E + lay.Ev, 128) // 128
+    units = len(lay.head_chunks) * len(lay.row_chunks)
+    nh = max(f1 - f0 for f0, f1 in lay.head_chunks)
+    threads = lay.threads if lay.threads == 1 else min(lay.threads, units)
+    return (f"blocks of {lay.rows} query row(s) x {nh} head(s) ({units} block(s)); {threads} thread(s): "
+            f"work {work} scores {'>=' if work >= _min_scores_per_thread() else '<'} "
+            f"{_min_scores_per_thread()} (min_scores_per_thread); keys transposed into a copy: "
+            f"{'yes' if lay.copy_transposed else 'no'}")
 
 
 def _broadcast(a: np.ndarray, shape: tuple) -> np.ndarray:
@@ -175,13 +208,11 @@ def _buf(scratch: dict, name: str, shape: tuple) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
-@functools.cache
 def _block_bytes() -> int:
     """Bytes of float32 scores one block may hold (a share of the per-core L2)."""
     return int(cpu_info().l2 * _BLOCK_L2_SHARE)
 
 
-@functools.cache
 def _heads_bytes() -> int:
     """Bytes of float32 scores that several heads share in one block (see _HEADS_L2_SHARE)."""
     return int(cpu_info().l2 * _HEADS_L2_SHARE)
@@ -189,8 +220,10 @@ def _heads_bytes() -> int:
 
 def _copies_transposed(E: int, S: int) -> bool:
     """Whether heads of ``S`` keys of width ``E`` multiply by contiguous transposed copies
-    of the keys and values (see :meth:`_Layout.transposed`)."""
-    return E >= 32 and E * S <= 4096
+    of the keys and values (see :meth:`_Layout.transposed`): ``E >= 32`` and a head's keys
+    within half the L1 data cache (:attr:`attnlab._tuning.Thresholds.transpose_copy_bytes`;
+    on a 32 KiB L1d, 4096 floats, where it was measured to pay)."""
+    return E >= 32 and 4 * E * S <= thresholds().transpose_copy_bytes
 
 
 def _min_scores_per_thread() -> int:
@@ -704,7 +737,7 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     threads = pool_threads(None)
     if N != 1 or threads < 2 or H % threads or L < POOL_MATMUL_MIN_TOKENS or L > max_keys():
         return 0
-    if L * E_in * 3 * H * D < POOL_MATMUL_MIN or not fused_planned(np.float32, 0, min_n=0):
+    if L * E_in * 3 * H * D < pool_matmul_min() or not fused_planned(np.float32, 0, min_n=0):
         return 0
     return threads if sgemm_address() else 0
 

@@ -418,7 +418,9 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True, quantized: bool 
         tensors: read and dequantize the tensors (``False``: metadata and config only).
         quantized: keep 2-D ``Q8_0``, ``Q4_0`` and ``Q4_1`` tensors quantized, as
             :class:`attnlab.quant.QuantizedTensor` (their blocks checked against their
-            shape); other types are dequantized as without it (``None``: False).
+            shape); other types are dequantized as without it (``None``: False). Where
+            the compiled kernels are missing (no numba), everything is dequantized, with
+            one warning (:func:`attnlab.quant.keeps_quantized`).
 
     Raises:
         FileNotFoundError: no file there.
@@ -452,6 +454,10 @@ def read_gguf(path: str | os.PathLike, *, tensors: bool = True, quantized: bool 
     from attnlab.quant import KINDS, QuantizedTensor
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if quantized:  # without the compiled kernels, float32 is the faster way (one warning)
+        from attnlab.quant import keeps_quantized
+
+        quantized = keeps_quantized()
     for t in reader.tensors:
         hf = gguf_name(t.name)
         if hf is None:

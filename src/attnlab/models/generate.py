@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from attnlab._threads import DECODE_STEPS
 from attnlab._validation import generator, positive_int, shape_error
 from attnlab.core import softmax
 from attnlab.nn.attention import KVCache
@@ -181,7 +182,8 @@ def decoder_forward(
         logits_to_keep = min(positive_int(logits_to_keep, "logits_to_keep"), T)
     # A decoding step keeps every BLAS thread: its matrix-vector products are bound by
     # memory, and two threads read it faster than one (SmolLM2 on a 2-core EPYC: 30 against
-    # 49 ms per token; 35 against 52 after a 512-token prompt).
+    # 49 ms per token; 35 against 52 after a 512-token prompt) -- on a quiet machine;
+    # generate() runs each step on one thread where that is faster now (StepThreads).
     positions = position_ids(mask, past, T)
     x = embed(ids, positions)
     for i, block in enumerate(blocks):
@@ -336,7 +338,11 @@ def generate(
     out[:, :T] = rows
     step_ids, n = rows, 0
     while True:
-        logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+        if n == 0:  # the prompt
+            logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+        else:  # a decoding step, on the threads that run it fastest now (see StepThreads)
+            with DECODE_STEPS.step():
+                logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
         token = next_token(logits, temperature=temperature, top_k=top_k, rng=rng)
         if eos is not None:
             token[finished] = eos[0]
