@@ -475,15 +475,18 @@ def _figures(expl) -> dict:
 MAX_TEXT_BYTES = 1 << 20
 
 
-def read_text(args) -> str:
-    """TEXT, or the text of ``--file PATH`` or of standard input (``-``)."""
+def read_text(args, *, name: str = "text") -> str:
+    """The positional argument ``name`` (``TEXT``, ``PROMPT``), or the text of ``--file PATH``
+    or of standard input (``-``)."""
     path = getattr(args, "file", None)
-    if path is not None and args.text is not None:
-        raise CLIError("give the text either as TEXT or with --file, not both")
-    if path is None and args.text is None:
-        raise CLIError("no text: give TEXT, --file PATH, or - to read standard input")
-    if path is None and args.text != "-":
-        return args.text
+    given = getattr(args, name)
+    label = name.upper()
+    if path is not None and given is not None:
+        raise CLIError(f"give the text either as {label} or with --file, not both")
+    if path is None and given is None:
+        raise CLIError(f"no text: give {label}, --file PATH, or - to read standard input")
+    if path is None and given != "-":
+        return given
     if path is None:
         data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
         where = "standard input"
