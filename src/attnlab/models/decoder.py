@@ -218,7 +218,8 @@ class CausalLM(Module):
 
     def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
         """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (tokens as the
-        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``)."""
+        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``;
+        :func:`attnlab.text.readable_tokens` shows them as text)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         enc = self._tokenizer().encode(text)
@@ -245,11 +246,16 @@ class CausalLM(Module):
             layer: ``1..n`` (the block whose attention is traced), negatives from the end;
                 0 (the embeddings) has no attention.
             head: keep only this head's per-head steps (``None``: every head).
-            tokens: ``T`` labels (default: the tokenizer's tokens, else the ids).
+            tokens: ``T`` labels (default: the tokenizer's tokens as a person reads them,
+                ``'␣Paris'`` for ``'ĠParis'``, else the ids).
         """
         from attnlab.trace import trace_model
 
         ids, labels = self._one_sequence(ids_or_text)
+        if self.tokenizer is not None:
+            from attnlab.text.tokens import readable_tokens, token_scheme
+
+            labels = readable_tokens(labels, token_scheme(self.tokenizer))
         k = layer_number(layer, len(self.layers), embeddings=False)
         if len(ids) > self.max_positions:
             raise shape_error("ids", ids.shape, f"(T,) with T <= {self._positions_name}={self.max_positions}")

@@ -330,8 +330,16 @@ def trace_steps(trace: object) -> list[dict]:
     return steps
 
 
+def _shown(explanation: object, tokens: list[str]) -> list[str]:
+    """``tokens`` as a person reads them, where the explanation knows its tokenizer's code
+    (:meth:`~attnlab.explain.Explanation.readable_tokens`); else as they are."""
+    readable = getattr(explanation, "readable_tokens", None)
+    return [clean_text(t) for t in readable(tokens)] if readable is not None else tokens
+
+
 def _payload(explanation: object, max_bytes: int | None = None) -> dict:
     tokens, att = _check(explanation)
+    tokens = _shown(explanation, tokens)
     T = len(tokens)
     static = _check_2d(explanation.static, "static", T)
     contextual = _check_2d(explanation.contextual, "contextual", T)
@@ -448,7 +456,7 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         probs = _finite(probs, "lens.probs")
         used, index = np.unique(ids, return_inverse=True)
         try:
-            strings = [clean_text(lens.strings[int(i)]) for i in used]
+            strings = _shown(explanation, [clean_text(lens.strings[int(i)]) for i in used])
         except KeyError as exc:
             raise ValueError(f"explanation.lens.strings has no string for token id {exc.args[0]}") from None
         index = index.reshape(ids.shape).astype(np.uint16 if len(used) <= 1 << 16 else np.uint32)
@@ -472,7 +480,7 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         if values.shape != (layers, T):
             raise ValueError(f"explanation.patching.values has shape {values.shape}, but should be "
                              f"({layers}, {T}): blocks by tokens")
-        corrupted = [clean_text(t) for t in patching.corrupted_tokens]
+        corrupted = _shown(explanation, [clean_text(t) for t in patching.corrupted_tokens])
         if len(corrupted) != T:
             raise ValueError(f"explanation.patching.corrupted_tokens has {len(corrupted)} tokens, but the text "
                              f"has {T}")
@@ -480,7 +488,8 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         out["patching"] = {
             "hook": clean_text(patching.hook), "metric": clean_text(patching.metric),
             "corrupted_text": clean_text(patching.corrupted_text), "corrupted_tokens": corrupted,
-            "clean_token": clean_text(patching.clean_token), "corrupted_token": clean_text(patching.corrupted_token),
+            "clean_token": _shown(explanation, [clean_text(patching.clean_token)])[0],
+            "corrupted_token": _shown(explanation, [clean_text(patching.corrupted_token)])[0],
             "clean_value": float(patching.clean_value), "corrupted_value": float(patching.corrupted_value),
         }
     return out
