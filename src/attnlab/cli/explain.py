@@ -7,7 +7,7 @@ chosen layer) and embeddings.png (static -> contextual vectors, PCA);
 --format json prints the whole explanation as one JSON document on stdout (messages go
 to stderr) and, with --out, also saves it as DIR/explanation.json.
 
-For decoders (--model gpt2 or checkpoint) it also looks inside: the logit lens (the
+For decoders (--model smollm2, gpt2 or checkpoint) it also looks inside: the logit lens (the
 likeliest next token read from the residual stream after each layer), the head detector
 scores (previous-token, duplicate-token and induction heads) and, with --corrupt TEXT,
 activation patching of the residual stream from the text into the corrupted text.

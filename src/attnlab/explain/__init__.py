@@ -355,10 +355,19 @@ class Explanation:
                 "key_tokens": [clean_text(t) for t in tr.key_tokens], "num_heads": tr.num_heads,
                 "scale": tr.scale, "layer": tr.layer, "head": tr.head, "steps": out}
 
-    def _repr_html_(self) -> str:  # Jupyter shows the interactive report inline
-        from attnlab.viz import render_html
+    def _repr_html_(self) -> str:
+        """What Jupyter shows: one line on the explanation and its head view (the other
+        views one at a time with :func:`attnlab.viz.show`; the whole report with
+        :func:`attnlab.viz.write_report`)."""
+        import html
 
-        return render_html(self, inline=True)
+        from attnlab.viz.notebook import _HAS, VIEWS, show
+
+        views = [v for v in VIEWS if v not in _HAS or getattr(self, _HAS[v], None) is not None]
+        line = (f"<p>attnlab explanation: {len(self.tokens)} tokens, {self.n_layers} layers × {self.n_heads} "
+                f"heads, {html.escape(self.model.split(':')[0])}. Other views: <code>attnlab.viz.show(e, "
+                f"view=...)</code> with {', '.join(repr(v) for v in views if v != 'head')}.</p>")
+        return line + show(self, "head")._repr_html_()
 
 
 def _head_index(head: object, n_heads: int) -> int:
