@@ -196,9 +196,9 @@ def mkdocs_build(config: Path, site: Path, cwd: Path) -> subprocess.CompletedPro
 BUILD: dict = {}
 
 
-@pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Path:
-    """The site, built once per run with ``mkdocs build --strict``."""
+def build_site(tmp_path_factory) -> Path:
+    """The site, built with ``mkdocs build --strict`` (once per run: the ``site`` fixture of
+    conftest.py calls this)."""
     _mkdocs_or_skip()
     out = tmp_path_factory.mktemp("site") / "site"
     start = time.perf_counter()

@@ -61,12 +61,21 @@ def default_model() -> str:
     return "random"
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=model_names(), default=None,
-                   help="which model: 'random' is the teaching model (random weights), 'minilm' "
-                   "the pretrained MiniLM, 'smollm2' the bundled SmolLM2-135M-Instruct (a decoder with "
-                   "grouped-query heads), 'checkpoint' a trained checkpoint, 'gpt2' any decoder folder or "
-                   ".gguf file (GPT-2, Llama, Mistral, Qwen2, Qwen3) (default: minilm when installed, else random)")
+#: The models that read a file or folder (``--checkpoint PATH``).
+PATH_MODELS = ("checkpoint", "gpt2")
+
+
+def add_model_options(p: argparse.ArgumentParser, *, paths: bool = True) -> None:
+    """``--model``, ``--seed`` and ``--out``; without ``paths`` (a command with no
+    ``--checkpoint``) only the models that need no file are offered."""
+    names = [m for m in model_names() if paths or m not in PATH_MODELS]
+    what = ("'random' is the teaching model (random weights), 'minilm' the pretrained MiniLM, 'smollm2' the "
+            "bundled SmolLM2-135M-Instruct (a decoder with grouped-query heads)")
+    if paths:
+        what += (", 'checkpoint' a trained checkpoint, 'gpt2' any decoder folder or .gguf file (GPT-2, Llama, "
+                 "Mistral, Qwen2, Qwen3; both with --checkpoint PATH)")
+    p.add_argument("--model", choices=names, default=None,
+                   help=f"which model: {what} (default: minilm when installed, else random)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the teaching model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
