@@ -60,9 +60,11 @@ def task_source(name: str) -> str:
     """The exercise ``name`` as the function to write: its signature and docstring."""
     from attnlab.exercises import task
 
+    from docs_tools.griffe_doctests import plain_roles
+
     source = inspect.getsource(task(name))
     head, _, _ = source.rpartition("    _yours(")
-    return head.rstrip() + "\n    ...  # your code\n"
+    return plain_roles(head.rstrip()) + "\n    ...  # your code\n"
 
 
 def solution_source(name: str) -> str:
