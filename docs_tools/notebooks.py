@@ -58,9 +58,9 @@ def page_output(kind, cell):
 # ---- the exercises' statements and solutions ---------------------------------------------------
 def task_source(name: str) -> str:
     """The exercise ``name`` as the function to write: its signature and docstring."""
-    from attnlab.exercises import task
-
     from docs_tools.griffe_doctests import plain_roles
+
+    from attnlab.exercises import task
 
     source = inspect.getsource(task(name))
     head, _, _ = source.rpartition("    _yours(")
@@ -177,7 +177,7 @@ def _prose(text: str, page_links: set[str]) -> str:
             out.append(lines[i])
             i += 1
             continue
-        kind, title = m.group(2), m.group(3) or m.group(2).capitalize()
+        title = m.group(3) or m.group(2).capitalize()
         body = []
         i += 1
         while i < len(lines) and (not lines[i].strip() or lines[i].startswith("    ")):

@@ -57,7 +57,8 @@ def test_a_page_becomes_a_notebook():
     assert cells[3]["metadata"] == {"attnlab": {"block": 1, "output": "text"}}
     assert "```bash\nmake docs\n```" in cells[4]["source"]
     assert cells[5]["source"].startswith("%%page_output html\n")
-    assert "> **Mind this**" in cells[6]["source"] and "<details><summary>A solution of causal_mask" in cells[6]["source"]
+    assert "> **Mind this**" in cells[6]["source"]
+    assert "<details><summary>A solution of causal_mask" in cells[6]["source"]
     assert "def causal_mask(L, S):" in cells[6]["source"]
     marked = notebooks.mark_blocks(text)
     assert marked.count("<!-- attnlab block") == 3 and "<!-- attnlab block 2 -->" in marked
@@ -114,7 +115,8 @@ def test_the_notebook_runs_and_prints_what_its_page_shows(site, name, tmp_path):
             printed = "".join(o.text for o in outputs if o.output_type == "stream" and o.name == "stdout")
             hidden = cell.metadata.get("jupyter", {}).get("source_hidden", False)
             text = want["code"][0 if hidden else 1]
-            assert printed.strip("\n") == text.strip("\n"), (name, meta["block"], printed, text)  # the page trims blank lines
+            # (the page trims the blank lines around a block's text)
+            assert printed.strip("\n") == text.strip("\n"), (name, meta["block"], printed, text)
             compared += 1
         elif meta["output"] == "html":
             shown_html = "".join(o.data.get("text/html", "") for o in outputs if o.output_type == "display_data")
