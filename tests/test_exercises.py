@@ -372,3 +372,12 @@ def test_the_model_runs_even_after_a_failed_case_and_reports_a_crash(smollm2_mod
     assert r.failure is not None  # the 9-over-3 case raised too
     assert r.model is not None and "your function raised ValueError: boom" in r.model.error
     assert "block 0 of the model" in r.model.error and not r.passed
+
+
+def test_nan_inside_the_model_is_named(smollm2_model):
+    def nan_attention(q, k, v, mask=None):
+        return sol.grouped_query_attention(q, k, v, mask) * np.nan
+
+    r = check("grouped_query_attention", nan_attention, model=smollm2_model)
+    assert not r.passed and r.model.error is None and not r.model.paris
+    assert "its logits became NaN" in str(r)

@@ -314,6 +314,8 @@ class ModelCheck:
             return f"in SmolLM2: {self.error}"
         verdict = "still answers Paris" if self.paris else "no longer answers Paris"
         moved = "" if self.logit_change is None else f"; its logits moved by at most {self.logit_change:.2g}"
+        if self.logit_change is not None and self.logit_change != self.logit_change:
+            moved = "; its logits became NaN (your function gave NaN somewhere in the model)"
         return f"in SmolLM2 ({QUESTION!r}): {verdict}: {self.answer!r}{moved} (its own answer: {self.reference!r})"
 
 
