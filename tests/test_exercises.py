@@ -381,3 +381,15 @@ def test_nan_inside_the_model_is_named(smollm2_model):
     r = check("grouped_query_attention", nan_attention, model=smollm2_model)
     assert not r.passed and r.model.error is None and not r.model.paris
     assert "its logits became NaN" in str(r)
+
+
+def test_the_rotation_goes_into_the_position_slot_and_comes_out(smollm2_model):
+    from attnlab.core import scaled_dot_product_attention
+
+    r = check("apply_rotary", solution("apply_rotary"), model=smollm2_model)
+    assert r.passed and r.model.paris and r.model.logit_change < 1e-3, str(r)
+    wrong = check("apply_rotary", rotary_interleaved, model=smollm2_model)
+    assert not wrong.model.paris
+    for layer in smollm2_model.layers:  # the model is as it was
+        assert type(layer.attn.rotary).__name__ == "RotaryEmbedding"
+        assert layer.attn.attention_fn is scaled_dot_product_attention

@@ -86,7 +86,7 @@ def _flags(msg: str) -> str:
 
 
 @dataclass
-class _Generation:
+class _Run:
     """What to print before the answer, and the answer's pieces (made lazily)."""
 
     desc: str
@@ -124,7 +124,7 @@ def _new_tokens(args, prompt_length: int, limit: int, limit_name: str, default: 
     return min(default, room)
 
 
-def _recall(args, prompt: str, path: Path, sampling: dict) -> _Generation:
+def _recall(args, prompt: str, path: Path, sampling: dict) -> _Run:
     from attnlab.train.checkpoint import load_checkpoint
 
     model, task, _meta = load_checkpoint(path)
@@ -135,7 +135,7 @@ def _recall(args, prompt: str, path: Path, sampling: dict) -> _Generation:
     tokens = _counted(model.stream(ids, n, **sampling), counter)
     desc = (f"TinyTransformer ({c.n_layers} layers, {c.n_heads} heads, d_model {c.d_model}) trained on "
             f"associative recall: {path.name}")
-    return _Generation(desc, _spaced(task.decode([t]) for t in tokens), len(ids), n, counter)
+    return _Run(desc, _spaced(task.decode([t]) for t in tokens), len(ids), n, counter)
 
 
 def _describe(model, path: Path | None) -> str:
@@ -148,7 +148,7 @@ def _describe(model, path: Path | None) -> str:
     return f"{model.name} ({len(layers)} blocks, {heads}, width {attn.embed_dim}){where}"
 
 
-def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Generation:
+def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Run:
     import numpy as np
 
     from attnlab.models.decoder import decode_stream
@@ -172,7 +172,7 @@ def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Generatio
         ids = np.array([int(w) for w in words], dtype=np.int64)
         n = _new_tokens(args, len(ids), limit, "context length", DEFAULT_NEW_TOKENS)
         tokens = _counted(model.stream(ids, n, **sampling), counter)
-        return _Generation(desc, _spaced(str(t) for t in tokens), len(ids), n, counter)
+        return _Run(desc, _spaced(str(t) for t in tokens), len(ids), n, counter)
     chat = getattr(model, "chat_template", None) is not None and not args.raw
     ids, _ = model.encode(model.chat_prompt(prompt) if chat else prompt)
     n = _new_tokens(args, len(ids), limit, "context length", DEFAULT_CHAT_TOKENS if chat else DEFAULT_NEW_TOKENS)
@@ -182,7 +182,7 @@ def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Generatio
     tokens = _counted(model.stream(ids, n, eos_token_id=eos, **sampling), counter, eos)
     pieces = decode_stream(model.tokenizer, tokens, context=[] if chat else ids[-8:].tolist(), eos_token_id=eos,
                            skip_special_tokens=chat)
-    return _Generation(desc, pieces, len(ids), n, counter)
+    return _Run(desc, pieces, len(ids), n, counter)
 
 
 def echo(text: str, limit: int = ECHO_CHARS) -> str:

@@ -22,6 +22,7 @@ import numpy as np
 
 from attnlab.core import causal_mask, scaled_dot_product_attention
 from attnlab.exercises._run import LearnerError, _TooSlow, as_array, time_limit, where_in_learner_code
+from attnlab.nn.module import Module
 
 __all__ = ["QUESTION", "ModelCheck", "model_check", "plugged"]
 
@@ -203,19 +204,21 @@ def _attention_fn(name: str, learner: _Learner, block: int, attn) -> Callable:
     return fn
 
 
-class _Rotary:
-    """The position slot with the learner's :func:`~attnlab.exercises.tasks.apply_rotary`."""
+class _Rotary(Module):
+    """The position slot with the learner's :func:`~attnlab.exercises.tasks.apply_rotary`
+    (``forward(q, k, positions) -> (q, k)``, as :class:`attnlab.nn.RotaryEmbedding`)."""
 
     def __init__(self, learner: _Learner, block: int, original):
-        from attnlab.nn.module import Module
-
+        super().__init__()
         config = original.config
         if config.rope_type != "default" or config.rotary_dim != config.head_dim:
             raise ValueError("this model's rotary embedding is scaled or partial; the exercise's apply_rotary is "
                              "the plain one")
-        self.learner, self.block, self.theta = learner, block, float(config.theta)
-        self.module = type("LearnerRotary", (Module,), {"forward": lambda _self, q, k, positions: (
-            self.rotate(q, positions), self.rotate(k, positions))})()
+        object.__setattr__(self, "learner", learner)
+        self.block, self.theta = block, float(config.theta)
+
+    def forward(self, q, k, positions):
+        return self.rotate(q, positions), self.rotate(k, positions)
 
     def rotate(self, x, positions):
         positions = np.asarray(positions)
@@ -266,7 +269,7 @@ def plugged(model, name: str, fn: Callable) -> Iterator[None]:
             if name == "apply_rotary":
                 if attn.rotary is None:
                     raise ValueError("this model has no rotary embedding to replace")
-                _set_slot(attn, "rotary", _Rotary(learner, i, attn.rotary).module)
+                _set_slot(attn, "rotary", _Rotary(learner, i, attn.rotary))
             else:
                 if getattr(attn, "softcap", None) is not None:
                     raise ValueError("this model soft-caps its scores; the exercises' attention does not")
@@ -319,7 +322,8 @@ class ModelCheck:
         return f"in SmolLM2 ({QUESTION!r}): {verdict}: {self.answer!r}{moved} (its own answer: {self.reference!r})"
 
 
-_REFERENCE: dict[int, tuple] = {}
+#: The last model asked and its own answer: ``(model, logits, answer)`` (one model kept).
+_REFERENCE: list = []
 
 
 def _greedy(model, ids: np.ndarray) -> tuple[np.ndarray, str]:
@@ -354,10 +358,9 @@ def model_check(model, name: str, fn: Callable, *, seconds: float | None = 120.0
         A :class:`ModelCheck`.
     """
     ids = _prompt_ids(model)
-    key = id(model)
-    if key not in _REFERENCE or _REFERENCE[key][0] is not model:
-        _REFERENCE[key] = (model, *_greedy(model, ids))
-    _, ref_logits, ref_answer = _REFERENCE[key]
+    if not _REFERENCE or _REFERENCE[0] is not model:
+        _REFERENCE[:] = [model, *_greedy(model, ids)]
+    _, ref_logits, ref_answer = _REFERENCE
     result = ModelCheck(reference=ref_answer)
     start = time.perf_counter()
     try:
