@@ -190,7 +190,7 @@ def mkdocs_build(config: Path, site: Path, cwd: Path) -> subprocess.CompletedPro
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
 
 
 BUILD: dict = {}
