@@ -233,8 +233,9 @@ def plugged(model, name: str, fn: Callable) -> Iterator[None]:
     the learner's function of exercise ``name`` (see :func:`attnlab.exercises.names`).
 
     Args:
-        model: a decoder whose ``layers`` have an ``attn`` (:class:`attnlab.nn.Attention`):
-            SmolLM2, any Llama-family model, GPT-2.
+        model: a model whose ``layers`` have an ``attn`` (:class:`attnlab.nn.Attention`):
+            SmolLM2, any Llama-family model, GPT-2, MiniLM (a causal layer gets the causal
+            mask, an encoder's its padding mask).
         name: the exercise.
         fn: the function, with the exercise's signature.
 
