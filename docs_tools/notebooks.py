@@ -214,12 +214,11 @@ def notebook(text: str, *, page: str, course_pages: set[str] = frozenset()) -> d
     """The notebook (nbformat 4, as a dict) of the Markdown page ``text`` (``page``: its path
     in docs/, e.g. ``course/cross-attention.md``; ``course_pages``: the file names whose
     links become links to notebooks)."""
-    text = expand(_front_matter(text), notebook=True)
     cells = [_cell("code", SETUP, jupyter={"source_hidden": True}, tags=["setup"])]
     n = 0
-    for kind, part in segments(text):
-        if kind == "markdown":
-            prose = _prose(part, set(course_pages))
+    for kind, part in segments(_front_matter(text)):
+        if kind == "markdown":  # (an exercise's statement and solution stay in the prose, closed)
+            prose = _prose(expand(part, notebook=True), set(course_pages))
             if prose:
                 cells.append(_cell("markdown", prose))
             continue

@@ -256,7 +256,8 @@ def test_gpt2_explain_any_layer_and_head(gpt2_folder):
         assert np.all(np.triu(e.attentions, k=1) == 0)
         assert np.array_equal(e.trace.get("weights", head), maps[k - 1, head])
     assert any(n.startswith("causal maps") for n in e.notes)
-    assert any(n.startswith("induction: query 'Ġsat' at position 13") for n in e.notes)  # "sat" comes again
+    # "sat" comes again; the notes write 'Ġsat' as text, '␣sat'
+    assert any(n.startswith("induction: query '\u2423sat' at position 13") for n in e.notes)
     with pytest.raises(ValueError, match="needs path=FOLDER"):
         explain(text, model="gpt2")
 
