@@ -294,8 +294,9 @@ def generate(
         ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=
         max_new_tokens`` new tokens.
     """
-    run = _Generation(input_ids, max_new_tokens, vocab_size, n_positions, positions_name, attention_mask,
-                      temperature, top_k, rng, eos_token_id)
+    run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
+                      positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
     rows, T = run.rows, run.rows.shape[1]
     out = np.empty((len(rows), T + run.max_new_tokens), dtype=np.int64)
     out[:, :T] = rows
@@ -337,8 +338,9 @@ def generate_stream(
     >>> list(generate_stream(Echo(), np.array([1, 2]), 3, vocab_size=10, n_positions=10))
     [3, 4, 5]
     """
-    run = _Generation(input_ids, max_new_tokens, vocab_size, n_positions, positions_name, attention_mask,
-                      temperature, top_k, rng, eos_token_id)
+    run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
+                      positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
     steps = run.steps(model)
     return (int(t[0]) for t in steps) if run.single else steps
 
@@ -346,7 +348,7 @@ def generate_stream(
 class _Generation:
     """The checked arguments of one generation and its loop (:meth:`steps`)."""
 
-    def __init__(self, input_ids, max_new_tokens, vocab_size, n_positions, positions_name, attention_mask,
+    def __init__(self, input_ids, max_new_tokens, *, vocab_size, n_positions, positions_name, attention_mask,
                  temperature, top_k, rng, eos_token_id):
         ids = check_token_ids(input_ids, vocab_size)
         self.max_new_tokens = positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
