@@ -133,3 +133,12 @@ def smollm2_model(smollm2_gguf):
     from attnlab.models.llama import Llama
 
     return Llama.from_gguf(smollm2_gguf, name="SmolLM2-135M-Instruct")
+
+
+# ---- the documentation site, built once per run (test_docs_site, test_notebooks) ------------------
+@pytest.fixture(scope="session")
+def site(tmp_path_factory):
+    """The site (docs/, mkdocs.yml) built with ``mkdocs build --strict`` into a temporary folder."""
+    from test_docs_site import build_site
+
+    return build_site(tmp_path_factory)

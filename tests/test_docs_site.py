@@ -190,15 +190,15 @@ def mkdocs_build(config: Path, site: Path, cwd: Path) -> subprocess.CompletedPro
     src = str(ROOT / "src")
     env["PYTHONPATH"] = src + os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else src
     return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
 
 
 BUILD: dict = {}
 
 
-@pytest.fixture(scope="session")
-def site(tmp_path_factory) -> Path:
-    """The site, built once per run with ``mkdocs build --strict``."""
+def build_site(tmp_path_factory) -> Path:
+    """The site, built with ``mkdocs build --strict`` (once per run: the ``site`` fixture of
+    conftest.py calls this)."""
     _mkdocs_or_skip()
     out = tmp_path_factory.mktemp("site") / "site"
     start = time.perf_counter()

@@ -220,20 +220,24 @@ def test_cli_prints_the_lens_the_best_heads_and_the_patching(gpt2_folder, capsys
     out = capsys.readouterr().out
     e = explain(TEXT, model="gpt2", path=gpt2_folder, corrupt=CORRUPT)
     assert "numbering: layers count from 0 (the embeddings): layer k is the output of block k - 1" in out
-    assert f"logit lens at the last position (token {len(e.tokens) - 1}, {e.tokens[-1]!r})" in out
+    shown = e.readable_tokens()  # byte-level tokens as text: 'Ġsat' reads '␣sat'
+    assert e.token_scheme == "byte-level" and shown[-1] == e.tokens[-1].replace("Ġ", "\u2423") != e.tokens[-1]
+    assert f"logit lens at the last position (token {len(e.tokens) - 1}, {shown[-1]!r})" in out
+    assert "Ġ" not in out
     for k in range(4):
-        top = e.lens.strings[int(e.lens.ids[k, -1, 0])]
+        top = e.readable_tokens([e.lens.strings[int(e.lens.ids[k, -1, 0])]])[0]
         assert re.search(rf"^  layer +{k}  {re.escape(repr(top))} p={e.lens.probs[k, -1, 0]:.2f}", out, re.M)
     assert "(the embeddings)" in out and "(the model's prediction)" in out
     for kind in HEAD_KINDS:
         i, h, v = top_heads(e.head_scores[kind], 1)[0]
         assert re.search(rf"^  {kind} +block {i} head {h} \(layer {i + 1}\) {v:.2f}, ", out, re.M)
     p = e.patching
-    assert (f"metric: logit({p.clean_token!r}) - logit({p.corrupted_token!r}) at the last position" in out
+    clean, wrong = e.readable_tokens([p.clean_token, p.corrupted_token])
+    assert (f"metric: logit({clean!r}) - logit({wrong!r}) at the last position" in out
             and f"clean run {p.clean_value:.3f}, corrupted run {p.corrupted_value:.3f}" in out)
     rows = [line for line in out.splitlines() if line.startswith("block ")]
     assert len(rows) == 3 and rows[0].split()[2:] == [f"{v:.2f}" for v in p.values[0]]
-    assert "Ġm/Ġl" in out  # a position where the texts differ: text/corrupted
+    assert "␣m/␣l" in out  # a position where the texts differ: text/corrupted
 
 
 def test_cli_json_has_the_new_fields(gpt2_folder, capsys):
@@ -290,7 +294,9 @@ def test_report_carries_the_new_views(gpt2_folder):
     assert data["arrays"]["lens_index"]["dtype"] == "u16" and data["arrays"]["lens_index"]["shape"] == [4, 14, 3]
     assert data["arrays"]["patch"]["shape"] == [3, 14]
     np.testing.assert_allclose(data["detectors"]["induction"], e.head_scores["induction"], atol=0.5e-4)
-    assert data["patching"]["corrupted_tokens"] == e.patching.corrupted_tokens
+    assert data["patching"]["corrupted_tokens"] == e.readable_tokens(e.patching.corrupted_tokens)
+    assert data["tokens"] == e.readable_tokens() and "Ġ" not in json.dumps(data["tokens"])
+    assert "Ġsat" in e.to_dict()["tokens"]  # the JSON keeps the raw tokens
     plain = _payload(render_html(explain("a b", dim=4, heads=1)))
     assert (plain["lens"], plain["detectors"], plain["patching"]) == (None, None, None)
 

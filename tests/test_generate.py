@@ -145,18 +145,19 @@ def test_cli_generate_continues_a_recall_sequence(recall, capsys):
     assert main(["generate", "--checkpoint", str(path), "k1 v5 k2 v3 k1", "--max-new-tokens", "4"]) == 0
     out = _lines(capsys.readouterr().out)
     expected = model.generate(task.encode("k1 v5 k2 v3 k1"), 4)
-    assert out["sequence"] == task.decode(expected)
+    assert "sequence" not in out  # the answer is printed once
     assert out["generated"] == task.decode(expected[5:])
-    assert out["decoding"].startswith("greedy")
+    assert out["decoding"].startswith("greedy") and out["decoding"].endswith("at most 4 new tokens")
+    assert out["time"].startswith("4 new tokens in ")
     # the default: 8 new tokens, or what the context (12) still holds
     assert main(["generate", "--checkpoint", str(path), "k1 v5 k2 v3 k1 v5 k0"]) == 0
     assert len(_lines(capsys.readouterr().out)["generated"].split()) == 5
     args = ["generate", "--checkpoint", str(path), "k1 v5 k1", "--temperature", "1.5", "--top-k", "2",
             "--seed", "3"]
     assert main(args) == 0
-    first = _lines(capsys.readouterr().out)["sequence"]
+    first = _lines(capsys.readouterr().out)["generated"]
     assert main(args) == 0
-    assert _lines(capsys.readouterr().out)["sequence"] == first
+    assert _lines(capsys.readouterr().out)["generated"] == first
 
 
 @pytest.mark.parametrize("args, message", [
@@ -167,7 +168,7 @@ def test_cli_generate_continues_a_recall_sequence(recall, capsys):
     (["k1 v5", "--temperature", "-0.5"], r"--temperature must be >= 0 \(0: greedy\), got -0.5"),
     (["k1 v5", "--top-k", "3"], r"--top-k 3 needs sampling \(--temperature > 0\)"),
     (["k1 v5", "--seed", "-1"], "--seed must be a non-negative integer, got -1"),
-    (["   "], "PROMPT is empty"),
+    (["   "], 'PROMPT is empty: give a text to continue, e.g. "k1 v5 k2 v9 k1"'),
     (["k0 v0 " * 6], "the prompt has 12 tokens: the model's context_length=12 leaves no room"),
 ])
 def test_cli_generate_errors_are_one_line(recall, capsys, args, message):
@@ -255,7 +256,8 @@ def test_gpt2_explain_any_layer_and_head(gpt2_folder):
         assert np.all(np.triu(e.attentions, k=1) == 0)
         assert np.array_equal(e.trace.get("weights", head), maps[k - 1, head])
     assert any(n.startswith("causal maps") for n in e.notes)
-    assert any(n.startswith("induction: query 'Ġsat' at position 13") for n in e.notes)  # "sat" comes again
+    # "sat" comes again; the notes write 'Ġsat' as text, '␣sat'
+    assert any(n.startswith("induction: query '\u2423sat' at position 13") for n in e.notes)
     with pytest.raises(ValueError, match="needs path=FOLDER"):
         explain(text, model="gpt2")
 
@@ -283,10 +285,12 @@ def test_cli_generate_defaults_to_smollm2_through_its_chat_template(capsys):
     assert main(["generate", "What is the capital of France?"]) == 0
     out = capsys.readouterr().out
     assert "SmolLM2-135M-Instruct (30 blocks, 9 query heads over 3 key/value heads" in out
-    assert "generated  The capital of France is Paris." in out
+    assert "generated  The capital of France is Paris.\n" in out and out.count("Paris") == 1  # once
+    assert "at most 64 new tokens" in out and "time       7 new tokens in " in out
     assert main(["generate", "--raw", "The capital of France is", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "through its chat template" not in out and "sequence   The capital of France is" in out
+    assert "through its chat template" not in out and "generated   Paris" in out
+    assert "at most 3 new tokens" in out
 
 
 def test_cli_generate_refuses_an_unknown_family_and_an_encoder(tmp_path, capsys):

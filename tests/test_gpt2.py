@@ -245,7 +245,8 @@ def test_text_in_text_out_matches_transformers(text_pair):
     ids, tokens = ours.encode("The cat sat")
     assert tokens == tok.convert_ids_to_tokens(ids.tolist())
     t = ours.trace("The cat sat", layer=2, head=1)
-    assert t.tokens == tokens and t.get("weights", 1).shape == (len(ids), len(ids))
+    # the trace's labels are the tokens as text ('Ġcat' reads '␣cat'); encode keeps them raw
+    assert t.tokens == [x.replace("Ġ", "\u2423") for x in tokens] and t.get("weights", 1).shape == (len(ids), len(ids))
 
 
 def test_generate_text_cuts_at_eos(text_pair):

@@ -265,7 +265,8 @@ def test_inline_fragments_like_jupyter(session, tmp_path):
     b = random_explanation(7, 1, 3, seed=5, model="second model")
     page_html = (
         "<!DOCTYPE html><html><head><meta charset='utf-8'><title>notebook</title></head><body>"
-        f"<div class='cell'>{a._repr_html_()}</div><div class='cell'>{b._repr_html_()}</div>"
+        f"<div class='cell'>{rep.render_html(a, inline=True)}</div>"
+        f"<div class='cell'>{rep.render_html(b, inline=True)}</div>"
         "</body></html>"
     )
     path = tmp_path / "notebook.html"

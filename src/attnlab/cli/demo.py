@@ -4,7 +4,8 @@ Prints the tokens, the shapes and one head's attention weights as a table, and w
 heatmap.png, heads.png and embeddings.png (the static-vs-contextual view) to DIR (default
 ./attnlab-out). Uses the pretrained MiniLM model when it is installed, else a small
 attention layer with random weights (embed_dim 128, 4 heads; --model random picks it
-explicitly).
+explicitly); --model smollm2 runs the bundled decoder (SmolLM2-135M-Instruct). For a model
+file or folder, use attnlab explain --checkpoint PATH.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def register(sub) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_model_options(p)
+    add_model_options(p, paths=False)  # demo reads no file: the models that need none
     p.set_defaults(run=run, out=None)
     for action in p._actions:
         if action.dest == "out":

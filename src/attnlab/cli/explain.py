@@ -7,7 +7,7 @@ chosen layer) and embeddings.png (static -> contextual vectors, PCA);
 --format json prints the whole explanation as one JSON document on stdout (messages go
 to stderr) and, with --out, also saves it as DIR/explanation.json.
 
-For decoders (--model gpt2 or checkpoint) it also looks inside: the logit lens (the
+For decoders (--model smollm2, gpt2 or checkpoint) it also looks inside: the logit lens (the
 likeliest next token read from the residual stream after each layer), the head detector
 scores (previous-token, duplicate-token and induction heads) and, with --corrupt TEXT,
 activation patching of the residual stream from the text into the corrupted text.
@@ -61,12 +61,21 @@ def default_model() -> str:
     return "random"
 
 
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=model_names(), default=None,
-                   help="which model: 'random' is the teaching model (random weights), 'minilm' "
-                   "the pretrained MiniLM, 'smollm2' the bundled SmolLM2-135M-Instruct (a decoder with "
-                   "grouped-query heads), 'checkpoint' a trained checkpoint, 'gpt2' any decoder folder or "
-                   ".gguf file (GPT-2, Llama, Mistral, Qwen2, Qwen3) (default: minilm when installed, else random)")
+#: The models that read a file or folder (``--checkpoint PATH``).
+PATH_MODELS = ("checkpoint", "gpt2")
+
+
+def add_model_options(p: argparse.ArgumentParser, *, paths: bool = True) -> None:
+    """``--model``, ``--seed`` and ``--out``; without ``paths`` (a command with no
+    ``--checkpoint``) only the models that need no file are offered."""
+    names = [m for m in model_names() if paths or m not in PATH_MODELS]
+    what = ("'random' is the teaching model (random weights), 'minilm' the pretrained MiniLM, 'smollm2' the "
+            "bundled SmolLM2-135M-Instruct (a decoder with grouped-query heads)")
+    if paths:
+        what += (", 'checkpoint' a trained checkpoint, 'gpt2' any decoder folder or .gguf file (GPT-2, Llama, "
+                 "Mistral, Qwen2, Qwen3; both with --checkpoint PATH)")
+    p.add_argument("--model", choices=names, default=None,
+                   help=f"which model: {what} (default: minilm when installed, else random)")
     p.add_argument("--seed", type=int, default=0,
                    help="random seed of the teaching model (default 0)")
     p.add_argument("--out", metavar="DIR", default=None, help="write the pictures (PNG) to DIR")
@@ -242,6 +251,13 @@ def _short_text(text: str, limit: int = 120) -> str:
     return f"{text[: limit - 20]!r}… ({len(text):,} characters, {words:,} words)"
 
 
+def _readable(expl, tokens=None) -> list[str]:
+    """The explanation's tokens (or ``tokens``) as a person reads them (``'␣Paris'``); an
+    object without ``readable_tokens`` (a hand-made explanation) shows them as they are."""
+    readable = getattr(expl, "readable_tokens", None)
+    return readable(tokens) if readable is not None else list(expl.tokens if tokens is None else tokens)
+
+
 def where(layer: int, n_layers: int, head: int, n_heads: int) -> str:
     """Which map, in words no reader can misread: layers count from 1 (0 is the
     embeddings), heads from 0, as torch numbers them.
@@ -261,7 +277,8 @@ def print_summary(expl, *, out=None) -> None:
     bold = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)
     print(f"{bold('model')}   {expl.model}  (--model {expl.model_name})", file=out)
     print(f"{bold('text')}    {_short_text(expl.text)}", file=out)
-    shown = expl.tokens if T <= 64 else [*expl.tokens[:64], f"… {T - 64} more"]
+    tokens = _readable(expl)
+    shown = tokens if T <= 64 else [*tokens[:64], f"… {T - 64} more"]
     print(f"{bold('tokens')}  {T}: " + " | ".join(shown), file=out)
     print("", file=out)
     print(bold("shapes"), file=out)
@@ -281,7 +298,7 @@ def print_summary(expl, *, out=None) -> None:
     print("  row: a token; columns: how much it attends to each token (each row sums to 1)",
           file=out)
     weights = expl.weights()
-    labels = _trim(list(expl.tokens))
+    labels = _trim(tokens)
     n = min(T, MAX_TABLE)
     print(format_table(weights[:n, :n], labels[:n], labels[:n], decimals=2, color=color), file=out)
     if T > n:
@@ -319,18 +336,20 @@ def print_inside(expl, *, out=None, color: bool = False, top: int = 3) -> None:
         return
     bold = (lambda s: f"\x1b[1m{s}\x1b[0m") if color else (lambda s: s)
     T = len(expl.tokens)
+    tokens = _readable(expl)
     print("", file=out)
     print(f"numbering: {NUMBERING}", file=out)
     if lens is not None:
         print("", file=out)
-        print(bold(f"logit lens at the last position (token {T - 1}, {expl.tokens[-1]!r}): the likeliest "
+        print(bold(f"logit lens at the last position (token {T - 1}, {tokens[-1]!r}): the likeliest "
                    "next token read after each layer"), file=out)
         ids, probs = lens.ids[:, -1], lens.probs[:, -1]  # (n + 1, k)
+        strings = {int(i): _readable(expl, [lens.strings[int(i)]])[0] for i in np.unique(ids)}
         for k in range(ids.shape[0]):
             what = "  (the embeddings)" if k == 0 else "  (the model's prediction)" if k == ids.shape[0] - 1 else ""
-            others = ", ".join(f"{lens.strings[int(i)]!r} {p:.2f}"
+            others = ", ".join(f"{strings[int(i)]!r} {p:.2f}"
                                for i, p in zip(ids[k, 1:], probs[k, 1:], strict=True))
-            print(f"  layer {k:>2}  {lens.strings[int(ids[k, 0])]!r} p={probs[k, 0]:.2f}"
+            print(f"  layer {k:>2}  {strings[int(ids[k, 0])]!r} p={probs[k, 0]:.2f}"
                   + (f"   then {others}" if others else "") + what, file=out)
     if scores is not None:
         print("", file=out)
@@ -345,13 +364,15 @@ def print_inside(expl, *, out=None, color: bool = False, top: int = 3) -> None:
         print("", file=out)
         print(bold(f"activation patching ({p.hook}) from the text into the corrupted text "
                    f"{_short_text(p.corrupted_text, 80)}"), file=out)
-        print(f"  metric: logit({p.clean_token!r}) - logit({p.corrupted_token!r}) at the last position "
+        clean, wrong = _readable(expl, [p.clean_token, p.corrupted_token])
+        print(f"  metric: logit({clean!r}) - logit({wrong!r}) at the last position "
               f"(the clean run's prediction against the corrupted run's): clean run {p.clean_value:.3f}, "
               f"corrupted run {p.corrupted_value:.3f}", file=out)
         print("  row: block i, the residual entering block i (layer i's output) replaced by the text's at "
               "one position; column: that position's token (text/corrupted where they differ)", file=out)
         values = np.asarray(p.values)
-        labels = _trim([t if c == t else f"{t}/{c}" for c, t in zip(p.corrupted_tokens, expl.tokens, strict=True)])
+        corrupted = _readable(expl, p.corrupted_tokens)
+        labels = _trim([t if c == t else f"{t}/{c}" for c, t in zip(corrupted, tokens, strict=True)])
         n = min(T, MAX_TABLE)
         print(format_table(values[:, :n], [f"block {i}" for i in range(values.shape[0])], labels[:n],
                            decimals=2, color=color), file=out)
@@ -360,7 +381,7 @@ def print_inside(expl, *, out=None, color: bool = False, top: int = 3) -> None:
         restored = p.restored()
         if np.isfinite(restored).any():
             i, t = np.unravel_index(int(np.nanargmax(restored)), restored.shape)
-            print(f"  the patch that restores most: block {i} at position {t} ({expl.tokens[t]!r}): "
+            print(f"  the patch that restores most: block {i} at position {t} ({tokens[t]!r}): "
                   f"{values[i, t]:.3f}, {restored[i, t]:.0%} of the way from the corrupted run to the clean "
                   "run", file=out)
 
@@ -475,15 +496,18 @@ def _figures(expl) -> dict:
 MAX_TEXT_BYTES = 1 << 20
 
 
-def read_text(args) -> str:
-    """TEXT, or the text of ``--file PATH`` or of standard input (``-``)."""
+def read_text(args, *, name: str = "text") -> str:
+    """The positional argument ``name`` (``TEXT``, ``PROMPT``), or the text of ``--file PATH``
+    or of standard input (``-``)."""
     path = getattr(args, "file", None)
-    if path is not None and args.text is not None:
-        raise CLIError("give the text either as TEXT or with --file, not both")
-    if path is None and args.text is None:
-        raise CLIError("no text: give TEXT, --file PATH, or - to read standard input")
-    if path is None and args.text != "-":
-        return args.text
+    given = getattr(args, name)
+    label = name.upper()
+    if path is not None and given is not None:
+        raise CLIError(f"give the text either as {label} or with --file, not both")
+    if path is None and given is None:
+        raise CLIError(f"no text: give {label}, --file PATH, or - to read standard input")
+    if path is None and given != "-":
+        return given
     if path is None:
         data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
         where = "standard input"

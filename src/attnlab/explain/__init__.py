@@ -186,6 +186,9 @@ class Explanation:
         rollout: encoders: :func:`attnlab.inspect.attention_rollout` of the maps,
             ``(n_layers, T, T)``; ``rollout[k - 1]`` is the rollout through layers
             ``1..k`` (each row sums to 1). None for decoders.
+        token_scheme: how the tokenizer writes its tokens (``"byte-level"``,
+            ``"sentencepiece"``, ``"plain"``): what :meth:`readable_tokens` undoes for
+            display (:func:`attnlab.text.readable_token`); :attr:`tokens` stay raw.
     """
 
     text: str
@@ -205,6 +208,7 @@ class Explanation:
     head_scores: dict[str, np.ndarray] | None = None
     patching: Patching | None = None
     rollout: np.ndarray | None = None
+    token_scheme: str = "plain"
 
     def __post_init__(self) -> None:
         if self.layer is None:
@@ -217,6 +221,21 @@ class Explanation:
     @property
     def n_heads(self) -> int:
         return int(np.shape(self.attentions)[1])
+
+    def readable_tokens(self, tokens=None) -> list[str]:
+        """:attr:`tokens` (or ``tokens``, e.g. the lens's strings) as a person reads them:
+        ``'ĠParis'`` -> ``'␣Paris'`` (see :func:`attnlab.text.readable_token`); words and
+        word pieces (``token_scheme="plain"``) as they are.
+
+        >>> e = Explanation("Paris", ["ĠParis"], "toy", np.ones((1, 1, 1, 1)), np.eye(1), np.eye(1),
+        ...                 token_scheme="byte-level")
+        >>> e.readable_tokens(), e.tokens
+        (['␣Paris'], ['ĠParis'])
+        """
+        from attnlab.text.tokens import readable_tokens
+
+        tokens = list(self.tokens if tokens is None else tokens)
+        return tokens if self.token_scheme == "plain" else readable_tokens(tokens, self.token_scheme)
 
     def weights(self, layer: int | None = None, head: int | None = None) -> np.ndarray:
         """One head's ``(T, T)`` map; ``layer`` in attnlab's numbering (default: :attr:`layer`)."""
@@ -336,10 +355,19 @@ class Explanation:
                 "key_tokens": [clean_text(t) for t in tr.key_tokens], "num_heads": tr.num_heads,
                 "scale": tr.scale, "layer": tr.layer, "head": tr.head, "steps": out}
 
-    def _repr_html_(self) -> str:  # Jupyter shows the interactive report inline
-        from attnlab.viz import render_html
+    def _repr_html_(self) -> str:
+        """What Jupyter shows: one line on the explanation and its head view (the other
+        views one at a time with :func:`attnlab.viz.show`; the whole report with
+        :func:`attnlab.viz.write_report`)."""
+        import html
 
-        return render_html(self, inline=True)
+        from attnlab.viz.notebook import _HAS, VIEWS, show
+
+        views = [v for v in VIEWS if v not in _HAS or getattr(self, _HAS[v], None) is not None]
+        line = (f"<p>attnlab explanation: {len(self.tokens)} tokens, {self.n_layers} layers × {self.n_heads} "
+                f"heads, {html.escape(self.model.split(':')[0])}. Other views: <code>attnlab.viz.show(e, "
+                f"view=...)</code> with {', '.join(repr(v) for v in views if v != 'head')}.</p>")
+        return line + show(self, "head")._repr_html_()
 
 
 def _head_index(head: object, n_heads: int) -> int:

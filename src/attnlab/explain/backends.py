@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from attnlab._validation import layer_number, positive_int
+from attnlab.text.tokens import readable_token, readable_tokens, token_scheme
 
 if TYPE_CHECKING:
     from attnlab.explain import Explanation
@@ -416,13 +417,24 @@ def _head_groups(num_heads: int, num_kv_heads: int) -> str:
             + " (their maps differ only through their queries)")
 
 
+class _Readable:
+    """A vocabulary (token strings by id) read as text, one looked-up token at a time."""
+
+    def __init__(self, vocab: list[str], scheme: str):
+        self.vocab, self.scheme = vocab, scheme
+
+    def __getitem__(self, i: int) -> str:
+        return readable_token(self.vocab[i], self.scheme)
+
+
 def decoder_explanation(
     model, text: str, *, layer: int | None, head: int | None, trace: bool | None, source: str, model_name: str,
     corrupt: str | None = None,
 ) -> Explanation:
     """Any causal decoder with a tokenizer (or token ids) on ``text``.
 
-    With a tokenizer ``text`` is tokenized (byte-level BPE: ``Ġ`` marks a leading space);
+    With a tokenizer ``text`` is tokenized (byte-level BPE: ``Ġ`` marks a leading space, shown
+    as ``␣``, see :func:`attnlab.text.readable_token`);
     without one it must be space-separated token ids (``"464 3797 3332"``). The maps are
     causal: each token attends to itself and the tokens before it. ``static`` is layer 0
     (the embeddings), ``contextual`` the last block's output after the final norm. The
@@ -461,12 +473,13 @@ def decoder_explanation(
 
     ids, tokens = encode(text)
     T = len(ids)
+    scheme = token_scheme(model.tokenizer) if model.tokenizer is not None else "plain"
     if T > model.max_positions:
         raise ValueError(f"text has {T} tokens, but the model's context holds {model.max_positions}")
     out = model.inspect(ids[None])
     probs = softmax(out.logits[0].astype(np.float64), axis=-1)
     nxt = int(probs[-1].argmax())
-    shown = vocab[nxt]
+    shown = readable_token(vocab[nxt], scheme)
     notes = [
         "causal maps: each token attends only to itself and earlier tokens (every entry above the "
         "diagonal is 0)",
@@ -474,14 +487,16 @@ def decoder_explanation(
     ]
     if attn.num_kv_heads != n_heads:
         notes.append(_head_groups(n_heads, attn.num_kv_heads))
-    if any("Ġ" in t for t in tokens):
-        notes.append("tokens are byte-level BPE pieces; 'Ġ' marks a leading space")
+    if scheme != "plain":
+        notes.append(f"tokens are {scheme} pieces, shown as text: '\u2423' marks a space, <0xNN> a byte of a "
+                     "character split across tokens (the JSON keeps them as the tokenizer writes them)")
     unk = getattr(getattr(model.tokenizer, "model", None), "unk_token", None) if model.tokenizer else None
     n_unknown = sum(t == unk for t in tokens) if unk else 0
     if n_unknown:
         notes.append(unknown_note(n_unknown, T, unk))
-    notes += induction_notes(tokens, out.attentions[:, 0], probs, vocab, any_layer=True, limit=8)
-    tr = model.trace(ids, layer=k, tokens=tokens) if _want_trace(trace, T) else None
+    notes += induction_notes(readable_tokens(tokens, scheme), out.attentions[:, 0], probs, _Readable(vocab, scheme),
+                             any_layer=True, limit=8)
+    tr = model.trace(ids, layer=k, tokens=readable_tokens(tokens, scheme)) if _want_trace(trace, T) else None
     notes += _trace_note(trace, T)
     heads = f"{n_heads} heads" if attn.num_kv_heads == n_heads else \
         f"{n_heads} query heads over {attn.num_kv_heads} key/value heads"
@@ -504,6 +519,7 @@ def decoder_explanation(
         layer=k,
         head=h,
         unknown=n_unknown,
+        token_scheme=scheme,
     )
 
 

@@ -9,18 +9,18 @@ methods come from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
 from attnlab._validation import layer_number, shape_error
-from attnlab.models.generate import check_token_ids, decoder_backward, decoder_forward, generate
+from attnlab.models.generate import check_token_ids, decoder_backward, decoder_forward, generate, generate_stream
 from attnlab.nn import functional as F
 from attnlab.nn.attention import KVCache
 from attnlab.nn.hooks import record_layers
 from attnlab.nn.module import Module
 
-__all__ = ["CausalLM"]
+__all__ = ["CausalLM", "decode_stream"]
 
 
 class CausalLM(Module):
@@ -221,6 +221,60 @@ class CausalLM(Module):
             top_k=top_k, rng=rng, eos_token_id=eos_token_id,
         )
 
+    def stream(
+        self,
+        input_ids: np.ndarray,
+        max_new_tokens: int,
+        *,
+        attention_mask: np.ndarray | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> Iterator:
+        """:meth:`generate`'s new tokens one at a time, each as soon as it is chosen: ``(B,)``
+        int64 per step, or an ``int`` for one prompt ``(T,)``. The arguments are checked
+        when it is called; see :func:`attnlab.models.generate.generate_stream`."""
+        return generate_stream(
+            self, input_ids, max_new_tokens, vocab_size=self.config.vocab_size, n_positions=self.max_positions,
+            positions_name=self._positions_name, attention_mask=attention_mask, temperature=temperature,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+        )
+
+    def stream_text(
+        self,
+        prompt: str,
+        max_new_tokens: int,
+        *,
+        chat: bool | None = None,
+        system: str | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        rng: np.random.Generator | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> Iterator[str]:
+        """The continuation of one text, as pieces of text as soon as they are decoded.
+
+        With ``chat`` (the default when the model has a chat template) the prompt is a user
+        message put through the template and the pieces are the assistant's answer.
+        Generation stops at ``eos_token_id`` (default: the config's), which is left out. A
+        character split across tokens (UTF-8 bytes of byte-level tokens) comes out whole,
+        once its last byte is made. Joined, the pieces are :meth:`generate_text`'s result
+        (without the prompt). The other options are :meth:`generate`'s.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        template = getattr(self, "chat_template", None)
+        chat = template is not None if chat is None else bool(chat)
+        text = self.chat_prompt(prompt, system=system) if chat else prompt
+        ids, _ = self.encode(text)
+        if eos_token_id is None:
+            eos_token_id = self.config.eos_token_id
+        tokens = self.stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng,
+                             eos_token_id=eos_token_id)
+        return decode_stream(self._tokenizer(), tokens, context=[] if chat else ids[-8:].tolist(),
+                             eos_token_id=eos_token_id, skip_special_tokens=chat)
+
     # ------------------------------------------------------------------ text
 
     def _tokenizer(self):
@@ -231,7 +285,8 @@ class CausalLM(Module):
 
     def encode(self, text: str) -> tuple[np.ndarray, list[str]]:
         """``(ids (T,), tokens)`` of ``text`` with the model's tokenizer (tokens as the
-        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``)."""
+        tokenizer writes them: byte-level BPE marks a leading space with ``Ġ``;
+        :func:`attnlab.text.readable_tokens` shows them as text)."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         enc = self._tokenizer().encode(text)
@@ -258,13 +313,55 @@ class CausalLM(Module):
             layer: ``1..n`` (the block whose attention is traced), negatives from the end;
                 0 (the embeddings) has no attention.
             head: keep only this head's per-head steps (``None``: every head).
-            tokens: ``T`` labels (default: the tokenizer's tokens, else the ids).
+            tokens: ``T`` labels (default: the tokenizer's tokens as a person reads them,
+                ``'␣Paris'`` for ``'ĠParis'``, else the ids).
         """
         from attnlab.trace import trace_model
 
         ids, labels = self._one_sequence(ids_or_text)
+        if self.tokenizer is not None:
+            from attnlab.text.tokens import readable_tokens, token_scheme
+
+            labels = readable_tokens(labels, token_scheme(self.tokenizer))
         k = layer_number(layer, len(self.layers), embeddings=False)
         if len(ids) > self.max_positions:
             raise shape_error("ids", ids.shape, f"(T,) with T <= {self._positions_name}={self.max_positions}")
         return trace_model(self, k, lambda: self._run(ids, None, None), tokens=labels if tokens is None else tokens,
                            head=head)
+
+
+def decode_stream(tokenizer, tokens, *, context: Sequence[int] = (), eos_token_id=None,
+                  skip_special_tokens: bool = False) -> Iterator[str]:
+    """The text of a stream of token ids (``int`` each), piece by piece as it comes.
+
+    Each piece is the new text since the last one, decoded after ``context`` (the prompt's
+    last tokens: a leading space, or a merge at the boundary, then comes out as in the whole
+    text). A character whose UTF-8 bytes span several byte-level tokens waits for its last
+    byte (the decoded text then ends in U+FFFD); ``eos_token_id`` (one or several) ends
+    the stream and is left out. Joined, the pieces are the decoded tokens.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (``decode(ids, skip_special_tokens=...)``).
+        tokens: the token ids, e.g. :meth:`CausalLM.stream`'s for one prompt.
+        context: ids decoded before the tokens and left out of the pieces.
+        eos_token_id: the end token(s), or None.
+        skip_special_tokens: leave special tokens out of the text.
+    """
+    stop = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
+    context = [int(t) for t in context]
+    base = tokenizer.decode(context, skip_special_tokens=skip_special_tokens) if context else ""
+    new: list[int] = []
+    sent = 0
+    for token in tokens:
+        if int(token) in stop:
+            break
+        new.append(int(token))
+        text = tokenizer.decode(context + new, skip_special_tokens=skip_special_tokens)[len(base):]
+        if text.endswith("\ufffd"):
+            continue
+        if len(text) > sent:
+            yield text[sent:]
+            sent = len(text)
+    text = tokenizer.decode(context + new, skip_special_tokens=skip_special_tokens)[len(base):] if new else ""
+    if len(text) > sent:
+        yield text[sent:]

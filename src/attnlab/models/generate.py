@@ -9,9 +9,10 @@
   its real tokens the logits of the unpadded prompt.
 - :func:`next_token`: the greedy choice (``temperature == 0``) or a sample from
   ``softmax(logits / temperature)`` (optionally among the ``top_k`` likeliest tokens).
-- :func:`generate`: the loop. The prompt runs once and fills a per-layer
-  :class:`~attnlab.nn.KVCache`; then each step feeds only the token just chosen, whose
-  query attends bottom-right causally over every cached key.
+- :func:`generate_stream`: the loop, one token at a time as it is chosen. The prompt runs
+  once and fills a per-layer :class:`~attnlab.nn.KVCache`; then each step feeds only the
+  token just chosen, whose query attends bottom-right causally over every cached key.
+  :func:`generate` collects its tokens.
 
 Shapes: ``B`` prompts, ``T`` new tokens in a call, ``P`` tokens already cached, ``V``
 vocabulary size, ``D`` model width.
@@ -19,7 +20,7 @@ vocabulary size, ``D`` model width.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from attnlab.core import softmax
 from attnlab.nn.attention import KVCache
 
 __all__ = ["check_attention_mask", "check_token_ids", "decoder_backward", "decoder_forward", "embed_tokens",
-           "embed_tokens_backward", "generate", "next_token", "position_ids"]
+           "embed_tokens_backward", "generate", "generate_stream", "next_token", "position_ids"]
 
 
 def check_token_ids(input_ids, vocab_size: int, name: str = "input_ids") -> np.ndarray:
@@ -293,7 +294,8 @@ def generate(
     rng: np.random.Generator | None = None,
     eos_token_id: int | Sequence[int] | None = None,
 ) -> np.ndarray:
-    """Continue ``input_ids`` by ``max_new_tokens`` tokens with a key/value cache.
+    """Continue ``input_ids`` by ``max_new_tokens`` tokens with a key/value cache: the tokens
+    of :func:`generate_stream`, collected.
 
     ``model`` is a decoder: ``model.new_cache()`` gives an empty per-layer cache and
     ``model(ids, attention_mask=..., cache=..., logits_to_keep=1)`` the logits of the last
@@ -316,43 +318,98 @@ def generate(
         ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=
         max_new_tokens`` new tokens.
     """
-    ids = check_token_ids(input_ids, vocab_size)
-    max_new_tokens = positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
-    temperature, top_k = _check_sampling(temperature, top_k)
-    eos = _eos_ids(eos_token_id)
-    if temperature > 0:
-        rng = generator(rng)
-    T = ids.shape[-1]
-    if T + max_new_tokens > n_positions:
-        raise ValueError(f"the prompt has {T} tokens and max_new_tokens={max_new_tokens}: {T + max_new_tokens} "
-                         f"positions, but the model has {positions_name}={n_positions}")
-    mask = check_attention_mask(attention_mask, ids.shape, left_padded=True)
-    single = ids.ndim == 1
-    rows = ids.astype(np.int64).reshape(-1, T)
-    mask = None if mask is None else mask.reshape(rows.shape)
-    if max_new_tokens == 0:
-        return rows[0] if single else rows
-    cache = model.new_cache()
-    finished = np.zeros(len(rows), dtype=bool)
-    out = np.empty((len(rows), T + max_new_tokens), dtype=np.int64)
+    run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
+                      positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+    rows, T = run.rows, run.rows.shape[1]
+    out = np.empty((len(rows), T + run.max_new_tokens), dtype=np.int64)
     out[:, :T] = rows
-    step_ids, n = rows, 0
-    while True:
-        if n == 0:  # the prompt
-            logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
-        else:  # a decoding step, on the threads that run it fastest now (see StepThreads)
-            with DECODE_STEPS.step():
-                logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
-        token = next_token(logits, temperature=temperature, top_k=top_k, rng=rng)
-        if eos is not None:
-            token[finished] = eos[0]
-            finished |= np.isin(token, eos)
+    n = 0
+    for token in run.steps(model):
         out[:, T + n] = token
         n += 1
-        if n == max_new_tokens or finished.all():
-            break
-        step_ids = token[:, None]
-        if mask is not None:
-            mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=bool)], axis=1)
     out = out[:, : T + n]
-    return out[0] if single else out
+    return out[0] if run.single else out
+
+
+def generate_stream(
+    model,
+    input_ids,
+    max_new_tokens: int,
+    *,
+    vocab_size: int,
+    n_positions: int,
+    positions_name: str = "n_positions",
+    attention_mask=None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    rng: np.random.Generator | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> Iterator:
+    """:func:`generate`, one step at a time: an iterator over the new tokens, each given as
+    soon as it is chosen (the first right after the prompt's forward pass).
+
+    The arguments are :func:`generate`'s and are checked when this is called, before any
+    token is made. Each item is the step's token of every prompt, ``(B,)`` int64, or an
+    ``int`` for one prompt ``(T,)``. The iterator ends after ``max_new_tokens`` steps, or
+    when every row has produced ``eos_token_id`` (that step included). Stopping early
+    (``break``, Ctrl-C) keeps what was yielded and computes nothing more.
+
+    >>> class Echo:  # a decoder whose next token is always the last token + 1
+    ...     def new_cache(self): return []
+    ...     def __call__(self, ids, attention_mask=None, cache=None, logits_to_keep=None):
+    ...         return np.eye(10)[ids[:, -1:] + 1]
+    >>> list(generate_stream(Echo(), np.array([1, 2]), 3, vocab_size=10, n_positions=10))
+    [3, 4, 5]
+    """
+    run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
+                      positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+    steps = run.steps(model)
+    return (int(t[0]) for t in steps) if run.single else steps
+
+
+class _Generation:
+    """The checked arguments of one generation and its loop (:meth:`steps`)."""
+
+    def __init__(self, input_ids, max_new_tokens, *, vocab_size, n_positions, positions_name, attention_mask,
+                 temperature, top_k, rng, eos_token_id):
+        ids = check_token_ids(input_ids, vocab_size)
+        self.max_new_tokens = positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
+        self.temperature, self.top_k = _check_sampling(temperature, top_k)
+        self.eos = _eos_ids(eos_token_id)
+        self.rng = generator(rng) if self.temperature > 0 else rng
+        T = ids.shape[-1]
+        if T + self.max_new_tokens > n_positions:
+            raise ValueError(f"the prompt has {T} tokens and max_new_tokens={self.max_new_tokens}: "
+                             f"{T + self.max_new_tokens} positions, but the model has {positions_name}={n_positions}")
+        mask = check_attention_mask(attention_mask, ids.shape, left_padded=True)
+        self.single = ids.ndim == 1
+        self.rows = ids.astype(np.int64).reshape(-1, T)
+        self.mask = None if mask is None else mask.reshape(self.rows.shape)
+
+    def steps(self, model) -> Iterator[np.ndarray]:
+        """Each step's tokens ``(B,)``: the prompt runs once and fills a cache, each step
+        then runs only the tokens just chosen."""
+        if self.max_new_tokens == 0:
+            return
+        B = len(self.rows)
+        cache = model.new_cache()
+        finished = np.zeros(B, dtype=bool)
+        step_ids, mask = self.rows, self.mask
+        for n in range(self.max_new_tokens):
+            if n == 0:  # the prompt
+                logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+            else:  # a decoding step, on the threads that run it fastest now (see StepThreads)
+                with DECODE_STEPS.step():
+                    logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+            token = next_token(logits, temperature=self.temperature, top_k=self.top_k, rng=self.rng)
+            if self.eos is not None:
+                token[finished] = self.eos[0]
+                finished |= np.isin(token, self.eos)
+            yield token
+            if finished.all() or n + 1 == self.max_new_tokens:
+                return
+            step_ids = token[:, None]
+            if mask is not None:
+                mask = np.concatenate([mask, np.ones((B, 1), dtype=bool)], axis=1)

@@ -21,7 +21,14 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
-from attnlab.models.generate import decoder_backward, decoder_forward, embed_tokens, embed_tokens_backward, generate
+from attnlab.models.generate import (
+    decoder_backward,
+    decoder_forward,
+    embed_tokens,
+    embed_tokens_backward,
+    generate,
+    generate_stream,
+)
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -349,6 +356,20 @@ class TinyTransformer(Module):
             positions_name="context_length", attention_mask=attention_mask, temperature=temperature,
             top_k=top_k, rng=rng, eos_token_id=eos_token_id,
         )
+
+    def stream(self, ids: np.ndarray, max_new_tokens: int, **options):
+        """:meth:`generate`'s new tokens one at a time, as soon as each is chosen (the options
+        are :meth:`generate`'s; see :func:`attnlab.models.generate.generate_stream`).
+
+        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
+        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
+        >>> ids = np.array([1, 2, 3])
+        >>> list(model.stream(ids, 4)) == model.generate(ids, 4)[3:].tolist()
+        True
+        """
+        c = self.config
+        return generate_stream(self, ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.context_length,
+                               positions_name="context_length", **options)
 
     def backward(self, grad_logits: np.ndarray) -> None:
         """Add to ``.grad`` of every parameter from ``dLoss/dlogits`` ``(B, T, vocab_size)``

@@ -330,8 +330,26 @@ def trace_steps(trace: object) -> list[dict]:
     return steps
 
 
-def _payload(explanation: object, max_bytes: int | None = None) -> dict:
+def _shown(explanation: object, tokens: list[str]) -> list[str]:
+    """``tokens`` as a person reads them, where the explanation knows its tokenizer's code
+    (:meth:`~attnlab.explain.Explanation.readable_tokens`); else as they are."""
+    readable = getattr(explanation, "readable_tokens", None)
+    return [clean_text(t) for t in readable(tokens)] if readable is not None else tokens
+
+
+#: The report's views, in its tabs' order.
+VIEWS = ("head", "model", "heatmap", "steps", "embedding", "lens", "detectors", "patching", "rollout")
+#: The views that draw the attention maps.
+_MAP_VIEWS = {"head", "model", "heatmap"}
+
+
+def _payload(explanation: object, max_bytes: int | None = None, views=None) -> dict:
+    """The report's data; with ``views`` only what those views draw (the rest empty)."""
+    want = set(VIEWS if views is None else views)
     tokens, att = _check(explanation)
+    tokens = _shown(explanation, tokens)
+    if not want & _MAP_VIEWS:
+        att = att[:0]  # no map drawn: none sent
     T = len(tokens)
     static = _check_2d(explanation.static, "static", T)
     contextual = _check_2d(explanation.contextual, "contextual", T)
@@ -348,7 +366,7 @@ def _payload(explanation: object, max_bytes: int | None = None) -> dict:
         )
 
     steps = []
-    for i, step in enumerate(trace_steps(getattr(explanation, "trace", None))):
+    for i, step in enumerate(trace_steps(getattr(explanation, "trace", None) if "steps" in want else None)):
         values = step.pop("values")
         if values.size > _MAX_STEP_VALUES:
             notes.append(f"step view: {step['name']} {tuple(values.shape)} is too large to embed")
@@ -358,8 +376,8 @@ def _payload(explanation: object, max_bytes: int | None = None) -> dict:
         step["array"] = key
         steps.append(step)
 
-    layers, heads = att.shape[:2]
-    inside = _inside(explanation, pending, tokens, int(layers), int(heads))
+    layers, heads = np.shape(explanation.attentions)[:2]
+    inside = _inside(explanation, pending, tokens, int(layers), int(heads), want)
     # The view opens on the explanation's layer (numbered 1..n; index layer - 1) and head.
     layer = getattr(explanation, "layer", None) or layers
     head = getattr(explanation, "head", None) or 0
@@ -377,7 +395,7 @@ def _payload(explanation: object, max_bytes: int | None = None) -> dict:
         "T": T,
         "unknown": int(getattr(explanation, "unknown", 0) or 0),
         "window": window,
-        "embedding": pca_2d(static, contextual),
+        "embedding": pca_2d(static, contextual) if "embedding" in want else None,
         "steps": steps,
         **inside,
         "levels": 255,
@@ -424,12 +442,15 @@ def _finite(a: np.ndarray, name: str) -> np.ndarray:
     return a
 
 
-def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, heads: int) -> dict:
+def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, heads: int,
+            want: set | None = None) -> dict:
     """The logit lens, the head detector scores and the patching result (each None when the
-    explanation has none), checked against the maps' shape; big arrays go to ``pending``."""
+    explanation has none, or ``want`` has not their view), checked against the maps' shape;
+    big arrays go to ``pending``."""
+    want = set(VIEWS) if want is None else want
     T = len(tokens)
     out: dict = {"lens": None, "detectors": None, "patching": None, "rollout": False}
-    rollout = getattr(explanation, "rollout", None)
+    rollout = getattr(explanation, "rollout", None) if "rollout" in want else None
     if rollout is not None:
         r = np.asarray(rollout)
         if r.shape != (layers, T, T):
@@ -437,7 +458,7 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         codes, rowmax = quantize_rows(np.clip(_finite(r, "rollout"), 0.0, 1.0))
         pending["roll"], pending["roll_max"] = codes, rowmax
         out["rollout"] = True
-    lens = getattr(explanation, "lens", None)
+    lens = getattr(explanation, "lens", None) if "lens" in want else None
     if lens is not None:
         ids, probs = np.asarray(lens.ids), np.asarray(lens.probs)
         if ids.ndim != 3 or ids.shape[:2] != (layers + 1, T) or ids.shape[2] < 1 or probs.shape != ids.shape:
@@ -448,14 +469,14 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         probs = _finite(probs, "lens.probs")
         used, index = np.unique(ids, return_inverse=True)
         try:
-            strings = [clean_text(lens.strings[int(i)]) for i in used]
+            strings = _shown(explanation, [clean_text(lens.strings[int(i)]) for i in used])
         except KeyError as exc:
             raise ValueError(f"explanation.lens.strings has no string for token id {exc.args[0]}") from None
         index = index.reshape(ids.shape).astype(np.uint16 if len(used) <= 1 << 16 else np.uint32)
         pending["lens_index"] = index
         pending["lens_p"] = np.clip(probs, 0.0, 1.0).astype(np.float32)
         out["lens"] = {"k": int(ids.shape[2]), "strings": strings}
-    scores = getattr(explanation, "head_scores", None)
+    scores = getattr(explanation, "head_scores", None) if "detectors" in want else None
     if scores is not None:
         kinds = {}
         for kind, v in scores.items():
@@ -466,13 +487,13 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
             v = _finite(v, f"head_scores[{kind!r}]")
             kinds[clean_text(kind)] = np.round(v, 4).tolist()
         out["detectors"] = kinds
-    patching = getattr(explanation, "patching", None)
+    patching = getattr(explanation, "patching", None) if "patching" in want else None
     if patching is not None:
         values = np.asarray(patching.values)
         if values.shape != (layers, T):
             raise ValueError(f"explanation.patching.values has shape {values.shape}, but should be "
                              f"({layers}, {T}): blocks by tokens")
-        corrupted = [clean_text(t) for t in patching.corrupted_tokens]
+        corrupted = _shown(explanation, [clean_text(t) for t in patching.corrupted_tokens])
         if len(corrupted) != T:
             raise ValueError(f"explanation.patching.corrupted_tokens has {len(corrupted)} tokens, but the text "
                              f"has {T}")
@@ -480,7 +501,8 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
         out["patching"] = {
             "hook": clean_text(patching.hook), "metric": clean_text(patching.metric),
             "corrupted_text": clean_text(patching.corrupted_text), "corrupted_tokens": corrupted,
-            "clean_token": clean_text(patching.clean_token), "corrupted_token": clean_text(patching.corrupted_token),
+            "clean_token": _shown(explanation, [clean_text(patching.clean_token)])[0],
+            "corrupted_token": _shown(explanation, [clean_text(patching.corrupted_token)])[0],
             "clean_value": float(patching.clean_value), "corrupted_value": float(patching.corrupted_value),
         }
     return out

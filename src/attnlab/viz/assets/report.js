@@ -1,7 +1,10 @@
 /* attnlab interactive attention report.
  *
  * Starts every `.attnlab-report` element on the page that has not started yet (a Jupyter
- * notebook may hold several). Each one carries its data in a
+ * notebook may hold several), now and whenever `window.attnlabReport.start()` is called (a
+ * notebook's later views carry only that call: the script comes once per page). An element
+ * with `data-view-only="head"` (or another view) shows that one view, without tabs or notes.
+ * Each one carries its data in a
  * JSON script element (class al-data) inside it. User text (tokens, text, model
  * name, notes) is only ever written with textContent; no markup is built from it and no
  * inline event handler exists. Nothing is fetched: the numbers are inflated from the
@@ -22,8 +25,8 @@
   // Why a tab is off when the explanation has no data for it.
   var MISSING = {
     steps: "no step-by-step trace in this explanation (attnlab explain --steps records one)",
-    lens: "only decoders have a logit lens (attnlab explain --model gpt2 or checkpoint)",
-    detectors: "only decoders get head detector scores (attnlab explain --model gpt2 or checkpoint)",
+    lens: "only decoders have a logit lens (attnlab explain --model smollm2, the bundled decoder; or a decoder's --checkpoint)",
+    detectors: "only decoders get head detector scores (attnlab explain --model smollm2, the bundled decoder; or a decoder's --checkpoint)",
     patching: "no activation patching in this explanation (attnlab explain --corrupt TEXT records one)",
     rollout: "attention rollout is drawn for encoders (attnlab explain --model minilm)"
   };
@@ -160,7 +163,7 @@
     try { data = JSON.parse(dataEl.textContent); } catch (e) { fail(app, "cannot read the data: " + e.message); return; }
     inflate(data.blob).then(function (buf) {
       var arrays = unpack(data.arrays, buf);
-      new Report(root, app, data, arrays);
+      new Report(root, app, data, arrays, root.getAttribute("data-view-only"));
       root.setAttribute("data-render-ms", (performance.now() - t0).toFixed(1));
       root.setAttribute("data-ready-at-ms", performance.now().toFixed(1));
       root.setAttribute("data-ready", "1");
@@ -172,9 +175,9 @@
 
   /* ------------------------------------------------------------------ the report */
 
-  function Report(root, app, data, arrays) {
+  function Report(root, app, data, arrays, only) {
     var self = this;
-    this.root = root; this.app = app; this.data = data;
+    this.root = root; this.app = app; this.data = data; this.only = only || null;
     this.T = data.T; this.L = data.layers; this.H = data.heads; this.tokens = data.tokens;
     this.codes = arrays.attn; this.rowmax = arrays.rowmax; this.arrays = arrays;
     if (data.arrays.rowmax.dtype === "u16") this.rowmax = Float32Array.from(arrays.rowmax, function (v) { return v / 65535; });
@@ -184,7 +187,7 @@
     data.steps.forEach(function (s) { if (s.head !== null) stepHeads[s.head] = true; });
     this.stepHeads = Object.keys(stepHeads).map(Number).sort(function (a, b) { return a - b; });
     this.state = {
-      view: "head", layer: data.layer || 0, head: data.head || 0, heads: [], gain: 1,
+      view: only || "head", layer: data.layer || 0, head: data.head || 0, heads: [], gain: 1,
       stepHead: this.stepHeads.indexOf(data.head || 0) >= 0 ? (data.head || 0) : (this.stepHeads.length ? this.stepHeads[0] : 0),
       lo: 0
     };
@@ -198,7 +201,7 @@
         "many to draw at once: every view shows " + this.W + " of them at a time (move the window with " +
         "\u201cTokens\u201d); attention between tokens in different windows is not drawn."));
     }
-    if (data.notes.length) {
+    if (data.notes.length && !this.only) {
       var ul = el("ul", { "class": "al-notes" });
       data.notes.forEach(function (n) { ul.appendChild(el("li", null, n)); });
       app.appendChild(ul);
@@ -217,7 +220,7 @@
       self.tabButtons[v[0]] = b;
       tabs.appendChild(b);
     });
-    app.appendChild(tabs);
+    if (!this.only) app.appendChild(tabs);
     this.controls = el("div", { "class": "al-controls" });
     this.hint = el("p", { "class": "al-hint" });
     this.stage = el("div", { "class": "al-stage" });
@@ -229,7 +232,7 @@
     app.appendChild(this.controls);
     app.appendChild(this.hint);
     app.appendChild(this.stage);
-    app.appendChild(this.foot);
+    if (!this.only) app.appendChild(this.foot);
     root.appendChild(this.tip);
     this.render();
   }
@@ -251,6 +254,7 @@
   };
 
   Report.prototype.set = function (patch) {
+    if (this.only && "view" in patch && patch.view !== this.only) delete patch.view;  // one view: it stays
     for (var k in patch) this.state[k] = patch[k];
     this.render();
   };
@@ -1291,10 +1295,14 @@
 
   /* ------------------------------------------------------------------ start */
 
-  var roots = document.querySelectorAll(".attnlab-report");
-  for (var r = 0; r < roots.length; r++) {
-    if (roots[r].getAttribute("data-started")) continue;
-    roots[r].setAttribute("data-started", "1");
-    start(roots[r]);
+  function startAll() {
+    var roots = document.querySelectorAll(".attnlab-report");
+    for (var r = 0; r < roots.length; r++) {
+      if (roots[r].getAttribute("data-started")) continue;
+      roots[r].setAttribute("data-started", "1");
+      start(roots[r]);
+    }
   }
+  if (!window.attnlabReport) window.attnlabReport = { start: startAll };
+  startAll();
 })();
