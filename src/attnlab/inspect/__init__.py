@@ -24,12 +24,33 @@ function                             reads                          returns
 ==================================== ============================== =========================
 """
 
+from attnlab.inspect.attribution import ATTRIBUTION_METHODS, attribution_patching
+from attnlab.inspect.edges import EDGE_METHODS, EdgeGraph, Faithfulness, circuit, edge_attribution, faithfulness
 from attnlab.inspect.heads import HEAD_KINDS, attention_rollout, detect_heads, detection_pattern
+from attnlab.inspect.inputs import INPUT_METHODS, INTEGRATION_RULES, InputAttribution, input_attribution
 from attnlab.inspect.interventions import ABLATIONS, PATCH_HOOKS, ablate_heads, activation_patching
 from attnlab.inspect.lens import LogitAttribution, direct_logit_attribution, logit_lens, logit_lens_top
+from attnlab.inspect.metrics import Metric, cross_entropy, log_prob, logit_diff, probability
 
 __all__ = [
     "ABLATIONS",
+    "ATTRIBUTION_METHODS",
+    "EDGE_METHODS",
+    "EdgeGraph",
+    "Faithfulness",
+    "INPUT_METHODS",
+    "INTEGRATION_RULES",
+    "InputAttribution",
+    "input_attribution",
+    "Metric",
+    "attribution_patching",
+    "circuit",
+    "cross_entropy",
+    "edge_attribution",
+    "faithfulness",
+    "log_prob",
+    "logit_diff",
+    "probability",
     "HEAD_KINDS",
     "PATCH_HOOKS",
     "LogitAttribution",
