@@ -183,6 +183,7 @@ def activation_patching(
     hook: str = "resid_pre",
     *,
     by_position: bool = False,
+    cells_per_pass: int = 1,
     **forward_kwargs,
 ) -> np.ndarray:
     """The metric after patching one activation at a time from the clean run into the
@@ -210,6 +211,10 @@ def activation_patching(
             difference (:func:`~attnlab.inspect.logit_diff`).
         hook: a key of :data:`PATCH_HOOKS`.
         by_position: one cell per (position, head) for the per-head kinds.
+        cells_per_pass: patch this many cells of one block in one forward pass, the
+            corrupted batch repeated once per cell (the metric then sees each copy's output
+            alone); the same numbers up to float rounding, fewer passes over the weights.
+            Array keyword arguments (``attention_mask``) are repeated with the batch.
         **forward_kwargs: passed to every forward pass (e.g. ``attention_mask``).
 
     Returns:
@@ -237,7 +242,11 @@ def activation_patching(
     if not callable(metric):
         raise TypeError(f"metric must be a callable (output -> number), got {type(metric).__name__}")
     clean_ids, corrupted_ids = same_shape_ids(clean, corrupted)
+    if isinstance(cells_per_pass, bool) or not isinstance(cells_per_pass, int | np.integer) or cells_per_pass < 1:
+        raise ValueError(f"cells_per_pass must be an int >= 1, got {cells_per_pass!r}")
     names = cells.names
+    if cells_per_pass > 1:
+        return _patch_in_batches(model, cells, clean_ids, corrupted_ids, metric, int(cells_per_pass), forward_kwargs)
     _, cache = model.run_with_cache(clean_ids, names_filter=names, **forward_kwargs)
     out = None
     for i, name in enumerate(names):
@@ -255,6 +264,46 @@ def activation_patching(
 
             value = metric(model.run_with_hooks(corrupted_ids, fwd_hooks=[(name, patch)], **forward_kwargs))
             out[(i, *cell)] = _number(value)
+    return out
+
+
+def _patch_in_batches(model, cells: Cells, clean_ids, corrupted_ids, metric, k: int, forward_kwargs) -> np.ndarray:
+    """activation_patching with ``k`` cells of a block per forward pass: the corrupted batch
+    repeated ``k`` times, copy ``j`` with cell ``j`` patched."""
+    single = corrupted_ids.ndim == 1
+    base, clean_b = (corrupted_ids[None], clean_ids[None]) if single else (corrupted_ids, clean_ids)
+    B = base.shape[0]
+
+    kwargs = {key: v[None] if single and isinstance(v, np.ndarray) else v for key, v in forward_kwargs.items()}
+    _, cache = model.run_with_cache(clean_b, names_filter=cells.names, **kwargs)
+    out = None
+    for i, name in enumerate(cells.names):
+        source = np.asarray(cache[name])  # (B, ...)
+        count = cells.count(source)
+        if out is None:
+            out = np.empty((len(cells.names), *count))
+        todo = list(np.ndindex(*count))
+        for start in range(0, len(todo), k):
+            chunk = todo[start:start + k]
+            n = len(chunk)
+
+            def patch(a: np.ndarray, _name: str, chunk=chunk, source=source, n=n) -> np.ndarray:
+                a = a.copy()
+                copies = a.reshape(n, B, *a.shape[1:])  # a view: the copies of the batch
+                for j, cell in enumerate(chunk):
+                    sl = cells.index(source, cell)
+                    copies[j][sl] = source[sl]
+                return a
+
+            reps = {key: np.concatenate([v] * n) if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == B else v
+                    for key, v in kwargs.items()}
+            result = model.run_with_hooks(np.concatenate([base] * n), fwd_hooks=[(name, patch)], **reps)
+            if not isinstance(result, np.ndarray) or result.shape[0] != n * B:
+                raise TypeError("cells_per_pass > 1 needs a model whose output is an array with the batch first "
+                                f"(got {type(result).__name__})")
+            for j, cell in enumerate(chunk):
+                part = result[j * B:(j + 1) * B]
+                out[(i, *cell)] = _number(metric(part[0] if single else part))
     return out
 
 
