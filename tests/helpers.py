@@ -228,7 +228,7 @@ def random_llama(folder: Path, *, seed: int, vocab_size: int = 64, scale: float 
 
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(vocab_size=vocab_size, max_position_embeddings=64, bos_token_id=0,
-                                   eos_token_id=1, pad_token_id=None, **{"tie_word_embeddings": False, **shape})
+                                   eos_token_id=1, **{"tie_word_embeddings": False, "pad_token_id": None, **shape})
     hf = transformers.LlamaForCausalLM(cfg).eval()
     if scale != 1.0:
         with torch.no_grad():
