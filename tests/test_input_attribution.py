@@ -142,9 +142,8 @@ def test_a_metric_target(pair):
 
 
 def test_bert_pooled_sentence_vector_equals_captum_and_autograd(tmp_path):
-    from helpers import write_tiny_bert
-
     from attnlab.models import BertEncoder
+    from helpers import write_tiny_bert
 
     write_tiny_bert(tmp_path)
     ours = BertEncoder.from_pretrained(tmp_path, dtype=np.float64)
