@@ -1,5 +1,7 @@
 """Looking inside a model through its hook points: the logit lens, direct logit attribution,
-head ablation, activation patching, head detectors and attention rollout.
+head ablation, activation patching, head detectors and attention rollout; and, from
+gradients (:mod:`attnlab.inspect.metrics`), attribution patching, edge attribution with
+circuits and their faithfulness, and input attribution.
 
 Each is a plain function over a model and its inputs, or over the cache of
 ``model.run_with_cache(...)``; every one reads or replaces named activations
@@ -21,6 +23,10 @@ function                             reads                          returns
 :func:`activation_patching`          runs the model N x T times     ``(N, T)`` or ``(N, H)``
 :func:`detect_heads`                 runs the model, hook_pattern   ``(N, H)``
 :func:`attention_rollout`            cache: hook_pattern            ``(N, B, T, T)``
+:func:`attribution_patching`         2 forward, 1 backward pass     ``(N, T)`` or ``(N, H)``
+:func:`edge_attribution`             2 + steps passes, q/k/v inputs :class:`EdgeGraph`
+:func:`faithfulness`                 2 forward passes, hooks        :class:`Faithfulness`
+:func:`input_attribution`            hook_embed's gradient          :class:`InputAttribution`
 ==================================== ============================== =========================
 """
 

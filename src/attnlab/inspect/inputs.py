@@ -52,7 +52,9 @@ from attnlab.inspect.metrics import Metric, check_metric
 __all__ = ["INPUT_METHODS", "INTEGRATION_RULES", "InputAttribution", "input_attribution"]
 
 INPUT_METHODS = ("saliency", "input_x_gradient", "integrated_gradients")
+"""``input_attribution``'s methods."""
 INTEGRATION_RULES = ("gausslegendre", "riemann_right", "riemann_left", "riemann_middle", "riemann_trapezoid")
+"""Integrated gradients' rules, Captum's names (Gauss-Legendre is Captum's default)."""
 OUTPUTS = ("log_prob", "logit", "prob")
 
 
@@ -290,17 +292,14 @@ def input_attribution(
     kind = "cosine" if encoder else (output if not isinstance(target, Metric) and not _has_grad(target)
                                      else "metric")
     # The rows: (ids (R, L), mask (R, L) or None, types or None, the scalar, result shape)
+    rows_types = types  # an encoder's segment ids (a text's), else None
     if encoder:
-        rows_ids, rows_mask, scalar, shape = _encoder_rows(model, batch, mask, target)
-        rows_types = types
-        forward = {"token_type_ids": None}
+        rows_ids, rows_mask, scalar, shape = _encoder_rows(model, batch, mask, target, single)
     elif kind == "metric":
         check_metric(target, "input_attribution")
         rows_ids, rows_mask, scalar, shape = batch, mask, target, (() if single else (len(batch),))
-        rows_types, forward = None, {}
     else:
         rows_ids, rows_mask, scalar, shape = _decoder_rows(batch, mask, target, output, vocab, single)
-        rows_types, forward = None, {}
     R, L = rows_ids.shape
     x = _embeddings(model, embed_hook, rows_ids, rows_mask, rows_types)  # (R, L, E)
     if method == "integrated_gradients":
@@ -315,7 +314,7 @@ def input_attribution(
     if kind == "metric":
         for a, w in items:
             emb = (x_base + a * (x - x_base)).astype(x.dtype)
-            _, _, _, grads = _pass(model, embed_hook, rows_ids, rows_mask, rows_types, emb, scalar, forward)
+            _, _, _, grads = _pass(model, embed_hook, rows_ids, rows_mask, rows_types, emb, scalar, encoder)
             avg += w * grads
     else:
         pairs = [(r, i) for i in range(len(items)) for r in range(R)]
@@ -326,7 +325,7 @@ def input_attribution(
             emb = (x_base[rr] + al * (x[rr] - x_base[rr])).astype(x.dtype)
             sub = scalar.subset(rr)
             _, _, _, grads = _pass(model, embed_hook, rows_ids[rr], None if rows_mask is None else rows_mask[rr],
-                                   None if rows_types is None else rows_types[rr], emb, sub, forward)
+                                   None if rows_types is None else rows_types[rr], emb, sub, encoder)
             for k, (r, i) in enumerate(chunk):
                 avg[r] += items[i][1] * grads[k]
     xd = x.astype(np.float64)
@@ -336,10 +335,10 @@ def input_attribution(
     else:
         dims = (xd - x_base.astype(np.float64)) * avg if method == "integrated_gradients" else xd * avg
         scores = dims.sum(axis=-1)
-    value = _values(model, scalar, kind, rows_ids, rows_mask, rows_types, x, embed_hook, forward)
+    value = _values(model, scalar, kind, rows_ids, rows_mask, rows_types, x, embed_hook)
     base_value = gap = None
     if method == "integrated_gradients":
-        base_value = _values(model, scalar, kind, rows_ids, rows_mask, rows_types, x_base, embed_hook, forward)
+        base_value = _values(model, scalar, kind, rows_ids, rows_mask, rows_types, x_base, embed_hook)
         total = scores.sum() if kind == "metric" else scores.sum(axis=-1)
         gap = total - (value - base_value)
     # Rows back to the inputs' layout: a metric's value is one number for its whole batch.
@@ -412,7 +411,7 @@ def _decoder_rows(batch, mask, target, output, vocab: int, single: bool):
     return rows, rows_mask, _RowScalar(positions, t.reshape(-1).astype(np.int64), output), shape
 
 
-def _encoder_rows(model, batch, mask, target):
+def _encoder_rows(model, batch, mask, target, single: bool):
     if isinstance(target, str):
         target = model.encode(target, normalize=False)
     t = np.asarray(target)
@@ -423,21 +422,21 @@ def _encoder_rows(model, batch, mask, target):
     if not np.any(t):
         raise ValueError("target is the zero vector: the cosine similarity with it is undefined")
     lengths = np.full(len(batch), batch.shape[1]) if mask is None else mask.sum(axis=1).astype(np.int64)
-    single_shape = () if len(batch) == 1 else (len(batch),)
-    return batch, mask, _Cosine(t.astype(np.float64), lengths, model.pooling), single_shape
+    return batch, mask, _Cosine(t.astype(np.float64), lengths, model.pooling), (() if single else (len(batch),))
 
 
-def _run_kwargs(mask, types, forward: dict) -> dict:
+def _run_kwargs(mask, types) -> dict:
+    """The forward pass's keyword arguments: the mask, an encoder's segment ids."""
     kw = {}
     if mask is not None:
         kw["attention_mask"] = mask
-    if "token_type_ids" in forward and types is not None:
+    if types is not None:
         kw["token_type_ids"] = types
     return kw
 
 
 def _embeddings(model, hook: str, ids, mask, types) -> np.ndarray:
-    _, cache = model.run_with_cache(ids, names_filter=[hook], **_run_kwargs(mask, types, {"token_type_ids": 1}))
+    _, cache = model.run_with_cache(ids, names_filter=[hook], **_run_kwargs(mask, types))
     return np.asarray(cache[hook])
 
 
@@ -468,23 +467,23 @@ def _baseline(model, hook, baseline, x, ids, mask, types, R, L) -> np.ndarray:
     return np.broadcast_to(b, x.shape).astype(x.dtype)
 
 
-def _pass(model, hook, ids, mask, types, emb, scalar, forward):
+def _pass(model, hook, ids, mask, types, emb, scalar, encoder: bool):
     def replace(a, name):
         return emb if a.shape == emb.shape else emb.reshape(a.shape)
 
-    select = (lambda out: out.last_hidden_state) if "token_type_ids" in forward else None
+    select = (lambda out: out.last_hidden_state) if encoder else None
     value, out, acts, grads = run_with_grads(model, ids, scalar, [], grad_names=[hook],
                                              fwd_hooks=[(hook, replace)], select=select,
-                                             **_run_kwargs(mask, types, forward))
+                                             **_run_kwargs(mask, types))
     return value, out, acts, np.asarray(grads[hook], np.float64).reshape(emb.shape)
 
 
-def _values(model, scalar, kind, ids, mask, types, emb, hook, forward) -> np.ndarray:
+def _values(model, scalar, kind, ids, mask, types, emb, hook) -> np.ndarray:
     """The scalar of each row at the embeddings ``emb``."""
     def replace(a, name):
         return emb.reshape(a.shape)
 
-    out = model.run_with_hooks(ids, fwd_hooks=[(hook, replace)], **_run_kwargs(mask, types, forward))
+    out = model.run_with_hooks(ids, fwd_hooks=[(hook, replace)], **_run_kwargs(mask, types))
     if kind == "metric":
         return np.asarray(float(scalar(out)))
     return scalar.rows(out)
