@@ -405,3 +405,17 @@ def test_a_large_embedding_table_adds_its_rows_into_the_gradient_in_place():
     want = before.copy()
     np.add.at(want, ids.reshape(-1), g.reshape(-1, 3))
     np.testing.assert_allclose(emb.weight.grad, want, rtol=1e-13)
+
+
+def test_a_tape_does_not_keep_a_dropped_model_alive():
+    """What a forward pass kept is the thread's, keyed weakly by the modules: a model trained
+    and dropped is freed, with what its last forward pass kept."""
+    import gc
+    import weakref
+
+    model = _gpt2().train()
+    model(np.array([[1, 2, 3]]))  # kept for a backward that never comes
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
