@@ -196,6 +196,26 @@ def test_faithfulness_of_the_whole_graph_and_of_no_edge(pair):
     assert none.share == pytest.approx(0.0, abs=1e-5) and none.edges == 0
 
 
+@pytest.mark.parametrize("batched", [True, False])
+def test_faithfulness_in_float64_and_unbatched(batched):
+    """The live outputs are copies (a float64 model's MLP output array is then updated in place
+    into the residual), and an unbatched pair gives the batched numbers."""
+    from attnlab.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2), rng=np.random.default_rng(0),
+                  dtype=np.float64)
+    clean, corrupted, metric = np.array([1, 2, 3, 4, 5]), np.array([1, 2, 9, 4, 5]), logit_diff(7, 8)
+    if batched:
+        clean, corrupted = clean[None], corrupted[None]
+    graph = edge_attribution(model, clean, corrupted, metric, method="eap")
+    assert faithfulness(model, [], clean, corrupted, metric).share == pytest.approx(0.0, abs=1e-9)
+    assert faithfulness(model, graph, clean, corrupted, metric).share == pytest.approx(1.0, abs=1e-9)
+    half = faithfulness(model, circuit(graph, top_n=20), clean, corrupted, metric)
+    other = faithfulness(model, circuit(graph, top_n=20), np.atleast_2d(clean), np.atleast_2d(corrupted), metric)
+    assert half.share == pytest.approx(other.share, abs=1e-9)
+
+
 def test_removing_a_heads_outgoing_edges_is_patching_its_output(pair):
     """The circuit without head a0.h1's outgoing edges runs as the clean model with that head's
     z patched to its corrupted value; without every edge into a1.h0's query, as the clean

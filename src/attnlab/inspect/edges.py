@@ -105,7 +105,9 @@ class _Layout:
 
 
 def _batched(a) -> np.ndarray:
-    a = np.asarray(a, np.float64)
+    """A float64 copy of ``a``, batch first (a live activation may be updated in place later:
+    the MLP's output becomes the residual)."""
+    a = np.array(a, np.float64)
     return a if a.ndim == 3 else a[None]
 
 

@@ -676,8 +676,8 @@ class Attention(Module):
                 raise shape_error("positions", positions.shape, f"({L},) or ({N}, {L}) integers")
         if per_head is None:
             qp, kp, vp = self._project(q, k, v, key_value is None)
-        else:  # each head's own copy of the input (see _run)
-            q, k, v = (h if batched else h[None] for h in per_head)
+        else:  # each head's own copy of the input, batch first also for an unbatched x (see _run)
+            q, k, v = per_head
             qp, kp, vp = self._project_per_head(q, k, v)
         qh, kh, vh = self._heads(qp, kp, vp, positions, cache, past)
         return AttentionInputs(q, k, v, qh, kh, vh, _merge_masks(am, kpm, self.dtype), causal_flag, batched,
@@ -723,8 +723,9 @@ class Attention(Module):
     def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights,
              per_head=None):
         """The call. ``per_head``: ``(x_q (N, L, H, E), x_k (N, S, H_kv, E), x_v)``, each
-        query head's and each key/value head's own input (a block's split inputs, which a
-        hook may have made differ per head; ``x`` then gives only the shapes): head ``h``'s
+        query head's and each key/value head's own input, batch first (N = 1 for an
+        unbatched ``x``; a block's split inputs, which a hook may have made differ per head;
+        ``x`` then gives only the shapes): head ``h``'s
         queries are ``x_q[:, :, h] W_q^h``, and so on. :meth:`backward` then returns the
         gradients of the three."""
         if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None \
