@@ -1,6 +1,7 @@
 """One forward and one backward pass of a metric, with the activations and gradients of some
-hook points recorded: what every gradient method reads. The parameters' ``.grad`` are left
-as they were (the pass's weight gradients are dropped)."""
+hook points recorded: what every gradient method reads. The backward pass runs with the
+parameters frozen (:func:`attnlab.nn._context.frozen_parameters`): no weight gradient is
+computed, and the parameters' ``.grad`` are left as they were."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from attnlab.inspect.interventions import _number
+from attnlab.nn._context import frozen_parameters
 from attnlab.nn.hooks import hooks
 from attnlab.quant import is_quantized
 
@@ -49,19 +51,12 @@ def run_with_grads(model, ids: np.ndarray, metric, names: Sequence[str], *, fwd_
     grad_names = names if grad_names is None else grad_names
     fwd = [*fwd_hooks, *((n, _recorder(acts)) for n in names)]
     bwd = [*bwd_hooks, *((n, _recorder(grads)) for n in grad_names)]
-    kept = [(p, p.grad) for p in model.parameters()]
-    for p, _ in kept:
-        p.grad = None
-    try:
-        with hooks(model, fwd, bwd, keep=True):
-            out = model(ids, **forward_kwargs)
-            value = _number(metric(out))
-            g = np.asarray(metric.grad(out))
-            ref = np.asarray(out if select is None else select(out))
-            if g.shape != ref.shape:
-                raise ValueError(f"metric.grad returned an array of shape {g.shape}, but the output is {ref.shape}")
-            model.backward(g.astype(ref.dtype, copy=False))
-    finally:
-        for p, grad in kept:
-            p.grad = grad
+    with hooks(model, fwd, bwd, keep=True), frozen_parameters():
+        out = model(ids, **forward_kwargs)
+        value = _number(metric(out))
+        g = np.asarray(metric.grad(out))
+        ref = np.asarray(out if select is None else select(out))
+        if g.shape != ref.shape:
+            raise ValueError(f"metric.grad returned an array of shape {g.shape}, but the output is {ref.shape}")
+        model.backward(g.astype(ref.dtype, copy=False))
     return value, out, acts, grads

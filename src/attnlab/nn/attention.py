@@ -876,7 +876,10 @@ class Attention(Module):
         return gq, gk, gv
 
     def _accumulate_in_proj(self, gwq, gwk, gwv, gbq, gbk, gbv) -> None:
-        """Add the q, k and v projections' weight and bias gradients to the parameters."""
+        """Add the q, k and v projections' weight and bias gradients to the parameters (none
+        with frozen parameters)."""
+        if gwq is None:
+            return
         if self._qkv_same_embed_dim:
             self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]), owned=True)
         else:
