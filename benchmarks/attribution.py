@@ -40,20 +40,27 @@ def parse_args(argv=None):
                    help="resid_pre's activation patching also in batches (no one-pass-per-cell timing)")
     p.add_argument("--steps", type=int, default=5, help="EAP-IG's steps (default 5)")
     p.add_argument("--top-n", type=int, default=200, help="edges in the circuit (default 200)")
+    p.add_argument("--save", metavar="NPZ", default=None, help="also save every grid and time to this .npz")
     return p.parse_args(argv)
 
 
-def spearman(a, b) -> float:
+def ranks(x):
+    """Ranks from 0, ties given their mean rank (the cells before the changed token are all 0)."""
     import numpy as np
 
-    def ranks(x):
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x))
-        return r
+    x = np.ravel(x)
+    order = np.argsort(x, kind="stable")
+    r = np.empty(len(x))
+    r[order] = np.arange(len(x))
+    values, inverse = np.unique(x, return_inverse=True)
+    return (np.bincount(inverse, r) / np.bincount(inverse))[inverse]
 
-    ra, rb = ranks(np.ravel(a)), ranks(np.ravel(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation (ties at their mean rank)."""
+    import numpy as np
+
+    return float(np.corrcoef(ranks(a), ranks(b))[0, 1])
 
 
 def overlap(a, b, n: int = 20) -> int:
@@ -72,6 +79,8 @@ def timed(fn, *args, **kwargs):
 def main(argv=None) -> None:
     args = parse_args(argv)
     threads = pin_threads(args.threads)
+    import numpy as np
+
     import attnlab
     from attnlab._cpu import cpu_info
     from attnlab.inspect import (
@@ -98,6 +107,7 @@ def main(argv=None) -> None:
     print(f"{'kind':10s} {'cells':>6s} | {'AtP top20':>9s} {'rank':>6s} {'|rank|':>6s} | {'denoise':>7s} "
           f"{'rank':>6s} | {'AtP* top20':>10s} {'|rank|':>6s} | {'patching s':>10s} {'AtP s':>6s} {'AtP* s':>6s} "
           f"{'ratio':>6s}")
+    saved = {}
     for kind in args.kinds.split(","):
         slow = kind == "resid_pre" and not args.skip_slow
         per_pass = 1 if slow else 30
@@ -107,6 +117,8 @@ def main(argv=None) -> None:
         den = attribution_patching(model, clean, corrupted, metric, hook=kind, gradient_at="corrupted")
         star, t_star = timed(attribution_patching, model, clean, corrupted, metric, hook=kind, method="atp*")
         note = "" if slow else " (30 cells a pass)"
+        saved.update({f"{kind}.patching": effect, f"{kind}.atp": atp, f"{kind}.denoise": den, f"{kind}.atp_star": star,
+                      f"{kind}.times": np.array([t_ap, t_atp, t_star])})
         print(f"{kind:10s} {effect.size:6d} | {overlap(atp, effect):9d} {spearman(atp, effect):6.2f} "
               f"{spearman(abs(atp), abs(effect)):6.2f} | {overlap(den, effect):7d} {spearman(den, effect):6.2f} | "
               f"{overlap(star, effect):10d} {spearman(star, abs(effect)):6.2f} | {t_ap:10.1f} {t_atp:6.1f} "
@@ -120,6 +132,11 @@ def main(argv=None) -> None:
           f"{t_faith:.1f} s)")
     for (s, t), v in found.top(15):
         print(f"  {s:>8s} -> {t:12s} {v:+.4f}")
+    for n in (50, 100, 400, 1000):
+        share = faithfulness(model, circuit(graph, top_n=n), clean, corrupted, metric).share
+        print(f"  top {n} edges: faithfulness {share:.3f}")
+    if args.save:
+        np.savez(args.save, **saved)
 
 
 if __name__ == "__main__":
