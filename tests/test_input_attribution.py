@@ -49,8 +49,10 @@ def _log_prob_of(hf, target=TARGET):
 @pytest.mark.parametrize("rule", INTEGRATION_RULES)
 def test_integrated_gradients_equal_captum(pair, rule):
     """A zero baseline (GPT-2: position embeddings keep the residual off 0) against Captum's
-    IntegratedGradients on the token embeddings; the pad token's embedding (Llama's
-    default) against LayerIntegratedGradients on the embedding layer with pad ids."""
+    IntegratedGradients on the token embeddings; Llama's default, a token's embedding,
+    against LayerIntegratedGradients on the embedding layer with that token's ids (the pad
+    token's row is zero, as transformers initialises padding_idx: the end-of-sequence
+    token's, id 1)."""
     ours, hf, ids = pair
     f = _log_prob_of(hf)
     x = torch.tensor(ids)[None]
@@ -61,8 +63,8 @@ def test_integrated_gradients_equal_captum(pair, rule):
         baseline = "zeros"
     else:
         lig = captum_attr.LayerIntegratedGradients(lambda i: f(input_ids=i), hf.get_input_embeddings())
-        want = lig.attribute(x, baselines=torch.full_like(x, 3), n_steps=20, method=rule)
-        baseline = None  # the default on a rotary model: the pad token
+        want = lig.attribute(x, baselines=torch.full_like(x, 1), n_steps=20, method=rule)
+        baseline = None  # the default on a rotary model: a non-zero token embedding
     got = input_attribution(ours, ids, TARGET, steps=20, rule=rule, baseline=baseline, per_dim=True)
     want = want.detach().numpy()[0]
     assert got.per_dim.shape == want.shape
@@ -186,6 +188,8 @@ def test_input_attribution_rejects_bad_input(pair):
     if ours.config.__class__.__name__ != "GPT2Config":
         with pytest.warns(RuntimeWarning, match="a zero baseline on a model without position embeddings"):
             input_attribution(ours, ids, TARGET, steps=2, baseline="zeros")
+        with pytest.warns(RuntimeWarning, match=r"the pad token's embedding \(id 3\) is zero"):
+            input_attribution(ours, ids, TARGET, steps=2, baseline="pad")
 
 
 def test_quantized_weights_say_to_load_dequantized():

@@ -31,9 +31,11 @@ Baselines: ``"zeros"`` (zero token embeddings), ``"pad"`` (every token replaced 
 token; the end-of-sequence token where the model has no pad token) or an array (``(E,)``,
 ``(T, E)`` or the inputs' ``(B, T, E)``). On a model without position embeddings (Llama,
 Mistral, Qwen, Gemma: rotary positions) a zero baseline makes the residual stream exactly 0,
-where an RMSNorm is singular (its gradient is ``1/sqrt(eps)``): the default there is
-``"pad"``; GPT-2 and BERT, whose position embeddings keep the residual away from 0, default
-to ``"zeros"``.
+where an RMSNorm is singular (its gradient is ``1/sqrt(eps)``): the default there
+(``baseline=None``) is the pad token's embedding, or the end-of-sequence token's where the
+pad token's is zero (transformers initialises an ``nn.Embedding``'s ``padding_idx`` row to
+zeros); GPT-2 and BERT, whose position embeddings keep the residual away from 0, default to
+``"zeros"``.
 """
 
 from __future__ import annotations
@@ -441,25 +443,37 @@ def _embeddings(model, hook: str, ids, mask, types) -> np.ndarray:
 
 
 def _baseline(model, hook, baseline, x, ids, mask, types, R, L) -> np.ndarray:
+    positions = any(n.endswith("hook_pos_embed") for n in model.hook_names())  # else rotary: RMSNorm at 0
     if baseline is None:
-        baseline = "zeros" if any(n.endswith("hook_pos_embed") for n in model.hook_names()) else "pad"
+        baseline = "zeros" if positions else "token"
     if isinstance(baseline, str):
-        baseline = _choice(baseline, "baseline", ("zeros", "pad"))
+        if baseline != "token":
+            baseline = _choice(baseline, "baseline", ("zeros", "pad"))
         if baseline == "zeros":
-            if not any(n.endswith("hook_pos_embed") for n in model.hook_names()):
+            if not positions:
                 warnings.warn("a zero baseline on a model without position embeddings makes the residual stream 0, "
                               "where an RMSNorm's gradient is 1/sqrt(eps): the integral is badly approximated "
-                              "(baseline='pad' is the default here)", RuntimeWarning, stacklevel=3)
+                              "(the default here is the pad token's embedding)", RuntimeWarning, stacklevel=3)
             return np.zeros_like(x)
         c = model.config
-        pad = getattr(c, "pad_token_id", None)
-        if pad is None:
-            eos = getattr(c, "eos_token_id", None)
-            pad = eos[0] if isinstance(eos, tuple | list) else eos
-        if pad is None:
+        eos = getattr(c, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, tuple | list) else eos
+        candidates = [t for t in (getattr(c, "pad_token_id", None), eos) if t is not None]
+        if not candidates:
             raise ValueError(f"baseline='pad': {type(model).__name__} has neither a pad nor an end-of-sequence "
                              "token; pass baseline='zeros' or an array")
-        return _embeddings(model, hook, np.full_like(ids, int(pad)), mask, types)
+        for token in candidates if baseline == "token" else candidates[:1]:
+            emb = _embeddings(model, hook, np.full_like(ids, int(token)), mask, types)
+            if np.any(emb) or positions:
+                return emb
+            if baseline == "pad":
+                warnings.warn(f"the pad token's embedding (id {token}) is zero on a model without position embeddings, "
+                              "a singular baseline (see baseline='zeros'); the default takes the end-of-sequence "
+                              "token's", RuntimeWarning, stacklevel=3)
+                return emb
+        raise ValueError(f"the pad and end-of-sequence tokens' embeddings of {type(model).__name__} are zero, a "
+                         "singular baseline on a model without position embeddings: pass baseline= an array of "
+                         "small, non-zero token embeddings")
     b = np.asarray(baseline)
     E = x.shape[-1]
     if not np.issubdtype(b.dtype, np.floating) or b.shape not in ((E,), (L, E), x.shape):
