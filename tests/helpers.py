@@ -216,6 +216,33 @@ def random_gpt2(
     return model
 
 
+def random_llama(folder: Path, *, seed: int, vocab_size: int = 64, scale: float = 1.0, **shape):
+    """A ``transformers`` ``LlamaForCausalLM`` with random weights (``torch.manual_seed(seed)``,
+    transformers' initialisation, every matrix times ``scale``) saved to ``folder`` with a
+    word-level tokenizer of ``t0`` .. ``t{V-1}`` (TransformerLens's bridge reads a tokenizer
+    folder); returns the torch model (eval mode). ``shape``: LlamaConfig fields (hidden_size,
+    num_attention_heads, ...)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab_size, max_position_embeddings=64, bos_token_id=0,
+                                   eos_token_id=1, **{"tie_word_embeddings": False, "pad_token_id": None, **shape})
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if not name.endswith("norm.weight"):
+                    p.mul_(scale)
+    hf.save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
+                                         unk_token="t2").save_pretrained(folder)
+    return hf
+
+
 # ---- layers on other array libraries (Module.to) ----------------------------------------
 # Each case: (build(dtype) -> layer, call(layer, to_library, dtype) -> output(s)). The inputs
 # are made in NumPy and handed over through ``to_library`` (the identity for the NumPy path),

@@ -167,7 +167,7 @@ def test_a_corrupted_text_of_another_length_is_refused_before_patching():
 def test_json_round_trip(gpt2_folder):
     e = explain(TEXT, model="gpt2", path=gpt2_folder, corrupt=CORRUPT)
     d = json.loads(json.dumps(e.to_dict(), ensure_ascii=False, allow_nan=False))
-    assert d["version"] == 4
+    assert d["version"] == 5
     lens = d["lens"]
     ids = decode_array(lens["ids"])
     assert ids.dtype == np.int64 and lens["shape"] == [4, len(e.tokens), 3]
@@ -243,7 +243,7 @@ def test_cli_prints_the_lens_the_best_heads_and_the_patching(gpt2_folder, capsys
 def test_cli_json_has_the_new_fields(gpt2_folder, capsys):
     assert main(["explain", "--checkpoint", str(gpt2_folder), TEXT, "--corrupt", CORRUPT, "--format", "json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert d["version"] == 4 and d["lens"]["shape"][0] == 4
+    assert d["version"] == 5 and d["lens"]["shape"][0] == 4
     assert set(d["head_scores"]) == set(HEAD_KINDS) and d["patching"]["values"]["shape"] == [3, 14]
 
 

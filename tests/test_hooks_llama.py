@@ -15,7 +15,7 @@ pytest.importorskip("transformer_lens")
 pytest.importorskip("tokenizers")
 
 from attnlab.models.llama import Llama  # noqa: E402
-from helpers import assert_head_ablation_matches, assert_resid_pre_patching_matches  # noqa: E402
+from helpers import assert_head_ablation_matches, assert_resid_pre_patching_matches, random_llama  # noqa: E402
 
 SHAPES = [
     dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2),
@@ -26,27 +26,12 @@ SHAPES = [
 ]
 
 
-def _write(folder, seed, shape):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=64, max_position_embeddings=64, bos_token_id=0, eos_token_id=1,
-                                   pad_token_id=None, **{"tie_word_embeddings": False, **shape})
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(folder)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
-                                         unk_token="t2").save_pretrained(folder)
-    return hf
-
-
 @pytest.fixture(scope="module", params=range(len(SHAPES)), ids=lambda i: f"shape{i}")
 def llama_pair(request, tmp_path_factory):
     from transformer_lens.model_bridge import TransformerBridge
 
     folder = tmp_path_factory.mktemp(f"llama_{request.param}")
-    hf = _write(folder, request.param, SHAPES[request.param])
+    hf = random_llama(folder, seed=request.param, **SHAPES[request.param])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bridge = TransformerBridge.boot_transformers(

@@ -375,8 +375,15 @@ def test_patching_rejects_bad_input(pair):
     metric = lambda logits: logits[0, -1, 0]  # noqa: E731
     with pytest.raises(ValueError, match=r"clean \(1, 5\) and corrupted \(1, 6\)"):
         activation_patching(ours, clean, longer, metric)
-    with pytest.raises(ValueError, match="hook must be one of 'resid_pre', 'attn_out', 'mlp_out', 'z', got 'q'"):
-        activation_patching(ours, clean, clean, metric, hook="q")
+    with pytest.raises(ValueError, match="hook must be one of 'resid_pre', 'attn_out', 'mlp_out', 'z', 'pattern', "
+                                         "'q', 'k', 'v', 'rot_q', 'rot_k', got 'mlp_mid'"):
+        activation_patching(ours, clean, clean, metric, hook="mlp_mid")
+    with pytest.raises(ValueError, match=r"hook 'rot_k': GPT2 has no hook point blocks.0.attn.hook_rot_k \(its "
+                                         r"attention has no rotary positions\)"):
+        activation_patching(ours, clean, clean, metric, hook="rot_k")
+    with pytest.raises(ValueError, match="by_position=True splits a per-head kind by position too; "
+                                         "hook='resid_pre' already has one cell per position"):
+        activation_patching(ours, clean, clean, metric, by_position=True)
     with pytest.raises(TypeError, match=r"metric must return one number, got ndarray of shape \(1, 5\)"):
         activation_patching(ours, clean, clean, lambda logits: logits[..., 0])
     with pytest.raises(TypeError, match="metric must be a callable"):

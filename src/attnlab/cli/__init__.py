@@ -17,7 +17,7 @@ import sys
 from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo", "explain", "similarity", "train", "generate", "check", "sweep", "bench"]
+COMMANDS = ["demo", "explain", "attribute", "similarity", "train", "generate", "check", "sweep", "bench"]
 
 
 def build_parser() -> Parser:

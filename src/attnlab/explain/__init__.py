@@ -24,12 +24,15 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from attnlab.explain.attribution import Attribution, CircuitView
 from attnlab.explain.backends import MODELS, checkpoint_model, gpt2_model, minilm_model, random_model
 from attnlab.explain.inside import Lens, Patching
 from attnlab.explain.words import WordComparison, compare_word
 
 __all__ = [
     "MODELS",
+    "Attribution",
+    "CircuitView",
     "Explanation",
     "Lens",
     "Patching",
@@ -51,7 +54,8 @@ FORMAT = "attnlab-explanation"
 #    significant digits, steps only when asked, "unknown_tokens" added
 # 4: "lens", "head_scores", "patching" (decoders) and "rollout" (encoders) added, null where
 #    the model has none
-FORMAT_VERSION = 4
+# 5: "attribution" (decoders, explain --attribute) added, null where absent
+FORMAT_VERSION = 5
 #: Attention weights are stored in units of this (what the views show: 4 decimals).
 WEIGHT_STEP = 1e-4
 #: Vectors and trace steps keep this many significant digits in the JSON document.
@@ -189,6 +193,9 @@ class Explanation:
         token_scheme: how the tokenizer writes its tokens (``"byte-level"``,
             ``"sentencepiece"``, ``"plain"``): what :meth:`readable_tokens` undoes for
             display (:func:`attnlab.text.readable_token`); :attr:`tokens` stay raw.
+        attribution: decoders with ``attribute=True``: the predicted token's input
+            attribution and, with a corrupted text, attribution patching and the EAP-IG
+            circuit (:class:`~attnlab.explain.attribution.Attribution`), or None.
     """
 
     text: str
@@ -209,6 +216,7 @@ class Explanation:
     patching: Patching | None = None
     rollout: np.ndarray | None = None
     token_scheme: str = "plain"
+    attribution: Attribution | None = None
 
     def __post_init__(self) -> None:
         if self.layer is None:
@@ -246,7 +254,7 @@ class Explanation:
         return np.asarray(self.attentions)[k - 1, h]
 
     def to_dict(self, *, steps: bool = False) -> dict:
-        """The JSON document (``"format": "attnlab-explanation"``, version 4), sized to its
+        """The JSON document (``"format": "attnlab-explanation"``, version 5), sized to its
         content and rounded to what the views show.
 
         ``attentions`` is stored once, as codes of ``WEIGHT_STEP`` (``1e-4``) units
@@ -271,6 +279,12 @@ class Explanation:
           "corrupted_value", "rows"}``; row ``i`` patches the residual entering block ``i``.
         - ``rollout`` (encoders): ``(n_layers, T, T)`` in ``WEIGHT_STEP`` units
           (:func:`encode_weights`); entry ``k - 1`` is the rollout through layers ``1..k``.
+        - ``attribution`` (``explain --attribute``): ``{"target": {"id", "token"}, "method",
+          "steps", "baseline", "scores" (T,), "value", "baseline_value", "gap", "atp" (n, T)
+          or null, "atp_clean" (n, T) or null, "circuit"}``; ``atp`` estimates
+          ``patching.values - corrupted_value`` (the gradient at the corrupted run);
+          ``circuit`` is ``{"edges": [[source, target, score], ...], "faithfulness",
+          "circuit_value", "edges_scored", "steps"}`` or null.
 
         >>> att = np.full((1, 1, 2, 2), 0.5)
         >>> e = Explanation("a b", ["a", "b"], "toy", att, np.eye(2), np.eye(2))
@@ -305,7 +319,29 @@ class Explanation:
                             else {kind: _array(v) for kind, v in self.head_scores.items()}),
             "patching": self._patching_dict(),
             "rollout": None if self.rollout is None else encode_weights(self.rollout),
+            "attribution": self._attribution_dict(),
         }
+
+    def _attribution_dict(self) -> dict | None:
+        from attnlab.viz.html_report import clean_text
+
+        a = self.attribution
+        if a is None:
+            return None
+        c = a.circuit
+
+        def num(x):  # rounded; NaN (an undefined share) as null
+            x = float(round_significant(x))
+            return x if np.isfinite(x) else None
+
+        return {"target": {"id": a.target_id, "token": clean_text(a.target_token)}, "method": a.method,
+                "steps": a.steps, "baseline": a.baseline, "scores": _array(a.scores), "value": num(a.value),
+                "baseline_value": num(a.baseline_value), "gap": num(a.gap),
+                "atp": None if a.atp is None else _array(a.atp),
+                "atp_clean": None if a.atp_clean is None else _array(a.atp_clean),
+                "circuit": None if c is None else {
+                    "edges": [[s, t, num(v)] for s, t, v in c.edges], "faithfulness": num(c.faithfulness),
+                    "circuit_value": num(c.circuit_value), "edges_scored": c.edges_scored, "steps": c.steps}}
 
     def _lens_dict(self) -> dict | None:
         from attnlab.viz.html_report import clean_text

@@ -297,6 +297,7 @@ def checkpoint_model(
     head: int | None = None,
     trace: bool | None = None,
     corrupt: str | None = None,
+    attribute: bool = False,
 ) -> Explanation:
     """A trained associative-recall model (a file from ``attnlab train``) on ``text``.
 
@@ -335,7 +336,10 @@ def checkpoint_model(
     notes += _trace_note(trace, T)
     lens, scores, patching = decoder_inside(model, np.asarray(ids), task.vocab, corrupt=corrupt,
                                             encode=lambda s: (task.encode(s), s.split()))
+    attribution = _attribution(model, np.asarray(ids), lens, task.vocab, patching, corrupt,
+                               lambda s: (task.encode(s), s.split())) if attribute else None
     return Explanation(
+        attribution=attribution,
         lens=lens,
         head_scores=scores,
         patching=patching,
@@ -362,6 +366,7 @@ def gpt2_model(
     head: int | None = None,
     trace: bool | None = None,
     corrupt: str | None = None,
+    attribute: bool = False,
 ) -> Explanation:
     """A decoder folder or file on ``text``: GPT-2, Llama, Mistral, Qwen2 or Qwen3
     (``config.json``, the weights, optionally ``tokenizer.json``; or a ``.gguf`` file), as
@@ -383,7 +388,7 @@ def gpt2_model(
         raise ValueError(f"{path} holds a {family.name} model; this view needs a decoder folder or .gguf file")
     return decoder_explanation(from_pretrained(path), text, layer=layer, head=head, trace=trace,
                                source=Path(path).name, model_name="gpt2" if family.name == "gpt2" else family.name,
-                               corrupt=corrupt)
+                               corrupt=corrupt, attribute=attribute)
 
 
 def smollm2_model(
@@ -393,6 +398,7 @@ def smollm2_model(
     head: int | None = None,
     trace: bool | None = None,
     corrupt: str | None = None,
+    attribute: bool = False,
 ) -> Explanation:
     """The bundled SmolLM2-135M-Instruct (``make demo`` installs it) on ``text``, as is
     (no chat template): 30 blocks of 9 query heads over 3 key/value heads, rotary positions.
@@ -405,7 +411,7 @@ def smollm2_model(
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return decoder_explanation(load_smollm2(), text, layer=layer, head=head, trace=trace, source="",
-                               model_name="smollm2", corrupt=corrupt)
+                               model_name="smollm2", corrupt=corrupt, attribute=attribute)
 
 
 def _head_groups(num_heads: int, num_kv_heads: int) -> str:
@@ -429,7 +435,7 @@ class _Readable:
 
 def decoder_explanation(
     model, text: str, *, layer: int | None, head: int | None, trace: bool | None, source: str, model_name: str,
-    corrupt: str | None = None,
+    corrupt: str | None = None, attribute: bool = False,
 ) -> Explanation:
     """Any causal decoder with a tokenizer (or token ids) on ``text``.
 
@@ -442,8 +448,10 @@ def decoder_explanation(
     query attention) and, for repeated tokens, whether some head (in any layer) shows the
     induction pattern. The logit lens and the head detector scores are filled in, and
     with ``corrupt`` (a text of as many tokens) activation patching (see
-    :func:`attnlab.explain.inside.decoder_inside`). Everything is read from the model's
-    hook points.
+    :func:`attnlab.explain.inside.decoder_inside`); with ``attribute`` the input attribution
+    of the predicted token and, with ``corrupt``, attribution patching and the EAP-IG
+    circuit (:func:`attnlab.explain.attribution.decoder_attribution`). Everything is read
+    from the model's hook points.
 
     Raises:
         ValueError: a text longer than the context, ids that are not numbers or outside
@@ -502,7 +510,9 @@ def decoder_explanation(
         f"{n_heads} query heads over {attn.num_kv_heads} key/value heads"
     where = f": {source}" if source else ""
     lens, scores, patching = decoder_inside(model, np.asarray(ids), vocab, corrupt=corrupt, encode=encode)
+    attribution = _attribution(model, np.asarray(ids), lens, vocab, patching, corrupt, encode) if attribute else None
     return Explanation(
+        attribution=attribution,
         lens=lens,
         head_scores=scores,
         patching=patching,
@@ -521,6 +531,17 @@ def decoder_explanation(
         unknown=n_unknown,
         token_scheme=scheme,
     )
+
+
+def _attribution(model, ids, lens, vocab, patching, corrupt, encode):
+    """``explain --attribute``: the predicted token's input attribution and, with a
+    corrupted text, attribution patching and the circuit."""
+    from attnlab.explain.attribution import decoder_attribution
+
+    target = int(lens.ids[-1, -1, 0])  # the model's prediction after the text
+    name = vocab(target) if callable(vocab) else vocab[target]
+    corrupted_ids = None if corrupt is None else np.asarray(encode(corrupt)[0])
+    return decoder_attribution(model, ids, target, str(name), patching=patching, corrupted_ids=corrupted_ids)
 
 
 #: name -> model callable, for :func:`attnlab.explain.explain` and ``attnlab explain --model``.

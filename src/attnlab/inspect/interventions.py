@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from attnlab.inspect._model import ATTN_OUT, MLP_OUT, RESID_PRE, Z, blocks, num_heads, token_ids
+from attnlab.inspect._model import ATTN_OUT, MLP_OUT, PATTERN, RESID_PRE, Z, blocks, num_heads, token_ids
 from attnlab.nn.module import Module
 
 __all__ = ["ABLATIONS", "PATCH_HOOKS", "ablate_heads", "activation_patching"]
@@ -19,9 +19,68 @@ __all__ = ["ABLATIONS", "PATCH_HOOKS", "ablate_heads", "activation_patching"]
 ABLATIONS = ("zero", "mean")
 """What ``ablate_heads`` can replace a head's output (``hook_z``) with: zeros, or its mean
 over the batch and positions."""
-PATCH_HOOKS = {"resid_pre": RESID_PRE, "attn_out": ATTN_OUT, "mlp_out": MLP_OUT, "z": Z}
-"""The activations ``activation_patching`` can patch, by short name: the hook point (in each
-block, counted from 0) that each names."""
+PATCH_HOOKS = {"resid_pre": RESID_PRE, "attn_out": ATTN_OUT, "mlp_out": MLP_OUT, "z": Z, "pattern": PATTERN,
+               "q": "blocks.{i}.attn.hook_q", "k": "blocks.{i}.attn.hook_k", "v": "blocks.{i}.attn.hook_v",
+               "rot_q": "blocks.{i}.attn.hook_rot_q", "rot_k": "blocks.{i}.attn.hook_rot_k"}
+"""The activations ``activation_patching`` and ``attribution_patching`` patch, by short name:
+the hook point (in each block, counted from 0) that each names. ``resid_pre``, ``attn_out``
+and ``mlp_out`` ``(B, T, E)`` have a cell per position; the others one per head: ``z``,
+``q``, ``rot_q`` ``(B, T, H, D)``, ``k``, ``v``, ``rot_k`` ``(B, T, H_kv, D)`` (per key/value
+head under grouped-query attention) and ``pattern`` ``(B, H, T, S)``; ``rot_q`` and
+``rot_k`` (the rotated queries and keys) only in models with rotary positions."""
+
+
+class Cells:
+    """How an activation of one hook kind splits into cells: the axes (counted from the
+    end, as an unbatched call drops the batch axis of the residual stream only) of the
+    position and of the head (None: no head axis). ``pattern``'s position is the query's."""
+
+    def __init__(self, kind: str, model, by_position: bool) -> None:
+        self.kind = _choice(kind, "hook", tuple(PATCH_HOOKS))
+        self.template = PATCH_HOOKS[kind]
+        N = len(blocks(model))
+        self.names = [self.template.format(i=i) for i in range(N)]
+        known = set(model.hook_names())
+        missing = [n for n in self.names if n not in known]
+        if missing:
+            why = " (its attention has no rotary positions)" if kind.startswith("rot_") else ""
+            raise ValueError(f"hook {kind!r}: {type(model).__name__} has no hook point {missing[0]}{why}")
+        self.pos_axis, self.head_axis = {"pattern": (-2, -3)}.get(
+            kind, (-2, None) if kind in ("resid_pre", "attn_out", "mlp_out") else (-3, -2))
+        if by_position not in (True, False):
+            raise TypeError(f"by_position must be a bool, got {by_position!r}")
+        if by_position and self.head_axis is None:
+            raise ValueError(f"by_position=True splits a per-head kind by position too; hook={kind!r} already "
+                             "has one cell per position")
+        self.by_position = by_position
+
+    def count(self, a: np.ndarray) -> tuple[int, ...]:
+        """The cells of one block's activation ``a``: ``(T,)``, ``(H,)`` or ``(T, H)``."""
+        if self.head_axis is None:
+            return (a.shape[self.pos_axis],)
+        if self.by_position:
+            return a.shape[self.pos_axis], a.shape[self.head_axis]
+        return (a.shape[self.head_axis],)
+
+    def index(self, a: np.ndarray, cell: tuple[int, ...]) -> tuple:
+        """The index of one cell in ``a``."""
+        sl = [slice(None)] * a.ndim
+        if self.head_axis is None:
+            sl[self.pos_axis] = cell[0]
+        elif self.by_position:
+            sl[self.pos_axis], sl[self.head_axis] = cell
+        else:
+            sl[self.head_axis] = cell[0]
+        return tuple(sl)
+
+    def reduce(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (an activation-shaped array) summed over everything but the cell axes,
+        float64, cells in the order of :meth:`count`."""
+        keep = [self.pos_axis] if self.head_axis is None else \
+            ([self.pos_axis, self.head_axis] if self.by_position else [self.head_axis])
+        keep = [k % a.ndim for k in keep]
+        out = a.astype(np.float64, copy=False).sum(axis=tuple(i for i in range(a.ndim) if i not in keep))
+        return out.T if len(keep) == 2 and keep[0] > keep[1] else out
 
 
 def _choice(value: object, name: str, choices) -> str:
@@ -122,35 +181,50 @@ def activation_patching(
     corrupted: np.ndarray,
     metric: Callable[[object], float],
     hook: str = "resid_pre",
+    *,
+    by_position: bool = False,
+    cells_per_pass: int = 1,
     **forward_kwargs,
 ) -> np.ndarray:
     """The metric after patching one activation at a time from the clean run into the
     corrupted one.
 
     ``clean`` runs once and its activations are cached. Then for every block ``i`` and
-    every position ``p`` (every head ``h`` for ``hook="z"``), ``corrupted`` runs with that
-    one slice replaced by the clean run's, at every sequence of the batch, and
-    ``metric(output)`` is recorded:
+    every cell, ``corrupted`` runs with that one slice replaced by the clean run's, at
+    every sequence of the batch, and ``metric(output)`` is recorded. The cells
+    (:data:`PATCH_HOOKS` names the hook points):
 
-    - ``"resid_pre"``: ``blocks.{i}.hook_resid_pre[:, p]``, the residual entering block ``i``;
-    - ``"attn_out"``: ``blocks.{i}.hook_attn_out[:, p]``, the attention's output;
-    - ``"mlp_out"``: ``blocks.{i}.hook_mlp_out[:, p]``, the MLP's output;
-    - ``"z"``: ``blocks.{i}.attn.hook_z[:, :, h]``, head ``h``'s output at every position.
+    - ``"resid_pre"``: ``blocks.{i}.hook_resid_pre[:, p]``, the residual entering block ``i``,
+      at each position ``p``; ``"attn_out"`` and ``"mlp_out"`` the same of the attention's
+      and the MLP's output;
+    - ``"z"``: ``blocks.{i}.attn.hook_z[:, :, h]``, head ``h``'s output at every position;
+      ``"q"``, ``"k"``, ``"v"`` (``"rot_q"``, ``"rot_k"``) its queries, keys (per key/value
+      head under grouped-query attention), values (the rotated ones); ``"pattern"``:
+      ``hook_pattern[:, h]``, its attention weights;
+    - with ``by_position=True`` a per-head kind has a cell per (position, head):
+      ``hook_z[:, p, h]``, ``hook_pattern[:, h, p]`` (query position ``p``).
 
     Args:
         model: any attnlab model with hook points.
         clean, corrupted: token ids of the same shape, ``(B, T)`` or ``(T,)``.
         metric: output of the forward pass (a decoder's logits) -> a number, e.g. a logit
-            difference.
-        hook: ``"resid_pre"``, ``"attn_out"``, ``"mlp_out"`` or ``"z"``.
+            difference (:func:`~attnlab.inspect.logit_diff`).
+        hook: a key of :data:`PATCH_HOOKS`.
+        by_position: one cell per (position, head) for the per-head kinds.
+        cells_per_pass: patch this many cells of one block in one forward pass, the
+            corrupted batch repeated once per cell (the metric then sees each copy's output
+            alone); the same numbers up to float rounding, fewer passes over the weights.
+            Array keyword arguments (``attention_mask``) are repeated with the batch.
         **forward_kwargs: passed to every forward pass (e.g. ``attention_mask``).
 
     Returns:
-        float64 ``(N, T)``, or ``(N, H)`` for ``"z"``.
+        float64 ``(N, T)`` for the residual kinds; ``(N, H)`` per head (``H_kv`` for
+        ``k``, ``v``, ``rot_k``), ``(N, T, H)`` with ``by_position``.
 
     Raises:
         ValueError: ``clean`` and ``corrupted`` of different shapes (lengths), an unknown
-            ``hook``.
+            ``hook`` or one the model does not have (``rot_k`` without rotary positions),
+            ``by_position`` with a residual kind.
         TypeError: ``metric`` not callable, or returning something that is not one number.
 
     >>> from attnlab.models import GPT2, GPT2Config
@@ -164,23 +238,24 @@ def activation_patching(
     >>> activation_patching(model, clean, corrupted, metric, hook="z").shape
     (2, 2)
     """
-    hook = _choice(hook, "hook", tuple(PATCH_HOOKS))
+    cells = Cells(hook, model, by_position)
     if not callable(metric):
         raise TypeError(f"metric must be a callable (output -> number), got {type(metric).__name__}")
-    clean_ids, corrupted_ids = token_ids(clean, "clean"), token_ids(corrupted, "corrupted")
-    if clean_ids.shape != corrupted_ids.shape:
-        raise ValueError(f"clean and corrupted must have the same shape (the same batch and length), got "
-                         f"clean {clean_ids.shape} and corrupted {corrupted_ids.shape}")
-    N = len(blocks(model))
-    names = [PATCH_HOOKS[hook].format(i=i) for i in range(N)]
+    clean_ids, corrupted_ids = same_shape_ids(clean, corrupted)
+    if isinstance(cells_per_pass, bool) or not isinstance(cells_per_pass, int | np.integer) or cells_per_pass < 1:
+        raise ValueError(f"cells_per_pass must be an int >= 1, got {cells_per_pass!r}")
+    names = cells.names
+    if cells_per_pass > 1:
+        return _patch_in_batches(model, cells, clean_ids, corrupted_ids, metric, int(cells_per_pass), forward_kwargs)
     _, cache = model.run_with_cache(clean_ids, names_filter=names, **forward_kwargs)
-    # The slice to patch: position p of (..., T, E), or head h of z (..., T, H, D).
-    count = num_heads(model) if hook == "z" else clean_ids.shape[-1]
-    out = np.empty((N, count))
+    out = None
     for i, name in enumerate(names):
         source = np.asarray(cache[name])
-        for k in range(count):
-            sl = (..., k, slice(None))
+        count = cells.count(source)
+        if out is None:
+            out = np.empty((len(names), *count))
+        for cell in np.ndindex(*count):
+            sl = cells.index(source, cell)
 
             def patch(a: np.ndarray, _name: str, sl=sl, source=source) -> np.ndarray:
                 a = a.copy()
@@ -188,8 +263,59 @@ def activation_patching(
                 return a
 
             value = metric(model.run_with_hooks(corrupted_ids, fwd_hooks=[(name, patch)], **forward_kwargs))
-            out[i, k] = _number(value)
+            out[(i, *cell)] = _number(value)
     return out
+
+
+def _patch_in_batches(model, cells: Cells, clean_ids, corrupted_ids, metric, k: int, forward_kwargs) -> np.ndarray:
+    """activation_patching with ``k`` cells of a block per forward pass: the corrupted batch
+    repeated ``k`` times, copy ``j`` with cell ``j`` patched."""
+    single = corrupted_ids.ndim == 1
+    base, clean_b = (corrupted_ids[None], clean_ids[None]) if single else (corrupted_ids, clean_ids)
+    B = base.shape[0]
+
+    kwargs = {key: v[None] if single and isinstance(v, np.ndarray) else v for key, v in forward_kwargs.items()}
+    _, cache = model.run_with_cache(clean_b, names_filter=cells.names, **kwargs)
+    out = None
+    for i, name in enumerate(cells.names):
+        source = np.asarray(cache[name])  # (B, ...)
+        count = cells.count(source)
+        if out is None:
+            out = np.empty((len(cells.names), *count))
+        todo = list(np.ndindex(*count))
+        for start in range(0, len(todo), k):
+            chunk = todo[start:start + k]
+            n = len(chunk)
+
+            def patch(a: np.ndarray, _name: str, chunk=chunk, source=source, n=n) -> np.ndarray:
+                a = a.copy()
+                copies = a.reshape(n, B, *a.shape[1:])  # a view: the copies of the batch
+                for j, cell in enumerate(chunk):
+                    sl = cells.index(source, cell)
+                    copies[j][sl] = source[sl]
+                return a
+
+            reps = {key: np.concatenate([v] * n) if isinstance(v, np.ndarray) and v.ndim and v.shape[0] == B else v
+                    for key, v in kwargs.items()}
+            result = model.run_with_hooks(np.concatenate([base] * n), fwd_hooks=[(name, patch)], **reps)
+            if not isinstance(result, np.ndarray) or result.shape[0] != n * B:
+                raise TypeError("cells_per_pass > 1 needs a model whose output is an array with the batch first "
+                                f"(got {type(result).__name__})")
+            for j, cell in enumerate(chunk):
+                part = result[j * B:(j + 1) * B]
+                out[(i, *cell)] = _number(metric(part[0] if single else part))
+    return out
+
+
+def same_shape_ids(clean: object, corrupted: object) -> tuple[np.ndarray, np.ndarray]:
+    """The two runs' token ids, checked to have one shape (cells are compared position by
+    position: there is no alignment of texts of different lengths)."""
+    clean_ids, corrupted_ids = token_ids(clean, "clean"), token_ids(corrupted, "corrupted")
+    if clean_ids.shape != corrupted_ids.shape:
+        raise ValueError(f"clean and corrupted must have the same shape (the same batch and length: the runs "
+                         f"are compared position by position), got clean {clean_ids.shape} and corrupted "
+                         f"{corrupted_ids.shape}")
+    return clean_ids, corrupted_ids
 
 
 def _number(value: object) -> float:

@@ -32,7 +32,8 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 
-__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "keeping", "may_fuse", "tape"]
+__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "frozen_parameters", "keeping", "may_fuse",
+           "parameters_frozen", "tape"]
 
 
 class _Stack:
@@ -163,6 +164,26 @@ def attached(fwd: Mapping | None = None, bwd: Mapping | None = None, *, keep: bo
         yield
     finally:
         _HOOKS.reset(token)
+
+
+_FROZEN: ContextVar[bool] = ContextVar("attnlab_frozen_parameters", default=False)
+
+#: Whether the backward passes of this context leave the parameters' gradients alone.
+parameters_frozen = _FROZEN.get
+
+
+@contextlib.contextmanager
+def frozen_parameters() -> Iterator[None]:
+    """Backward passes in the ``with`` block compute the gradients of the activations (and
+    run the backward hooks) but no parameter's: no weight-gradient products, nothing added
+    to ``.grad`` (torch's ``requires_grad_(False)`` on every parameter). What the gradient
+    methods of :mod:`attnlab.inspect` run in: on SmolLM2 a backward pass then costs about
+    what its forward pass does."""
+    token = _FROZEN.set(True)
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
 
 
 def may_fuse(training: bool, points: Iterable = ()) -> bool:

@@ -540,6 +540,24 @@ class Attention(Module):
         (wq, wk, wv), (bq, bk, bv) = self.in_projections()
         return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
 
+    def _project_per_head(self, xq, xk, xv):
+        """The in-projections of per-head inputs ``(N, L, H, E)``, ``(N, S, H_kv, kdim)``,
+        ``(N, S, H_kv, vdim)``: head ``h`` projects its own input with its rows of the weight,
+        giving ``(N, L, H D)`` and ``(N, S, H_kv D)`` twice (what :meth:`_project` gives when
+        every head's input is the same)."""
+        D = self.head_dim
+        out = []
+        for x, w, b in zip((xq, xk, xv), *self.in_projections(), strict=True):
+            if not isinstance(w, np.ndarray):
+                raise TypeError("per-head inputs (hook_q_input, hook_k_input, hook_v_input) need NumPy float weights, "
+                                f"but this layer's are {type(w).__name__}: load the model dequantized, on NumPy")
+            n = x.shape[-2]
+            y = np.einsum("nlhe,hde->nlhd", x, w.reshape(n, D, -1))
+            if b is not None:
+                y += b.reshape(n, D)
+            out.append(y.reshape(*y.shape[:2], n * D))
+        return tuple(out)
+
     def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
         """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, H D)``."""
         N, H, L, D = out_h.shape
@@ -615,7 +633,8 @@ class Attention(Module):
             raise shape_error(name, x.shape, need.format(d=d))
         return x
 
-    def _inputs(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions) -> AttentionInputs:
+    def _inputs(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions,
+                per_head=None) -> AttentionInputs:
         E = self.embed_dim
         x = self._check_x(x, "x", E, "(N, L, {d}) or (L, {d})")
         batched = x.ndim == 3
@@ -655,7 +674,11 @@ class Attention(Module):
             positions = np.asarray(positions)
             if positions.shape not in ((L,), (N, L)) or not np.issubdtype(positions.dtype, np.integer):
                 raise shape_error("positions", positions.shape, f"({L},) or ({N}, {L}) integers")
-        qp, kp, vp = self._project(q, k, v, key_value is None)
+        if per_head is None:
+            qp, kp, vp = self._project(q, k, v, key_value is None)
+        else:  # each head's own copy of the input, batch first also for an unbatched x (see _run)
+            q, k, v = per_head
+            qp, kp, vp = self._project_per_head(q, k, v)
         qh, kh, vh = self._heads(qp, kp, vp, positions, cache, past)
         return AttentionInputs(q, k, v, qh, kh, vh, _merge_masks(am, kpm, self.dtype), causal_flag, batched,
                                cache is not None)
@@ -697,14 +720,22 @@ class Attention(Module):
                          kwargs.pop("attn_mask", None), kwargs.pop("is_causal", None), kwargs.pop("cache", None),
                          kwargs.pop("positions", None), True, **kwargs)
 
-    def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights):
-        if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None:
+    def _run(self, x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, need_weights,
+             per_head=None):
+        """The call. ``per_head``: ``(x_q (N, L, H, E), x_k (N, S, H_kv, E), x_v)``, each
+        query head's and each key/value head's own input, batch first (N = 1 for an
+        unbatched ``x``; a block's split inputs, which a hook may have made differ per head;
+        ``x`` then gives only the shapes): head ``h``'s
+        queries are ``x_q[:, :, h] W_q^h``, and so on. :meth:`backward` then returns the
+        gradients of the three."""
+        if not need_weights and key_value is None and key_padding_mask is None and attn_mask is None \
+                and per_head is None:
             causal = self.causal if is_causal is None else bool(is_causal)
             if not (causal and self.sliding_window is not None):
                 out = self._one_pool_call(x, causal, cache, batch_first=True, positions=positions)
                 if out is not None:
                     return (out if x.ndim == 3 else out[0]), None
-        a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions)
+        a = self._inputs(x, key_value, key_padding_mask, attn_mask, is_causal, cache, positions, per_head)
         z, weights, rng_state, explicit = self._attend(a.qh, a.kh, a.vh, a.mask, a.causal, need_weights)
         out = self._finish(z, a, weights, rng_state, explicit)
         if not a.batched:
@@ -771,6 +802,8 @@ class Attention(Module):
         parameter gradients accumulate in ``.grad``. Through the rotary slot and the
         QK-norm too; not through a call with a KVCache."""
         (gq, gk, gv), a = self._backward_qkv(grad_output, batch_first=True, summed=True)
+        if a.q.ndim == 4:  # a call with per-head inputs: the gradient of each
+            return (gq, gk, gv) if a.batched else (gq[0], gk[0], gv[0])
         if a.k is a.q:
             g = gq if gk is None else gq + gk + gv
             return g if a.batched else g[0]
@@ -825,21 +858,36 @@ class Attention(Module):
         has_bias = self.in_proj_bias is not None
         if self._qkv_same_embed_dim and a.k is a.q and a.v is a.q and S == L and isinstance(gq4, np.ndarray):
             return self._fused_in_proj_backward(gq4, gk4, gv4, a.q, has_bias, summed)
+        (wq, wk, wv), _ = self.in_projections()
+        if a.q.ndim == 4:  # per-head inputs: head h's rows of the weight met its own input
+            grads, wgrads, bgrads = [], [], []
+            for g4, x, w in ((gq4, a.q, wq), (gk4, a.k, wk), (gv4, a.v, wv)):
+                grads.append(np.einsum("nlhd,hde->nlhe", g4, w.reshape(g4.shape[2], D, -1)))
+                wgrads.append(np.einsum("nlhd,nlhe->hde", g4, x).reshape(-1, x.shape[-1]))
+                bgrads.append(g4.sum(axis=(0, 1)).reshape(-1) if has_bias else None)
+            self._accumulate_in_proj(*wgrads, *bgrads)
+            return tuple(grads)
         gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
         gkp, gvp = self._extra_keys_backward(gkp, gvp)
-        (wq, wk, wv), _ = self.in_projections()
         gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias)
         gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
         gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
+        self._accumulate_in_proj(gwq, gwk, gwv, gbq, gbk, gbv)
+        return gq, gk, gv
+
+    def _accumulate_in_proj(self, gwq, gwk, gwv, gbq, gbk, gbv) -> None:
+        """Add the q, k and v projections' weight and bias gradients to the parameters (none
+        with frozen parameters)."""
+        if gwq is None:
+            return
         if self._qkv_same_embed_dim:
             self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]), owned=True)
         else:
             self.q_proj_weight.accumulate(gwq)
             self.k_proj_weight.accumulate(gwk)
             self.v_proj_weight.accumulate(gwv)
-        if has_bias:
+        if self.in_proj_bias is not None:
             self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]), owned=True)
-        return gq, gk, gv
 
     def _fused_in_proj_backward(self, gq4, gk4, gv4, x, has_bias: bool, summed: bool):
         """Self-attention through ``in_proj_weight`` (one ``(Dq + 2 Dkv, E)`` matrix): the

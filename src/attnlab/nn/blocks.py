@@ -139,7 +139,15 @@ class TransformerBlock(Module):
 
     Hook points (TransformerLens's names): ``hook_resid_pre``, ``ln1.hook_normalized``,
     ``attn.hook_*``, ``hook_attn_out``, ``hook_resid_mid``, ``ln2.hook_normalized``,
-    ``mlp.hook_pre``, ``mlp.hook_post``, ``hook_mlp_out``, ``hook_resid_post``. Post-norm,
+    ``mlp.hook_pre``, ``mlp.hook_post``, ``hook_mlp_out``, ``hook_resid_post``.
+    Four more fire only when a hook names them (not for ``names_filter=None`` or a
+    predicate), as TransformerLens's ``use_split_qkv_input`` and ``use_hook_mlp_in``:
+    ``hook_q_input`` ``(B, T, H, d_model)``, ``hook_k_input`` and ``hook_v_input``
+    ``(B, T, H_kv, d_model)``, each head's own copy of the attention's input (the
+    residual, before ``ln_1``; batch axis kept for an unbatched call), which the block then
+    normalises and projects head by head, so a hook can change one head's input alone; and
+    ``hook_mlp_in`` ``(B, T, d_model)``, the MLP's own copy of the residual (pre-norm: before
+    ``ln_2``; post-norm: after ``ln_1``). Post-norm,
     ``hook_resid_post`` is the sum before ``ln_2`` and the block's output, ``ln_2`` of it,
     is ``hook_normalized_resid_post`` (see :attr:`output_hook`). With sandwich norms,
     ``ln1_post.hook_normalized`` and ``ln2_post.hook_normalized`` too, and ``hook_attn_out``
@@ -181,6 +189,12 @@ class TransformerBlock(Module):
         self.causal = bool(causal)
         self.norm_first = bool(norm_first)
         self.hook_resid_pre = HookPoint()
+        # Each head's own copy of the attention's input and the MLP's, for patching one edge
+        # into one head (TransformerLens's use_split_qkv_input and use_hook_mlp_in): attached
+        # only when named, and only then does the block compute per-head inputs.
+        self.hook_q_input = HookPoint(opt_in=True)
+        self.hook_k_input = HookPoint(opt_in=True)
+        self.hook_v_input = HookPoint(opt_in=True)
         ln_1 = ln_1 if ln_1 is not None else LayerNorm(d_model, layer_norm_eps, dtype=dtype)
         if self.norm_first:
             self.ln_1 = ln_1
@@ -196,6 +210,7 @@ class TransformerBlock(Module):
         self.drop_1 = Dropout(dropout, rng=rng)
         self.hook_attn_out = HookPoint()
         self.hook_resid_mid = HookPoint()
+        self.hook_mlp_in = HookPoint(opt_in=True)
         if not self.norm_first:
             self.ln_1 = ln_1
         self.ln_2 = ln_2 if ln_2 is not None else LayerNorm(d_model, layer_norm_eps, dtype=dtype)
@@ -250,37 +265,76 @@ class TransformerBlock(Module):
             d = self.attn.embed_dim
             raise shape_error("x", np.shape(x), f"(B, T, {d}) or (T, {d})")
         x = self.hook_resid_pre(x)
-        h = self.attention_input(x)
-        a, w = self.attn._run(h, None, key_padding_mask, None, self.causal, cache, positions, need_weights)
+        per_head = self._per_head_inputs(x) if self._split() else None
+        h = x if per_head is not None else self.attention_input(x)  # per head: x gives the shapes only
+        a, w = self.attn._run(h, None, key_padding_mask, None, self.causal, cache, positions, need_weights,
+                              per_head)
         if self.ln_1_post is not None:
             a = self.ln_1_post(a)
         s = self.hook_attn_out(self.drop_1(a))  # a fresh array: the residual is added in place
         s += x
         s = self.hook_resid_mid(s)
         if self.norm_first:
-            m = self.mlp(self.ln_2(s))
+            m = self.mlp(self.ln_2(self._mlp_in(s)))
             m = self.hook_mlp_out(m if self.ln_2_post is None else self.ln_2_post(m))
             m += s
             return self.hook_resid_post(m), w
         s = self.ln_1(s)
-        m = self.mlp(s)
+        m = self.mlp(self._mlp_in(s))
         m = self.hook_mlp_out(m if self.ln_2_post is None else self.ln_2_post(m))
         m += s
         return self.hook_normalized_resid_post(self.ln_2(self.hook_resid_post(m))), w
+
+    def _split(self) -> bool:
+        """Whether this call gives each head its own input (a hook on hook_q/k/v_input)."""
+        return self.hook_q_input.hooked or self.hook_k_input.hooked or self.hook_v_input.hooked
+
+    def _per_head_inputs(self, x: np.ndarray) -> tuple:
+        """``(x_q, x_k, x_v)``: each head's copy of the residual ``x`` through its hook point
+        and the attention's input norm, ``(B, T, H | H_kv, d_model)`` (batched)."""
+        xb = x if x.ndim == 3 else x[None]
+        heads = (self.attn.num_heads, self.attn.num_kv_heads, self.attn.num_kv_heads)
+        points = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
+        # np.repeat makes fresh copies: a hook may write into one head's input
+        return tuple(self.attention_input(point(np.repeat(xb[:, :, None], n, axis=2)))
+                     for point, n in zip(points, heads, strict=True))
+
+    def _mlp_in(self, s: np.ndarray) -> np.ndarray:
+        """The MLP's copy of the residual, through hook_mlp_in (a copy only when hooked: the
+        residual goes on unchanged)."""
+        return self.hook_mlp_in(s.copy() if self.hook_mlp_in.hooked else s)
+
+    def _attn_input_backward(self, grad, batched: bool) -> np.ndarray:
+        """The attention's backward pass to the gradient of the block's residual input:
+        through ``ln_1`` (pre-norm), or, after a call with per-head inputs, through each
+        head's norm and hook point, summed over the heads."""
+        g = self.attn.backward(grad)
+        if not isinstance(g, tuple):
+            return self.ln_1.backward(g) if self.norm_first else g
+        points = (self.hook_q_input, self.hook_k_input, self.hook_v_input)
+        total = None
+        for point, gh in reversed(list(zip(points, g, strict=True))):  # ln_1 ran on q, k, v in that order
+            if self.norm_first:
+                gh = self.ln_1.backward(gh)
+            gh = point.backward(gh).sum(axis=2)
+            total = gh if total is None else total + gh
+        return total if batched else total[0]
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         """The gradient of the block's input; the parameters' gradients accumulate. Through
         every hook point in reverse order (each one's backward hooks see the gradient of its
         activation)."""
+        batched = np.ndim(grad_output) == 3
         if self.norm_first:
             g = self.hook_resid_post.backward(grad_output)
-            g = g + self.ln_2.backward(self.mlp.backward(self._post_mlp_backward(g)))
+            g = g + self.hook_mlp_in.backward(self.ln_2.backward(self.mlp.backward(self._post_mlp_backward(g))))
             g = self.hook_resid_mid.backward(g)
-            g = g + self.ln_1.backward(self.attn.backward(self._post_attn_backward(g)))
+            g = g + self._attn_input_backward(self._post_attn_backward(g), batched)
             return self.hook_resid_pre.backward(g)
         gm = self.hook_resid_post.backward(self.ln_2.backward(self.hook_normalized_resid_post.backward(grad_output)))
-        gs = self.hook_resid_mid.backward(self.ln_1.backward(gm + self.mlp.backward(self._post_mlp_backward(gm))))
-        return self.hook_resid_pre.backward(gs + self.attn.backward(self._post_attn_backward(gs)))
+        gs = gm + self.hook_mlp_in.backward(self.mlp.backward(self._post_mlp_backward(gm)))
+        gs = self.hook_resid_mid.backward(self.ln_1.backward(gs))
+        return self.hook_resid_pre.backward(gs + self._attn_input_backward(self._post_attn_backward(gs), batched))
 
     def _post_attn_backward(self, g: np.ndarray) -> np.ndarray:
         """From the residual's gradient to the attention output's: ``hook_attn_out``, the

@@ -13,6 +13,7 @@ import numpy as np
 from attnlab._threads import matmul, matmuls
 from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
+from attnlab.nn import _context
 from attnlab.quant import QuantizedTensor, quantized_linear
 
 
@@ -39,6 +40,8 @@ def linear_backward(
     grad_y: np.ndarray, x: np.ndarray, weight: np.ndarray, *, has_bias: bool
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """``(grad_x, grad_weight, grad_bias)`` for :func:`linear`; batch dims are summed.
+    With the parameters frozen (:func:`attnlab.nn._context.frozen_parameters`) only
+    ``grad_x`` is computed (the others are None).
 
     Raises:
         TypeError: a quantized weight (those are for inference only).
@@ -47,6 +50,8 @@ def linear_backward(
         raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
                         "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
+    if _context.parameters_frozen():
+        return matmul(g2, weight, tokens=g2.shape[0]).reshape(*grad_y.shape[:-1], weight.shape[1]), None, None
     # Both products on one wake of the pool (its threads' wake-up is paid once).
     grad_w, grad_x = matmuls([(g2.T, x.reshape(-1, x.shape[-1])), (g2, weight)], tokens=g2.shape[0])
     grad_b = col_sum(g2) if has_bias else None  # a BLAS matrix-vector product: fast

@@ -81,10 +81,18 @@ class HookPoint(Module):
     hook functions attached in this call make of it; ``hook.backward(grad)`` returns the
     gradient, or what the call's backward hooks make of it (see :mod:`attnlab.nn.hooks`).
 
+    ``opt_in=True`` marks a point that changes how its layer computes when hooked (a
+    block's per-head inputs): only a hook that names it attaches there, not
+    ``names_filter=None`` or a predicate.
+
     >>> hp = HookPoint()
     >>> hp(np.ones(2))
     array([1., 1.])
     """
+
+    def __init__(self, *, opt_in: bool = False) -> None:
+        super().__init__()
+        self.opt_in = bool(opt_in)
 
     @property
     def _fns(self) -> tuple:
@@ -230,7 +238,7 @@ def _plan(points: dict[str, HookPoint], hook_list, what: str) -> dict[HookPoint,
             plan.setdefault(target, []).append(fn)
         elif callable(target):
             for name in known:
-                if target(name):
+                if target(name) and not points[name].opt_in:
                     plan.setdefault(name, []).append(fn)
         else:
             raise TypeError(f"a hook's target must be a hook name or a predicate name -> bool, "
@@ -312,11 +320,14 @@ def run_with_cache(module: Module, *args, names_filter=None, incl_bwd: bool = Fa
                          "(e.g. of the logits (B, T, V) of a decoder): attnlab runs backward(grad_out) itself")
     if grad_out is not None and not incl_bwd:
         raise ValueError("grad_out is read only with incl_bwd=True (the gradients are then cached too)")
-    known = [name for name, _ in hook_points(module)]
+    points = dict(hook_points(module))
+    known = list(points)
     keep = _check_name_filter(names_filter, known)
     store: dict[str, np.ndarray] = {}
     grads: dict[str, np.ndarray] = {}
-    wanted = [name for name in known if keep(name)]
+    named = {names_filter} if isinstance(names_filter, str) else \
+        set(names_filter) if isinstance(names_filter, list | tuple | set | frozenset) else set()
+    wanted = [name for name in known if keep(name) and (name in named or not points[name].opt_in)]
     record, record_grad = _recorder(store), _recorder(grads, "_grad")
     with hooks(module, [(name, record) for name in wanted],
                [(name, record_grad) for name in wanted] if incl_bwd else (), keep=bool(incl_bwd)):

@@ -17,8 +17,8 @@ from attnlab._threads import matmul
 from attnlab._validation import float_dtype, generator, positive_int, probability
 from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
 from attnlab.core._reduce import col_sum
+from attnlab.nn import _context, init
 from attnlab.nn import functional as F
-from attnlab.nn import init
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input  # noqa: F401  (Linear: the doctests)
 from attnlab.nn.module import Module, Parameter
@@ -94,6 +94,8 @@ class Embedding(Module):
         with more leading axes than the ids (rows looked up once and broadcast, as shared
         positions over a batch) is summed over them first."""
         ids = self._saved()["ids"]
+        if _context.parameters_frozen():  # the ids have no gradient, and the table takes none
+            return None
         g = grad_output
         if g.ndim > ids.ndim + 1:
             g = g.reshape(-1, *ids.shape, self.embedding_dim).sum(axis=0)

@@ -59,7 +59,10 @@ class Parameter:
         ``owned``: ``grad`` is a fresh array that nothing else holds or will change (a
         layer's newly computed gradient); on first use it becomes ``self.grad`` itself
         rather than a copy, as torch's autograd keeps a fresh gradient (a weight matrix's
-        copy costs as much as a pass over it)."""
+        copy costs as much as a pass over it). Nothing is added for a ``grad`` of None or in
+        a context with frozen parameters (:func:`attnlab.nn._context.frozen_parameters`)."""
+        if grad is None or _context.parameters_frozen():
+            return
         with _GRAD_LOCK:
             if self.grad is None:
                 if owned and type(grad) is np.ndarray and grad.base is None and grad.dtype == self.data.dtype \
@@ -74,6 +77,8 @@ class Parameter:
         """Add ``grad`` ``(N, ...)`` to the rows ``rows`` ``(N,)`` of ``self.grad`` (made of
         zeros on first use; a row named twice gets both): an embedding table's gradient
         without a second table-sized array."""
+        if _context.parameters_frozen():
+            return
         with _GRAD_LOCK:
             if self.grad is None:
                 self.grad = np.zeros(self.data.shape, dtype=self.data.dtype)

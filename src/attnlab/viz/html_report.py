@@ -8,7 +8,10 @@ trace of one attention call (X, Q, K, V, scores, weights, output with their shap
 static -> contextual embedding plot; for decoders also the logit lens (layers x positions,
 the likeliest next token in each cell, shaded by its probability), the head detector
 scores (a blocks x heads heatmap per kind) and, when the explanation has one, the
-activation-patching heatmap (blocks x positions). Every view exports as PNG or SVG.
+activation-patching heatmap (blocks x positions); with ``explain --attribute`` also the
+input attribution (the tokens shaded by score), attribution patching beside activation
+patching (blocks x positions) and the circuit that EAP-IG finds, drawn as a graph of heads.
+Every view exports as PNG or SVG.
 
 The file makes no network request of any kind: script and style are inlined, the numbers
 are embedded, and a Content-Security-Policy forbids every fetch except ``data:``/``blob:``
@@ -378,6 +381,7 @@ def _payload(explanation: object, max_bytes: int | None = None, views=None) -> d
 
     layers, heads = np.shape(explanation.attentions)[:2]
     inside = _inside(explanation, pending, tokens, int(layers), int(heads), want)
+    inside["attribution"] = _attribution(explanation, pending, T, int(layers))
     # The view opens on the explanation's layer (numbered 1..n; index layer - 1) and head.
     layer = getattr(explanation, "layer", None) or layers
     head = getattr(explanation, "head", None) or 0
@@ -505,6 +509,37 @@ def _inside(explanation: object, pending: dict, tokens: list[str], layers: int, 
             "corrupted_token": _shown(explanation, [clean_text(patching.corrupted_token)])[0],
             "clean_value": float(patching.clean_value), "corrupted_value": float(patching.corrupted_value),
         }
+    return out
+
+
+def _attribution(explanation: object, pending: dict, T: int, layers: int) -> dict | None:
+    """``explain --attribute``'s input attribution, attribution patching and circuit (None
+    without them); the per-token scores and the ``(layers, T)`` AtP go to ``pending``."""
+    a = getattr(explanation, "attribution", None)
+    if a is None:
+        return None
+    scores = np.asarray(a.scores)
+    if scores.shape != (T,):
+        raise ValueError(f"explanation.attribution.scores has shape {scores.shape}, but should be ({T},)")
+    pending["attr"] = _finite(scores, "attribution.scores").astype(np.float32)
+    def num(x):  # JSON has no NaN: an undefined share (equal metrics) is null
+        x = float(x)
+        return x if np.isfinite(x) else None
+
+    out = {"target_token": clean_text(a.target_token), "method": clean_text(a.method), "steps": int(a.steps),
+           "baseline": clean_text(a.baseline), "value": num(a.value), "baseline_value": num(a.baseline_value),
+           "gap": num(a.gap), "atp": False, "circuit": None}
+    if a.atp is not None and getattr(explanation, "patching", None) is not None:
+        atp = np.asarray(a.atp)
+        if atp.shape != (layers, T):
+            raise ValueError(f"explanation.attribution.atp has shape {atp.shape}, but should be ({layers}, {T})")
+        pending["atp"] = _finite(atp, "attribution.atp").astype(np.float32)
+        out["atp"] = True
+    c = a.circuit
+    if c is not None:
+        out["circuit"] = {"edges": [[clean_text(s), clean_text(t), num(v)] for s, t, v in c.edges],
+                          "faithfulness": num(c.faithfulness), "circuit_value": num(c.circuit_value),
+                          "edges_scored": int(c.edges_scored), "steps": int(c.steps)}
     return out
 
 

@@ -20,7 +20,8 @@
   var VIEWS = [
     ["head", "Head view"], ["model", "Model view"], ["heatmap", "Heatmap"],
     ["steps", "Steps"], ["embedding", "Embeddings"], ["lens", "Logit lens"],
-    ["detectors", "Head detectors"], ["patching", "Patching"], ["rollout", "Rollout"]
+    ["detectors", "Head detectors"], ["patching", "Patching"], ["rollout", "Rollout"],
+    ["attribution", "Input attribution"], ["atp", "AtP vs patching"], ["circuit", "Circuit"]
   ];
   // Why a tab is off when the explanation has no data for it.
   var MISSING = {
@@ -28,7 +29,10 @@
     lens: "only decoders have a logit lens (attnlab explain --model smollm2, the bundled decoder; or a decoder's --checkpoint)",
     detectors: "only decoders get head detector scores (attnlab explain --model smollm2, the bundled decoder; or a decoder's --checkpoint)",
     patching: "no activation patching in this explanation (attnlab explain --corrupt TEXT records one)",
-    rollout: "attention rollout is drawn for encoders (attnlab explain --model minilm)"
+    rollout: "attention rollout is drawn for encoders (attnlab explain --model minilm)",
+    attribution: "no input attribution in this explanation (attnlab explain --attribute records one)",
+    atp: "no attribution patching in this explanation (attnlab explain --attribute --corrupt TEXT records one)",
+    circuit: "no circuit in this explanation (attnlab explain --attribute --corrupt TEXT finds one with EAP-IG)"
   };
   var KIND_NAMES = { previous_token: "previous-token heads", duplicate_token: "duplicate-token heads",
     induction: "induction heads" };
@@ -210,8 +214,9 @@
     this.tabButtons = {};
     VIEWS.forEach(function (v) {
       var b = el("button", { "class": "al-tab", role: "tab", type: "button", "data-view": v[0] }, v[1]);
+      var A = data.attribution;
       var has = { steps: data.steps.length > 0, lens: !!data.lens, detectors: !!data.detectors, patching: !!data.patching,
-        rollout: !!data.rollout };
+        rollout: !!data.rollout, attribution: !!A, atp: !!(A && A.atp), circuit: !!(A && A.circuit) };
       if (v[0] in has && !has[v[0]]) {
         b.disabled = true;
         b.title = MISSING[v[0]];
@@ -273,6 +278,9 @@
     else if (s.view === "detectors") svg = this.detectorsView();
     else if (s.view === "patching") svg = this.patchingView();
     else if (s.view === "rollout") svg = this.rolloutView();
+    else if (s.view === "attribution") svg = this.attributionView();
+    else if (s.view === "atp") svg = this.atpView();
+    else if (s.view === "circuit") svg = this.circuitView();
     else svg = this.embeddingView();
     svg.setAttribute("xmlns", NS);
     svg.classList.add("al-view");
@@ -296,7 +304,10 @@
       lens: "The likeliest next token at each position, read from the residual stream after each layer (through the final norm and the unembedding); darker = more probable, bold = the token that does come next. Point at a cell for the top tokens.",
       detectors: "How much each head attends like a previous-token, duplicate-token or induction head (0 to 1), on this text. Rows: blocks, counted from 0 as in the hook names (block i makes layer i + 1). Click a cell to open that head.",
       rollout: "Attention rollout (Abnar & Zuidema): how much each token's vector after the chosen layer draws on each input token, through every layer up to it (heads averaged, the residual counted as attention to itself). Rows: tokens after the layer, columns: input tokens.",
-      patching: "Each cell: the metric when the corrupted text runs with one residual vector (entering block i, at one position) taken from the clean text. Red: it restores the clean prediction, white: no effect. Point at a cell for its value."
+      patching: "Each cell: the metric when the corrupted text runs with one residual vector (entering block i, at one position) taken from the clean text. Red: it restores the clean prediction, white: no effect. Point at a cell for its value.",
+      attribution: "Each token shaded by how much it pushed the model towards its predicted next token (integrated gradients of that token's log-probability, summed over the embedding's dimensions): red towards, blue away. Point at a token for its score.",
+      atp: "Left: activation patching's effect (one forward pass per cell). Right: attribution patching's estimate of the same numbers from one backward pass (the gradient at the corrupted run). One colour scale for both; where they differ, the model is not linear over that patch (often saturated attention). Point at a cell for both values.",
+      circuit: "The edges that edge attribution (EAP-IG) scores highest, pruned to those on a path from the input to the logits: heads (a block.h head) and MLPs (m block) by block. Red: the edge carries the clean behaviour, blue: against it; thicker = larger score; q solid, k dashed, v dotted. Point at an edge for its score."
     };
     this.hint.textContent = hints[s.view];
 
@@ -986,6 +997,163 @@
       mark.setAttribute("x", left + j2 * cw); mark.setAttribute("y", top + i2 * ch);
       mark.setAttribute("visibility", "visible");
     });
+    return svg;
+  };
+
+  /* ------------------------------------------------------------------ attribution views */
+
+  /* The tokens in reading order, each in a box shaded by its score (red +, blue -). */
+  Report.prototype.attributionView = function () {
+    var A = this.data.attribution, tokens = this.tokens, vals = this.arrays.attr, T = this.T;
+    var mx = 0;
+    for (var k = 0; k < T; k++) mx = Math.max(mx, Math.abs(vals[k]));
+    var lines = ["Input attribution: " + A.method.replace(/_/g, " ") + " (" + A.steps + " points, " + A.baseline +
+      " baseline) of log p(\u201c" + short(A.target_token, 24) + "\u201d) at the last position",
+      "scores sum to " + fmt(A.value - A.baseline_value - A.gap) + "; log p " + fmt(A.value) + " at the text, " +
+      fmt(A.baseline_value) + " at the baseline; completeness gap " + fmt(A.gap)];
+    var W = 760, x = 10, y = 56, lineH = 26, boxes = [];
+    for (var t = 0; t < T; t++) {
+      var label = show(tokens[t]), w = textWidth(label, 13) + 10;
+      if (x + w > W - 10 && x > 10) { x = 10; y += lineH; }
+      boxes.push([x, y, w, label, t]);
+      x += w + 3;
+    }
+    var Hh = y + lineH + 40;
+    W = Math.max(W, textWidth(lines[0], 13) + 24, textWidth(lines[1], 11) + 24);
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, lines[0]));
+    svg.appendChild(sv("text", { x: 8, y: 32, "font-size": 11, fill: "#5b6475" }, lines[1]));
+    var self = this;
+    boxes.forEach(function (b) {
+      var v = vals[b[4]], level = mx > 0 ? Math.round((clamp(v / mx, -1, 1) + 1) / 2 * 255) * 3 : 383;
+      var fill = "rgb(" + DIV[level] + "," + DIV[level + 1] + "," + DIV[level + 2] + ")";
+      var g = sv("g", { "class": "al-attr-token", "data-token": b[4] });
+      g.appendChild(sv("rect", { x: b[0], y: b[1] - 16, width: b[2], height: 22, rx: 3, fill: fill, stroke: "#c4c9d3" }));
+      g.appendChild(sv("text", { x: b[0] + 5, y: b[1], "font-size": 13, fill: "#1d2330" }, b[3]));
+      g.addEventListener("mousemove", function (ev) {
+        self.showTip(ev, "token " + b[4] + " \u201c" + short(tokens[b[4]], 24) + "\u201d\nscore " + fmt(v) +
+          (mx > 0 ? " (" + (100 * v / mx).toFixed(0) + "% of the largest)" : ""));
+      });
+      g.addEventListener("mouseleave", function () { self.hideTip(); });
+      svg.appendChild(g);
+    });
+    svg.appendChild(sv("text", { x: 8, y: Hh - 10, "font-size": 11, fill: "#5b6475" },
+      "red: towards the prediction, blue: away (scaled to the largest |score|, " + fmt(mx) + ")"));
+    return svg;
+  };
+
+  /* Activation patching's effect and AtP's estimate of it, side by side, one colour scale. */
+  Report.prototype.atpView = function () {
+    var self = this, P = this.data.patching, tokens = this.tokens, L = this.L, T = this.T;
+    var w = this.win(), lo = w[0], n = w[1] - w[0];
+    var effect = new Float32Array(L * T), est = this.arrays.atp, mx = 0;
+    for (var k = 0; k < L * T; k++) {
+      effect[k] = this.arrays.patch[k] - P.corrupted_value;
+      mx = Math.max(mx, Math.abs(effect[k]), Math.abs(est[k]));
+    }
+    var cw = clamp(300 / n, Math.min(24, 180 / n), 24), ch = clamp(Math.floor(320 / L), 6, 24), left = 64, top = 70;
+    var gap = 40, size = [n * cw, L * ch], W = left + 2 * size[0] + gap + 40, Hh = top + size[1] + 70;
+    var title = "Activation patching (resid_pre) and attribution patching's estimate of it" +
+      (n < T ? ", tokens " + lo + "\u2013" + (lo + n - 1) + " of " + T : "");
+    var sub = "each cell: the metric's change from the corrupted run (" + fmt(P.corrupted_value) +
+      ") when the residual entering block i at one position is the clean text's";
+    W = Math.max(W, textWidth(title, 13) + 24, textWidth(sub, 11) + 24);
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, title));
+    svg.appendChild(sv("text", { x: 8, y: 32, "font-size": 11, fill: "#5b6475" }, sub));
+    [[effect, "activation patching"], [est, "AtP"]].forEach(function (m, p) {
+      var x0 = left + p * (size[0] + gap), vals = m[0];
+      svg.appendChild(sv("text", { x: x0, y: top - 22, "font-size": 11, "font-weight": 600, fill: "#1d2330" }, m[1]));
+      svg.appendChild(sv("image", { x: x0, y: top, width: size[0], height: size[1], preserveAspectRatio: "none",
+        "image-rendering": "pixelated", style: "image-rendering:pixelated",
+        href: matrixImage(L, n, DIV, function (i, j) {
+          return mx > 0 ? Math.round((clamp(vals[i * T + lo + j] / mx, -1, 1) + 1) / 2 * 255) : 128;
+        }) }));
+      svg.appendChild(sv("rect", { x: x0, y: top, width: size[0], height: size[1], fill: "none", stroke: "#c4c9d3" }));
+      var hit = sv("rect", { "class": "al-hit", x: x0, y: top, width: size[0], height: size[1], fill: "transparent" });
+      svg.appendChild(hit);
+      self.hover(hit, L, n, function (i2, j2) {
+        var t2 = lo + j2;
+        return "block " + i2 + ", position " + t2 + " \u201c" + short(tokens[t2], 24) + "\u201d\nactivation patching " +
+          fmt(effect[i2 * T + t2]) + "\nAtP " + fmt(est[i2 * T + t2]);
+      });
+    });
+    var rows = sv("g", { "font-size": 10, fill: "#5b6475", "text-anchor": "end" });
+    for (var i = 0; i < L; i++) {
+      if (ch < 12 && i % Math.ceil(12 / ch)) continue;
+      rows.appendChild(sv("text", { x: left - 6, y: top + (i + 0.5) * ch, "dominant-baseline": "central" }, "block " + i));
+    }
+    svg.appendChild(rows);
+    svg.appendChild(sv("text", { x: 8, y: Hh - 12, "font-size": 11, fill: "#5b6475" },
+      "columns: positions " + lo + "\u2013" + (lo + n - 1) + "; red: towards the clean run, blue: away; scale \u00b1" + fmt(mx)));
+    return svg;
+  };
+
+  /* The circuit: nodes by block (columns), heads by index (rows), MLPs below; edges as curves. */
+  Report.prototype.circuitView = function () {
+    var self = this, C = this.data.attribution.circuit, H = this.H;
+    var nodes = {}, blocks = [], maxAbs = 0;
+    function node(name) {
+      var m = /^a(\d+)\.(h|kv)(\d+)/.exec(name), mm = /^m(\d+)/.exec(name);
+      if (name === "input") return { key: "input", col: -1, row: 0 };
+      if (name === "logits") return { key: "logits", col: Infinity, row: 0 };
+      if (mm) return { key: "m" + mm[1], col: Number(mm[1]), row: H + 1 };
+      return { key: "a" + m[1] + "." + m[2] + m[3], col: Number(m[1]), row: m[2] === "h" ? Number(m[3]) : H + 2 + Number(m[3]) };
+    }
+    C.edges.forEach(function (e) {
+      [node(e[0]), node(e[1].split("<")[0])].forEach(function (nd) {
+        nodes[nd.key] = nd;
+        if (isFinite(nd.col) && nd.col >= 0 && blocks.indexOf(nd.col) < 0) blocks.push(nd.col);
+      });
+      if (e[2] !== null) maxAbs = Math.max(maxAbs, Math.abs(e[2]));
+    });
+    blocks.sort(function (a, b) { return a - b; });
+    var colW = 64, rowH = 26, left = 70, top = 66, maxRow = 0;
+    for (var k in nodes) maxRow = Math.max(maxRow, nodes[k].row);
+    var W = left + (blocks.length + 1) * colW + 90, Hh = top + (maxRow + 1) * rowH + 60;
+    function pos(nd) {
+      var x = nd.col === -1 ? left - 30 : !isFinite(nd.col) ? left + (blocks.length + 0.6) * colW
+        : left + (blocks.indexOf(nd.col) + 0.5) * colW;
+      var y = nd.col === -1 || !isFinite(nd.col) ? top + (maxRow / 2) * rowH : top + nd.row * rowH;
+      return [x, y];
+    }
+    var title = "Circuit found by EAP-IG (" + C.steps + " points): " + C.edges.length + " edges of " + C.edges_scored +
+      "; faithfulness " + (C.faithfulness === null ? "undefined" : (100 * C.faithfulness).toFixed(0) + "%");
+    var sub = "faithfulness: the share of the metric recovered when every other edge is patched to its corrupted " +
+      "value (metric " + (C.circuit_value === null ? "?" : fmt(C.circuit_value)) + ")";
+    var foot = "a<block>.h<head>: an attention head (a<block>.kv<g>: a key/value head); m<block>: an MLP; " +
+      "edges into a head by its q, k or v input";
+    W = Math.max(W, textWidth(title, 13) + 24, textWidth(sub, 11) + 24, textWidth(foot, 11) + 24);
+    var svg = sv("svg", { width: W, height: Hh, viewBox: "0 0 " + W + " " + Hh, "font-family": FONT });
+    svg.appendChild(sv("text", { x: 8, y: 16, "font-size": 12, "font-weight": 600, fill: "#1d2330" }, title));
+    svg.appendChild(sv("text", { x: 8, y: 32, "font-size": 11, fill: "#5b6475" }, sub));
+    blocks.forEach(function (b, i) {
+      svg.appendChild(sv("text", { x: left + (i + 0.5) * colW, y: top - 18, "text-anchor": "middle", "font-size": 10,
+        fill: "#5b6475" }, "block " + b));
+    });
+    var edges = sv("g", { fill: "none" });
+    C.edges.slice().reverse().forEach(function (e) {
+      var a = pos(nodes[node(e[0]).key]), b = pos(nodes[node(e[1].split("<")[0]).key]);
+      var part = (/<(q|k|v)>/.exec(e[1]) || [])[1], v = e[2] === null ? 0 : e[2];
+      var mid = (a[0] + b[0]) / 2;
+      var path = sv("path", { "class": "al-edge", d: "M" + a[0] + "," + a[1] + " C" + mid + "," + a[1] + " " + mid + "," + b[1] +
+        " " + b[0] + "," + b[1], stroke: v >= 0 ? "#b2182b" : "#2166ac", "stroke-opacity": 0.75,
+        "stroke-width": maxAbs > 0 ? 0.8 + 4.2 * Math.abs(v) / maxAbs : 1,
+        "stroke-dasharray": part === "k" ? "5,3" : part === "v" ? "1.5,2.5" : "none" });
+      path.addEventListener("mousemove", function (ev) { self.showTip(ev, e[0] + " \u2192 " + e[1] + "\nscore " + fmt(v)); });
+      path.addEventListener("mouseleave", function () { self.hideTip(); });
+      edges.appendChild(path);
+    });
+    svg.appendChild(edges);
+    for (k in nodes) {
+      var nd = nodes[k], p = pos(nd), head = /\.h(\d+)$/.exec(k);
+      var g = sv("g", { "class": "al-node", "data-node": k });
+      g.appendChild(sv("circle", { cx: p[0], cy: p[1], r: 9, fill: head ? headColor(Number(head[1])) : "#5b6475",
+        stroke: "#fff", "stroke-width": 1.5 }));
+      g.appendChild(sv("text", { x: p[0] + 11, y: p[1] + 4, "font-size": 10, fill: "#1d2330" }, k));
+      svg.appendChild(g);
+    }
+    svg.appendChild(sv("text", { x: 8, y: Hh - 12, "font-size": 11, fill: "#5b6475" }, foot));
     return svg;
   };
 
