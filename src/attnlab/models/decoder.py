@@ -85,10 +85,10 @@ class CausalLM(Module):
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         kept: dict = {}
 
-        def head(h):  # keeps the final norm's output for the unembedding's backward pass
+        def head(h):  # keeps the final norm's output for the output weight's gradient (unless frozen)
             hn = self.ln_f(h)
             logits = self.unembed(hn)
-            kept.update(hn=hn, **self._head_saved(logits))
+            kept.update(hn=hn if self._out_param.requires_grad else None, **self._head_saved(logits))
             return logits
 
         keeping = self._keeping()
@@ -116,8 +116,11 @@ class CausalLM(Module):
     def _unembed_backward(self, grad: np.ndarray, saved: dict) -> np.ndarray:
         """The output layer's backward pass: the gradient of the final norm's output; the
         weight's gradient accumulates (the token embedding's, when tied)."""
-        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False)
-        self._out_param.accumulate(gw, owned=True)
+        p = self._out_param
+        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False,
+                                      weight_grad=p.requires_grad and saved["hn"] is not None)
+        if gw is not None:
+            p.accumulate(gw, owned=True)
         return gh
 
     def _embed_backward(self, grad: np.ndarray) -> None:

@@ -36,14 +36,28 @@ _hooks_now = _context.current_hooks
 class Parameter:
     """A trainable array: ``data`` (updated in place by optimizers) and its ``grad``.
 
+    ``requires_grad`` (True by default, as in torch) says whether backward passes compute
+    its gradient: a frozen parameter (``requires_grad=False``, :meth:`Module.requires_grad_`)
+    keeps ``grad`` None, and the layers skip the products that would make it (a frozen
+    weight's gradient is never computed, and an input kept only for it is not kept).
     ``np.asarray(param)`` gives ``param.data``.
+
+    >>> p = Parameter(np.zeros(2), requires_grad=False)
+    >>> p.accumulate(np.ones(2)); p.grad is None
+    True
     """
 
-    __slots__ = ("data", "grad")
+    __slots__ = ("data", "grad", "requires_grad")
 
-    def __init__(self, data: np.ndarray):
+    def __init__(self, data: np.ndarray, requires_grad: bool = True):
         self.data = np.asarray(data)
         self.grad: np.ndarray | None = None
+        self.requires_grad = bool(requires_grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Parameter:
+        """Freeze (False) or unfreeze (True) this parameter; returns it (torch's name)."""
+        self.requires_grad = bool(requires_grad)
+        return self
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,7 +73,9 @@ class Parameter:
         ``owned``: ``grad`` is a fresh array that nothing else holds or will change (a
         layer's newly computed gradient); on first use it becomes ``self.grad`` itself
         rather than a copy, as torch's autograd keeps a fresh gradient (a weight matrix's
-        copy costs as much as a pass over it)."""
+        copy costs as much as a pass over it). A frozen parameter ignores it."""
+        if not self.requires_grad:
+            return
         with _GRAD_LOCK:
             if self.grad is None:
                 if owned and type(grad) is np.ndarray and grad.base is None and grad.dtype == self.data.dtype \
@@ -73,7 +89,9 @@ class Parameter:
     def add_rows(self, rows: np.ndarray, grad: np.ndarray) -> None:
         """Add ``grad`` ``(N, ...)`` to the rows ``rows`` ``(N,)`` of ``self.grad`` (made of
         zeros on first use; a row named twice gets both): an embedding table's gradient
-        without a second table-sized array."""
+        without a second table-sized array. A frozen parameter ignores it."""
+        if not self.requires_grad:
+            return
         with _GRAD_LOCK:
             if self.grad is None:
                 self.grad = np.zeros(self.data.shape, dtype=self.data.dtype)
@@ -84,7 +102,8 @@ class Parameter:
         return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+        frozen = "" if self.requires_grad else ", requires_grad=False"
+        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}{frozen})"
 
 
 def to_host(x) -> np.ndarray:
@@ -339,6 +358,21 @@ class Module:
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
+
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        """Freeze (``False``) or unfreeze every parameter of this module and its children;
+        returns ``self`` (torch's ``Module.requires_grad_``). Backward passes then skip the
+        frozen parameters' gradients (see :class:`Parameter`); the input gradients still
+        flow through them.
+
+        >>> from attnlab.nn import Linear
+        >>> layer = Linear(3, 2).requires_grad_(False)
+        >>> [p.requires_grad for p in layer.parameters()]
+        [False, False]
+        """
+        for p in self.parameters():
+            p.requires_grad = bool(requires_grad)
+        return self
 
     # ---- modes ------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Module:
