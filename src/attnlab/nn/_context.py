@@ -30,7 +30,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 
-__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "keeping", "may_fuse", "tape"]
+__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "detached", "keeping", "may_fuse", "tape"]
 
 
 class _Stack:
@@ -156,6 +156,17 @@ def attached(fwd: Mapping | None = None, bwd: Mapping | None = None, *, keep: bo
     new = CallHooks(_merged(old.fwd if old else {}, fwd or {}), _merged(old.bwd if old else {}, bwd or {}),
                     keep or (old is not None and old.keep))
     token = _HOOKS.set(new)
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
+
+
+@contextlib.contextmanager
+def detached() -> Iterator[None]:
+    """No hooks in this context for the ``with`` block (a block recomputed in the backward
+    pass, whose forward pass ran with none)."""
+    token = _HOOKS.set(None)
     try:
         yield
     finally:

@@ -30,6 +30,16 @@ from attnlab.quant import is_quantized
 
 # Gradients of one parameter may be added by two threads' backward passes at once.
 _GRAD_LOCK = threading.Lock()
+# Counts the changes of any module's children or parameters (assigned, replaced, removed):
+# what a plan gathered from a model's modules compares to know it is still current.
+_structure = [0]
+
+
+def structure_version() -> int:
+    """A number that changes whenever a module anywhere gains, loses or replaces a child
+    module or a parameter (adapters added, a layer swapped): plans built from a model's
+    modules (the compiled decoding step's) are rebuilt when it moved."""
+    return _structure[0]
 _hooks_now = _context.current_hooks
 
 
@@ -173,6 +183,8 @@ class Module:
         params, modules = self.__dict__.get("_parameters"), self.__dict__.get("_modules")
         if params is None:
             raise RuntimeError(f"call Module.__init__() in {type(self).__name__}.__init__ first")
+        if name in params or name in modules or isinstance(value, Parameter | Module):
+            _structure[0] += 1
         params.pop(name, None)
         modules.pop(name, None)
         if isinstance(value, Parameter):
