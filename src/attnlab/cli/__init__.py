@@ -15,7 +15,7 @@ import sys
 from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo", "explain", "similarity", "train", "generate", "bench"]
+COMMANDS = ["demo", "explain", "similarity", "train", "finetune", "generate", "bench"]
 
 
 def build_parser() -> Parser:

@@ -52,7 +52,7 @@ from attnlab.train.optim import AdamW, clip_grad_norm_, warmup_cosine
 from attnlab.train.tasks import IGNORE_INDEX
 
 __all__ = ["DataError", "Example", "FinetuneConfig", "Finetuner", "StepInfo", "causal_lm_loss_", "collate",
-           "encode", "load_examples", "peak_memory", "read_jsonl", "save_pretrained"]
+           "encode", "latest_checkpoint", "load_examples", "peak_memory", "read_jsonl", "save_pretrained"]
 
 CHECKPOINTS = "checkpoints"
 FORMAT = "attnlab-finetune-1"

@@ -215,7 +215,8 @@ def add(model: Module, *, r: int = 8, alpha: float = 16, dropout: float = 0.0,
     if not chosen:
         hint = " (a string is a regular expression the whole module name must match, as in PEFT: give a list " \
             "of names, e.g. ['q_proj'])" if isinstance(target_modules, str) else ""
-        raise ValueError(f"target_modules {target_modules!r} match no linear layer of this {type(model).__name__}"
+        shown = target_modules if isinstance(target_modules, str) else list(target_modules)
+        raise ValueError(f"target_modules {shown!r} match no linear layer of this {type(model).__name__}"
                          f"{hint}; its layers: {_layer_names(found)}")
     return _attach(model, chosen, {t.key: (int(r), alpha) for t in chosen}, dropout=dropout, use_rslora=use_rslora,
                    rng=generator(rng), config={"r": int(r), "lora_alpha": alpha, "lora_dropout": dropout,
