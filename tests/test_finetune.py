@@ -219,23 +219,36 @@ def test_checkpoint_blocks_gives_the_same_training(tiny):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, RuntimeError])
-def test_resume_continues_exactly(tiny, tmp_path, stop):
-    """A run stopped after step 5 (Ctrl-C, or an error) saves a checkpoint there; resumed, it
-    ends with the adapters and history of a run never stopped, bit for bit (dropout on: the
-    generators are restored too, and the data order comes back from the step)."""
+@pytest.mark.parametrize("stop", ["ctrl-c", "error", "ctrl-c-mid-step"])
+def test_resume_continues_exactly(tiny, tmp_path, monkeypatch, stop):
+    """A run stopped after step 5 (Ctrl-C or an error; or Ctrl-C in step 6, after its
+    dropout masks were drawn) saves a checkpoint of step 5; resumed, it ends with the
+    adapters and history of a run never stopped, bit for bit (the dropout generators are
+    restored to where step 5 left them, and the data order comes back from the step)."""
+    from attnlab.train import finetune
+
     config = FinetuneConfig(steps=8, batch_size=2, grad_accum=2, lr=1e-2, dropout=0.1, warmup=2, save_every=2,
                             target_modules=("q_proj", "down_proj"))
     whole = Finetuner(_model(tiny), _random_examples(), config)
     history = whole.run()
 
     def stopper(info):
-        if info.step == 5:
-            raise stop
+        if info.step == 5 and stop != "ctrl-c-mid-step":
+            raise KeyboardInterrupt if stop == "ctrl-c" else RuntimeError("the machine went away")
 
+    calls, real = [], finetune.causal_lm_loss_
+
+    def loss(*args, **kwargs):  # step 6's first micro-batch: its forward pass drew its masks
+        calls.append(1)
+        if stop == "ctrl-c-mid-step" and len(calls) == 11:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(finetune, "causal_lm_loss_", loss)
     first = Finetuner(_model(tiny), _random_examples(), config, out=tmp_path)
-    with pytest.raises(stop):
+    with pytest.raises(RuntimeError if stop == "error" else KeyboardInterrupt):
         first.run(stopper)
+    monkeypatch.setattr(finetune, "causal_lm_loss_", real)
     assert latest_checkpoint(tmp_path).name == "step-0000005"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-0000005"]  # older ones removed
     again = Finetuner(_model(tiny), _random_examples(), config, out=tmp_path)

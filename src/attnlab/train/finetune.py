@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -429,16 +429,6 @@ class FinetuneConfig:
         d["betas"] = list(self.betas)
         return d
 
-    @classmethod
-    def from_dict(cls, data: Mapping) -> FinetuneConfig:
-        names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in names}
-        if isinstance(values.get("target_modules"), list):
-            values["target_modules"] = tuple(values["target_modules"])
-        if "betas" in values:
-            values["betas"] = tuple(values["betas"])
-        return cls(**values)
-
 
 # What may differ between a checkpoint's run and the run resuming it.
 _RESUMABLE_CHANGES = ("eval_every", "save_every")
@@ -554,6 +544,9 @@ class Finetuner:
         self.history: dict[str, list] = {"step": [], "loss": [], "lr": [], "grad_norm": [], "tokens": [],
                                          "seconds": [], "eval_step": [], "eval_loss": []}
         self.digest = _digest(self.train_examples)
+        # The dropout generators' states where the last completed step left them (what a
+        # checkpoint saves: a step cut short by Ctrl-C may have drawn from them already).
+        self._rng_states = [g.bit_generator.state for g in _rngs(model)]
         self._orders: dict[int, np.ndarray] = {}
         pad = getattr(model.config, "pad_token_id", None)
         self.pad_id = int(pad) if isinstance(pad, int) else 0
@@ -621,6 +614,7 @@ class Finetuner:
             for _, p in self.params:
                 p.grad = None
             self.step = step
+            self._rng_states = [g.bit_generator.state for g in _rngs(model)]
             info = StepInfo(step, self.steps, total / answers, lr, norm, tokens, answers, time.perf_counter() - start)
             for key in ("step", "loss", "lr", "grad_norm", "tokens", "seconds"):
                 self.history[key].append(getattr(info, key))
@@ -706,7 +700,7 @@ class Finetuner:
             meta = {"format": FORMAT, "step": self.step, "steps": self.steps, "config": self.config.to_dict(),
                     "data": {"examples": len(self.train_examples), "sha256": self.digest},
                     "model": getattr(self.model, "name", type(self.model).__name__),
-                    "optimizer_steps": steps, "rngs": [g.bit_generator.state for g in _rngs(self.model)],
+                    "optimizer_steps": steps, "rngs": self._rng_states,
                     "history": self.history}
             (tmp / "state.json").write_text(json.dumps(meta))
             if final.exists():
@@ -715,8 +709,8 @@ class Finetuner:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        for old in root.iterdir():
-            if old.name.startswith("step-") and old != final:
+        for old in root.iterdir():  # older checkpoints, and what a killed run left half-written
+            if old != final and (old.name.startswith("step-") or old.name.startswith(".step-")):
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
@@ -768,6 +762,7 @@ class Finetuner:
                                   f"{len(rngs)}")
         for g, state in zip(rngs, meta["rngs"], strict=True):
             g.bit_generator.state = state
+        self._rng_states = [g.bit_generator.state for g in rngs]
         self.history = {k: list(v) for k, v in meta["history"].items()}
         self.step = int(meta["step"])
         return self.step
