@@ -43,6 +43,19 @@ def gqa3(tmp_path_factory):
     return hf, folder
 
 
+def _float64_pair(gqa3, eager, *, seed: int, T: int):
+    """``(transformers model, attnlab model, ids, mask, grad of the logits)``: both float64
+    (transformers' without its float32 casts), attnlab's in training mode, a left-padded batch
+    whose padded positions' logits get no gradient."""
+    hf, folder = gqa3
+    eager.float64()
+    ours = from_pretrained(folder, dtype=np.float64).train()
+    rng = np.random.default_rng(seed)
+    ids, mask = batch(rng, T=T)
+    g = (rng.standard_normal((*ids.shape, V)) * mask[..., None]).astype(np.float64)
+    return hf.double(), ours, ids, mask, g
+
+
 def _torch_grads(hf, ids, mask, g, hooks):
     """transformers' parameter gradients of ``sum(logits * g)`` with ``hooks(hf)`` (a list of
     handles) registered for the call."""
@@ -73,13 +86,7 @@ def test_a_forward_hook_that_zero_ablates_a_head_has_torchs_gradient(in_place, g
     writing into the activation and returning None): every parameter's gradient and hook_z's
     equal torch's with the same hook (a forward pre-hook on o_proj), float64; the head's
     query rows get no gradient."""
-    hf, folder = gqa3
-    eager.float64()
-    hf = hf.double()
-    ours = from_pretrained(folder, dtype=np.float64).train()
-    rng = np.random.default_rng(8)
-    ids, mask = batch(rng, T=9)
-    g = (rng.standard_normal((*ids.shape, V)) * mask[..., None]).astype(np.float64)
+    hf, ours, ids, mask, g = _float64_pair(gqa3, eager, seed=8, T=9)
     H, D = ours.config.num_attention_heads, ours.config.head_size
     head = 2
 
@@ -120,13 +127,7 @@ def test_a_backward_hook_that_replaces_a_gradient_has_torchs_effect(gqa3, eager)
     """A backward hook on blocks.0.hook_resid_post that halves the gradient: every parameter
     before it (block 0, the embedding) gets torch's gradient with a tensor hook doing the
     same; a reading hook on hook_embed sees dL/d(embeddings)."""
-    hf, folder = gqa3
-    eager.float64()
-    hf = hf.double()
-    ours = from_pretrained(folder, dtype=np.float64).train()
-    rng = np.random.default_rng(9)
-    ids, mask = batch(rng, T=8)
-    g = (rng.standard_normal((*ids.shape, V)) * mask[..., None]).astype(np.float64)
+    hf, ours, ids, mask, g = _float64_pair(gqa3, eager, seed=9, T=8)
     seen = {}
     with ours.hooks(bwd_hooks=[("blocks.0.hook_resid_post", lambda gr, n: gr * 0.5),
                                ("hook_embed", lambda gr, n: seen.setdefault(n, gr.copy()))]):
@@ -404,3 +405,17 @@ def test_a_large_embedding_table_adds_its_rows_into_the_gradient_in_place():
     want = before.copy()
     np.add.at(want, ids.reshape(-1), g.reshape(-1, 3))
     np.testing.assert_allclose(emb.weight.grad, want, rtol=1e-13)
+
+
+def test_a_tape_does_not_keep_a_dropped_model_alive():
+    """What a forward pass kept is the thread's, keyed weakly by the modules: a model trained
+    and dropped is freed, with what its last forward pass kept."""
+    import gc
+    import weakref
+
+    model = _gpt2().train()
+    model(np.array([[1, 2, 3]]))  # kept for a backward that never comes
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

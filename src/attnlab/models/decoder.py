@@ -2,9 +2,9 @@
 
 A family's module (:mod:`attnlab.models.gpt2`, :mod:`attnlab.models.llama`) arranges the
 blocks and says how tokens are embedded (``_embed``), what the unembedding is (``W_U``)
-and how long a sequence may be (``max_positions``); the forward pass, the cache,
-generation, the recorded views (``inspect``, ``trace``) and the tokenizer methods come
-from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`` vocabulary.
+and how long a sequence may be (``max_positions``); the forward pass and its backward
+pass, the cache, generation, the recorded views (``inspect``, ``trace``) and the tokenizer
+methods come from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ class CausalLM(Module):
     """The shared half of a causal language model (see the module docstring).
 
     A subclass has ``tok_emb``, ``blocks`` (a Module of ``TransformerBlock``\\ s), ``ln_f``,
-    ``config.vocab_size`` and ``tokenizer``, and defines ``_embed(ids, positions)``,
-    :attr:`W_U` and :attr:`max_positions` (named ``_positions_name`` in errors).
+    ``config.vocab_size`` and ``tokenizer``, and defines ``_embed(ids, positions)`` and its
+    backward ``_embed_backward(grad)``, :attr:`W_U`, the parameter the output layer
+    multiplies by (``_out_param``) and :attr:`max_positions` (named ``_positions_name`` in
+    errors).
     """
 
     _hook_alias = {"ln_f": "ln_final"}

@@ -225,7 +225,8 @@ class GPT2(CausalLM):
     Build it with :meth:`from_pretrained` (a checkpoint folder), from a config and a
     ``transformers``-named weights dict (``weights=``, with or without the
     ``transformer.`` prefix), or from a config alone (random weights from ``rng``). It is
-    built in eval mode. Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
+    built in eval mode (after :meth:`train`, :meth:`backward` fills every parameter's
+    ``.grad``). Parameter names: ``tok_emb.weight``, ``pos_emb.weight``,
     ``blocks.{i}.ln_1.weight``, ``blocks.{i}.attn.in_proj_weight``, …, ``ln_f.bias``; the
     output layer is ``tok_emb.weight`` (tied).
 

@@ -310,6 +310,8 @@ class Llama(CausalLM):
     attention_mask)`` -> logits, :meth:`generate`, :meth:`generate_text` (through the chat
     template for an instruct model), :meth:`new_cache`, :meth:`inspect`, :meth:`trace`,
     and the hook points of every block (``blocks.{i}.attn.hook_rot_q``, ``mlp.hook_pre``…).
+    Built in eval mode; after :meth:`train`, :meth:`backward` fills every parameter's
+    ``.grad`` (:meth:`~attnlab.models.decoder.CausalLM.backward`).
 
     Parameter names: ``tok_emb.weight``, ``blocks.{i}.ln_1.weight``,
     ``blocks.{i}.attn.in_proj_weight`` (q, k and v stacked), ``blocks.{i}.attn.out_proj.weight``,

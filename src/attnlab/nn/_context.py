@@ -14,7 +14,8 @@ them is safe); a tape is used only by the thread that made it.
   the tape holds a stack, so a module called twice in one forward pass has two entries,
   taken in reverse order by two backward calls. A new top-level call (one that no other
   module's forward pass made) replaces what the module saved in an earlier call: one
-  forward pass, one backward pass, as torch without ``retain_graph``.
+  forward pass, one backward pass, as torch without ``retain_graph``. The backward pass
+  runs in the thread that ran the forward pass (the tape is that thread's).
 - **The hooks.** ``(fn, name)`` pairs per hook point for the forward pass and for the
   backward pass, set for the duration of a ``with`` block (:func:`attached`); nested blocks
   add to the hooks already attached.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 
@@ -52,7 +54,8 @@ class Tape:
 
     def __init__(self) -> None:
         self.thread = threading.get_ident()
-        self.saves: dict[object, _Stack] = {}
+        # weak keys: a model the thread trained once and dropped is not kept alive by its tape
+        self.saves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.generation = 0
         self.depth = 0
 
