@@ -29,11 +29,10 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 import warnings
 
 from _setup import machine_load, pin_threads
+from backward import _peak_during, _rss  # the memory measurement of the forward+backward benchmark
 
 RUNS = ("attnlab", "attnlab+ckpt", "torch", "torch+ckpt")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -112,30 +111,6 @@ def _steps(which, threads: int, tokens: int) -> dict:
             if name.startswith("torch"):
                 out[name] = make(name.endswith("ckpt"))
     return out
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_during(run) -> int:
-    """The peak resident bytes above those before, while ``run()`` runs."""
-    before, peak, done = _rss(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.002)
-
-    t = threading.Thread(target=sample)
-    t.start()
-    try:
-        run()
-    finally:
-        done.set()
-        t.join()
-    return max(peak[0], _rss()) - before
 
 
 def _child(args, threads: int) -> int:

@@ -17,7 +17,6 @@ from attnlab.models import from_pretrained
 from attnlab.train import lora
 from attnlab.train.finetune import (
     DataError,
-    Example,
     FinetuneConfig,
     Finetuner,
     causal_lm_loss_,
@@ -28,6 +27,7 @@ from attnlab.train.finetune import (
     save_pretrained,
 )
 from helpers import byte_bpe_tokenizer
+from helpers import random_examples as _random_examples
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -165,18 +165,6 @@ def test_a_tiny_model_learns_a_few_facts(tiny, method, options):
     assert _answers(model) == [a for _, a in FACTS]
     if method == "lora":
         assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
-
-
-def _random_examples(seed=1, n=7, V=60):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        T = int(rng.integers(4, 12))
-        ids = rng.integers(3, V, T)
-        labels = ids.copy()
-        labels[: int(rng.integers(1, T - 1))] = -100
-        out.append(Example(ids, labels))
-    return out
 
 
 def _model(tiny, dtype=np.float64):

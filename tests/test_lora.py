@@ -24,9 +24,9 @@ from attnlab.io.files import CheckpointError  # noqa: E402
 from attnlab.models import from_pretrained  # noqa: E402
 from attnlab.nn import functional as F  # noqa: E402
 from attnlab.train import lora  # noqa: E402
-from attnlab.train.finetune import Example, FinetuneConfig, Finetuner, collate  # noqa: E402
+from attnlab.train.finetune import FinetuneConfig, Finetuner, collate  # noqa: E402
 from attnlab.train.optim import warmup_cosine  # noqa: E402
-from helpers import TOL, grad_rel_err, random_gpt2  # noqa: E402
+from helpers import TOL, grad_rel_err, random_examples, random_gpt2  # noqa: E402
 from hf_oracle import V, batch, folder_maker, patch_eager, positions  # noqa: E402
 
 # family -> (how the transformers model is made, the modules adapted)
@@ -123,19 +123,6 @@ def test_lora_gradients_match_peft(family, folders, eager, tmp_path):
     print(f"{family}: worst LoRA gradient {worst:.1e} over {len(found)} adapters")
 
 
-def _examples(seed, n=6):
-    """Random examples of different lengths, the first tokens a prompt (masked)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        T = int(rng.integers(5, 12))
-        ids = rng.integers(3, V, T)
-        labels = ids.copy()
-        labels[: int(rng.integers(1, T - 2))] = -100
-        out.append(Example(ids, labels))
-    return out
-
-
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_twenty_adamw_steps_match_torch_peft(family, dtype, folders, eager, tmp_path):
@@ -149,7 +136,7 @@ def test_twenty_adamw_steps_match_torch_peft(family, dtype, folders, eager, tmp_
     pm = _peft(_hf(folder, dtype, eager), tmp_path / "adapter")
     config = FinetuneConfig(steps=20, batch_size=2, grad_accum=2, lr=3e-2, warmup=3, min_lr_ratio=0.1,
                             weight_decay=0.05, clip=0.5, seed=4)
-    ft = Finetuner(ours, _examples(1), config)
+    ft = Finetuner(ours, random_examples(1, n=6, vocab=V), config)
     history = ft.run()
     trainable = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas, eps=config.eps,
