@@ -419,3 +419,25 @@ def test_a_tape_does_not_keep_a_dropped_model_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_logits_to_keep_and_an_unbatched_sequence_backpropagate_like_the_full_batch():
+    """backward after ``logits_to_keep=2`` equals the full pass's with the other positions'
+    gradient zero; an unbatched sequence ``(T,)`` (logits ``(T, V)``) equals a batch of one."""
+    model = _gpt2(seed=7, dtype=np.float64).train()
+    ids = np.array([[4, 8, 15, 16, 23, 42]])
+    g = np.random.default_rng(0).standard_normal((1, 6, V))
+    g[:, :4] = 0.0
+
+    def grads(run):
+        model.zero_grad()
+        run()
+        return {n: p.grad.copy() for n, p in model.named_parameters()}
+
+    full = grads(lambda: (model(ids), model.backward(g)))
+    kept = grads(lambda: (model(ids, logits_to_keep=2), model.backward(g[:, 4:])))
+    one = grads(lambda: (model(ids[0]), model.backward(g[0])))
+    for name in full:
+        np.testing.assert_allclose(kept[name], full[name], rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(one[name], full[name], rtol=1e-12, atol=1e-14)
+    assert np.abs(full["blocks.0.attn.in_proj_weight"]).max() > 0

@@ -128,6 +128,7 @@ def test_decoder_gradients_match_torch_autograd(case, dtype, folders, eager):
     tol = TOL[dtype]
     assert np.abs(logits - want_logits)[real].max() <= tol * max(1.0, np.abs(want_logits).max())
     worst = _check_parameter_grads(ours, hf, tol, case)
+    worst_hook = 0.0
     for name in names:
         if name.endswith("hook_pattern"):
             i = int(name.split(".")[1])
@@ -140,7 +141,8 @@ def test_decoder_gradients_match_torch_autograd(case, dtype, folders, eager):
             got, want = got[np.broadcast_to(pair, got.shape)], want[np.broadcast_to(pair, want.shape)]
         err = grad_rel_err(got, want)
         assert err <= tol, (case, name, err)
-    print(f"{case} {np.dtype(dtype).name}: worst parameter gradient {worst:.1e}")
+        worst_hook = max(worst_hook, err)
+    print(f"{case} {np.dtype(dtype).name}: worst parameter gradient {worst:.1e}, hook gradient {worst_hook:.1e}")
 
 
 # ---- GPT-2 and BERT ----------------------------------------------------------------------------
@@ -200,14 +202,18 @@ def test_gpt2_gradients_match_torch_autograd(dtype, tmp_path):
     assert np.abs(logits - out.logits.detach().numpy())[real].max() <= tol * 10
     hp = dict(hf.named_parameters())
     transposed = gpt2_transposed(2)
+    worst = [0.0, 0.0]
     for name, p in ours.named_parameters():
         (src,) = gpt2_name_map(2)[name]
         want = hp["transformer." + src].grad.numpy()
         err = grad_rel_err(p.grad, want.T if name in transposed else want)
         assert err <= tol, (name, err)
+        worst[0] = max(worst[0], err)
     for name in names:
         err = grad_rel_err(cache[name + "_grad"], kept[name].grad.numpy().reshape(cache[name].shape))
         assert err <= tol, (name, err)
+        worst[1] = max(worst[1], err)
+    print(f"gpt2 {np.dtype(dtype).name}: worst parameter gradient {worst[0]:.1e}, hook gradient {worst[1]:.1e}")
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
@@ -252,9 +258,14 @@ def test_bert_gradients_match_torch_autograd(dtype):
     tol = TOL[dtype]
     assert np.abs(out.last_hidden_state - theirs.detach().numpy()).max() <= tol * 10
     hp = dict(hf.named_parameters())
+    worst = [0.0, 0.0]
     for name, p in ours.named_parameters():
         want = np.concatenate([hp[t].grad.numpy() for t in bert_name_map(2)[name]])
         err = grad_rel_err(p.grad, want)
         assert err <= tol, (name, err)
+        worst[0] = max(worst[0], err)
     for name in kept:
-        assert grad_rel_err(cache[name + "_grad"], kept[name].grad.numpy()) <= tol, name
+        err = grad_rel_err(cache[name + "_grad"], kept[name].grad.numpy())
+        assert err <= tol, name
+        worst[1] = max(worst[1], err)
+    print(f"bert {np.dtype(dtype).name}: worst parameter gradient {worst[0]:.1e}, hook gradient {worst[1]:.1e}")
