@@ -402,3 +402,19 @@ def assert_resid_pre_patching_matches(model, bridge, clean: np.ndarray, corrupte
             a = model.run_with_hooks(corrupted, fwd_hooks=[(name, ours)])
             b = bridge.run_with_hooks(torch.tensor(corrupted), fwd_hooks=[(name, theirs)]).detach().numpy()
             np.testing.assert_allclose(a, b, atol=atol, err_msg=f"block {layer} position {pos}")
+
+
+def random_examples(seed: int = 1, n: int = 7, vocab: int = 60):
+    """Fine-tuning examples of random tokens and different lengths (4 to 11), each with a
+    prompt (the first tokens, labelled -100) and an answer."""
+    from attnlab.train.finetune import Example
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        T = int(rng.integers(4, 12))
+        ids = rng.integers(3, vocab, T)
+        labels = ids.copy()
+        labels[: int(rng.integers(1, T - 1))] = -100
+        out.append(Example(ids, labels))
+    return out

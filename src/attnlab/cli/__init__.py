@@ -17,7 +17,8 @@ import sys
 from attnlab.cli._common import CLIError, Parser
 
 # Subcommand modules, in the order ``attnlab --help`` lists them.
-COMMANDS = ["demo", "explain", "attribute", "similarity", "train", "generate", "check", "sweep", "bench"]
+COMMANDS = ["demo", "explain", "attribute", "similarity", "train", "finetune", "generate", "check", "sweep",
+            "bench"]
 
 
 def build_parser() -> Parser:

@@ -72,6 +72,9 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, metavar="K",
                    help="sample only among the K likeliest tokens (needs --temperature above 0)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the sampling (default 0)")
+    p.add_argument("--adapter", metavar="FOLDER", default=None,
+                   help="a LoRA adapter (adapter_config.json + adapter_model.safetensors, from attnlab finetune "
+                   "or PEFT) for the model, applied before generating")
     p.add_argument("--quantized", action="store_true",
                    help="keep a .gguf file's Q8_0/Q4_0/Q4_1 weights quantized (the bundled SmolLM2 too): "
                    "about 5x fewer bytes read per token, faster decoding, logits within about 1e-2 of "
@@ -161,6 +164,10 @@ def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Run:
         from attnlab.models.registry import from_pretrained
 
         model = from_pretrained(path, **({"quantized": True} if args.quantized else {}))
+    if args.adapter is not None:  # merged into float weights; beside quantized ones
+        from attnlab.train.lora import load_adapter
+
+        load_adapter(model, args.adapter, merge=not args.quantized)
     desc = _describe(model, path)
     limit = model.max_positions
     counter = [0]
@@ -227,6 +234,8 @@ def run(args) -> int:
             if not family.decoder:
                 raise CLIError(f"{path} holds a {family.name} model, which is an encoder: it cannot generate")
         if family is not None and family.name == "tiny":
+            if args.adapter is not None:
+                raise CLIError("--adapter applies to a transformers decoder or .gguf file, not to a recall checkpoint")
             gen = _recall(args, prompt, path, sampling)
         else:
             gen = _decoder(args, prompt, path, sampling)

@@ -29,6 +29,7 @@ from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import RMSNorm, RotaryEmbedding
+from attnlab.nn.module import structure_version
 from attnlab.quant import _kernels, _set_threads, is_quantized
 
 #: kernel code of each quantized type (:func:`attnlab._decode_kernels._product`)
@@ -65,12 +66,15 @@ class _Plan:
 
     def __init__(self, eligible: bool, parts: tuple = (), datas: tuple = (), hooks: tuple = (), layers=(),
                  rotary=None, shape=(0, 0, 0), scale: float = 0.0, windows: tuple = (), n_positions: int = 0):
+        self.version = structure_version()
         self.eligible, self.parts, self.datas, self.hooks = eligible, parts, datas, hooks
         self.layers, self.rotary, self.shape, self.scale = layers, rotary, shape, scale
         self.windows, self.n_positions = windows, n_positions
 
     def current(self, model) -> bool:
         """Whether the model still has the modules and weights this plan was built from."""
+        if self.version != structure_version():  # a module somewhere gained or lost a part
+            return False
         blocks = model.layers
         if len(blocks) * 4 != len(self.parts):
             return False
@@ -113,6 +117,9 @@ class _Plan:
             if not all(is_quantized(w.data) for w in ws):
                 return no
             biases = (a.in_proj_bias, a.out_proj.bias, mlp.gate_proj.bias, mlp.up_proj.bias, mlp.down_proj.bias)
+            read = {id(p) for p in (*ws, *biases, *(n.weight for n in norms)) if p is not None}
+            if any(id(p) not in read for p in b.parameters()):  # a part the step would not compute (adapters)
+                return no
             args = [b.ln_1.weight.data, np.float32(b.ln_1.eps), b.ln_2.weight.data, np.float32(b.ln_2.eps)]
             for w, bias in zip(ws, biases, strict=True):
                 args.extend(_weight(w.data, None if bias is None else bias.data))

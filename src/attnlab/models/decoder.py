@@ -15,6 +15,7 @@ import numpy as np
 
 from attnlab._validation import layer_number, shape_error
 from attnlab.models.generate import check_token_ids, decoder_backward, decoder_forward, generate, generate_stream
+from attnlab.nn import _context
 from attnlab.nn import functional as F
 from attnlab.nn.attention import KVCache
 from attnlab.nn.hooks import record_layers
@@ -34,6 +35,11 @@ class CausalLM(Module):
     """
 
     _hook_alias = {"ln_f": "ln_final"}
+    #: Activation checkpointing (set it on the model: ``model.checkpoint_blocks = True``): a
+    #: training forward pass without hooks keeps each block's input only, and the backward
+    #: pass recomputes each block before going through it (about one more forward pass of
+    #: time for far less memory; the gradients are the same).
+    checkpoint_blocks = False
     _positions_name = "context_length"
     _output_class = None  # what inspect returns: (logits, hidden_states, attentions)
 
@@ -87,19 +93,23 @@ class CausalLM(Module):
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         kept: dict = {}
 
-        def head(h):  # keeps the final norm's output for the unembedding's backward pass
+        def head(h):  # keeps the final norm's output for the output weight's gradient (unless frozen)
             hn = self.ln_f(h)
             logits = self.unembed(hn)
-            kept.update(hn=hn, **self._head_saved(logits))
+            kept.update(hn=hn if self._out_param.requires_grad else None, **self._head_saved(logits))
             return logits
 
         keeping = self._keeping()
+        checkpoint = {} if keeping and self.checkpoint_blocks and cache is None and self.training \
+            and _context.current_hooks() is None else None
         logits = decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers,
             head=head if keeping else self._logits, vocab_size=self.config.vocab_size,
             n_positions=self.max_positions, positions_name=self._positions_name, logits_to_keep=logits_to_keep,
+            checkpoint=checkpoint,
         )
-        self._save_call(shape=logits.shape, tokens=np.shape(input_ids)[-1], cached=cache is not None, **kept)
+        self._save_call(shape=logits.shape, tokens=np.shape(input_ids)[-1], cached=cache is not None,
+                        checkpoint=checkpoint, **kept)
         return logits
 
     # ------------------------------------------------------------------ backward
@@ -118,8 +128,11 @@ class CausalLM(Module):
     def _unembed_backward(self, grad: np.ndarray, saved: dict) -> np.ndarray:
         """The output layer's backward pass: the gradient of the final norm's output; the
         weight's gradient accumulates (the token embedding's, when tied)."""
-        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False)
-        self._out_param.accumulate(gw, owned=True)
+        p = self._out_param
+        gh, gw, _ = F.linear_backward(grad, saved["hn"], self._W_out, has_bias=False,
+                                      weight_grad=p.requires_grad and saved["hn"] is not None)
+        if gw is not None:
+            p.accumulate(gw, owned=True)
         return gh
 
     def _embed_backward(self, grad: np.ndarray) -> None:
@@ -154,7 +167,7 @@ class CausalLM(Module):
         """
         c, g = self._start_backward(grad_out)
         decoder_backward(self.ln_f.backward(self._unembed_backward(g, c)), c["tokens"], blocks=self.layers,
-                         embed_backward=self._embed_backward)
+                         embed_backward=self._embed_backward, checkpoint=c.get("checkpoint"))
 
     def forward(
         self,

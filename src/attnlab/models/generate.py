@@ -27,6 +27,7 @@ import numpy as np
 from attnlab._threads import DECODE_STEPS
 from attnlab._validation import generator, positive_int, shape_error
 from attnlab.core import softmax
+from attnlab.nn import _context
 from attnlab.nn.attention import KVCache
 
 __all__ = ["check_attention_mask", "check_token_ids", "decoder_backward", "decoder_forward", "embed_tokens",
@@ -160,6 +161,7 @@ def decoder_forward(
     positions_name: str,
     ids_name: str = "input_ids",
     logits_to_keep: int | None = None,
+    checkpoint: dict | None = None,
 ) -> np.ndarray:
     """The forward pass of a causal decoder: ``embed(ids, positions)`` -> every block (causal,
     with the key padding mask, its layer's cache and the positions) -> ``head`` (final norm and output
@@ -169,6 +171,11 @@ def decoder_forward(
     (``"n_positions"``, ``"context_length"``), ``ids_name`` the ids' argument. The hidden
     states and maps are recorded through the blocks' hook points
     (:func:`attnlab.nn.hooks.record_layers`).
+
+    ``checkpoint`` (a dict, in a training call without hooks): activation checkpointing.
+    Each block's input and its random generators' states are kept there, and what the
+    block kept for backward is dropped as soon as it returns; :func:`decoder_backward`
+    recomputes the block from them.
     """
     past = cache_length(cache, len(blocks))
     ids = check_token_ids(input_ids, vocab_size, ids_name)
@@ -187,26 +194,66 @@ def decoder_forward(
     # generate() runs each step on one thread where that is faster now (StepThreads).
     positions = position_ids(mask, past, T)
     x = embed(ids, positions)
+    if checkpoint is not None:
+        checkpoint.update(mask=mask, positions=positions, inputs=[])
     for i, block in enumerate(blocks):
         layer_cache = None if cache is None else cache[i]
+        if checkpoint is not None:
+            checkpoint["inputs"].append((x, [(g, g.bit_generator.state) for g in _generators(block)]))
         x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
+        if checkpoint is not None:  # only the block's input is kept: the rest is recomputed
+            tape = _context.tape()
+            for _, m in block.named_modules():
+                tape.drop(m)
     if logits_to_keep is not None:
         x = x[..., T - logits_to_keep :, :]
     return head(x)
 
 
-def decoder_backward(grad_h: np.ndarray, tokens: int, *, blocks: Sequence, embed_backward: Callable) -> None:
+def decoder_backward(grad_h: np.ndarray, tokens: int, *, blocks: Sequence, embed_backward: Callable,
+                     checkpoint: dict | None = None) -> None:
     """The backward pass of :func:`decoder_forward` below its head: ``grad_h`` ``(..., k, D)``,
     the gradient of the final norm's input at the ``k`` positions whose logits were kept
     (``logits_to_keep``; the others get none), through every block in reverse to
-    ``embed_backward`` (the gradient of the embeddings' output, ``(..., tokens, D)``)."""
+    ``embed_backward`` (the gradient of the embeddings' output, ``(..., tokens, D)``).
+
+    With the forward pass's ``checkpoint``, each block first runs its forward pass again
+    from its kept input (training mode, its dropout generators set back to where they
+    stood, no hooks), which keeps what its backward pass then reads."""
     g = grad_h
     if g.shape[-2] != tokens:
         g = np.zeros((*grad_h.shape[:-2], tokens, grad_h.shape[-1]), dtype=grad_h.dtype)
         g[..., tokens - grad_h.shape[-2]:, :] = grad_h
-    for block in reversed(blocks):
-        g = block.backward(g)
+    inputs = checkpoint["inputs"] if checkpoint is not None else None
+    for i in reversed(range(len(blocks))):
+        if inputs is not None:
+            _recompute(blocks[i], *inputs.pop(), checkpoint["mask"], checkpoint["positions"])
+        g = blocks[i].backward(g)
     embed_backward(g)
+
+
+def _generators(block) -> list[np.random.Generator]:
+    """The random generators of ``block``'s modules (dropout), each once."""
+    out: dict[int, np.random.Generator] = {}
+    for _, m in block.named_modules():
+        g = m.__dict__.get("_rng")
+        if isinstance(g, np.random.Generator):
+            out.setdefault(id(g), g)
+    return list(out.values())
+
+
+def _recompute(block, x, states, mask, positions) -> None:
+    """``block``'s forward pass on ``x`` again, for its backward pass: its generators drawn
+    from the states they had in the first pass, then set back to where they stand now."""
+    now = [(g, g.bit_generator.state) for g, _ in states]
+    for g, state in states:
+        g.bit_generator.state = state
+    try:
+        with _context.detached():
+            block(x, key_padding_mask=mask, cache=None, positions=positions)
+    finally:
+        for g, state in now:
+            g.bit_generator.state = state
 
 
 def next_token(

@@ -294,6 +294,23 @@ class GPT2(CausalLM):
     _positions_name = "n_positions"
     _output_class = GPT2Output
 
+    @staticmethod
+    def name_map(config: GPT2Config) -> dict[str, tuple[str, ...]]:
+        """attnlab parameter name -> the tensor of ``transformers``' ``GPT2LMHeadModel`` it
+        is (:func:`~attnlab.io.names.gpt2_name_map` under ``transformer.``), as
+        :meth:`Llama.name_map <attnlab.models.llama.llama_name_map>` lists a Llama's.
+
+        >>> GPT2.name_map(GPT2Config(n_layer=1))["blocks.0.attn.in_proj_weight"]
+        ('transformer.h.0.attn.c_attn.weight',)
+        """
+        return {ours: tuple("transformer." + s for s in src) for ours, src in gpt2_name_map(config.n_layer).items()}
+
+    @staticmethod
+    def conv1d_weights(config: GPT2Config) -> frozenset[str]:
+        """The parameters ``transformers`` keeps as ``Conv1D`` weights ``(in, out)`` (attnlab
+        keeps every weight ``(out, in)``): PEFT's ``fan_in_fan_out`` layers."""
+        return gpt2_transposed(config.n_layer)
+
     def __repr__(self) -> str:
         c = self.config
         return (f"GPT2({self.name!r}, layers={c.n_layer}, heads={c.n_head}, n_embd={c.n_embd}, "

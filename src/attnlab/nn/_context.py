@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 
-__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "frozen_parameters", "keeping", "may_fuse",
+__all__ = ["CallHooks", "Tape", "attached", "current_hooks", "detached", "frozen_parameters", "keeping", "may_fuse",
            "parameters_frozen", "tape"]
 
 
@@ -184,6 +184,17 @@ def frozen_parameters() -> Iterator[None]:
         yield
     finally:
         _FROZEN.reset(token)
+
+
+@contextlib.contextmanager
+def detached() -> Iterator[None]:
+    """No hooks in this context for the ``with`` block (a block recomputed in the backward
+    pass, whose forward pass ran with none)."""
+    token = _HOOKS.set(None)
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
 
 
 def may_fuse(training: bool, points: Iterable = ()) -> bool:

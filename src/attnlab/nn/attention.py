@@ -529,6 +529,10 @@ class Attention(Module):
         b = self.in_proj_bias.data
         return ws, tuple(b[a:c] for a, c in zip(cuts, cuts[1:], strict=False))
 
+    # The adapter slot of the in-projection (attnlab.nn.adapters): None, or an Adapters
+    # module adding to the columns of the stacked (N, L, Dq + 2 Dkv) projection.
+    adapters = None
+
     def _project(self, q, k, v, self_attention: bool):
         """The in-projections ``(N, L, H D)``, ``(N, S, H_kv D)``, ``(N, S, H_kv D)``: one
         matrix product for self-attention with the fused weight, else one per input."""
@@ -536,7 +540,13 @@ class Attention(Module):
             Dq, Dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             b = None if self.in_proj_bias is None else self.in_proj_bias.data
             qkv = F.linear(q, self.in_proj_weight.data, b)  # (N, L, Dq + 2 Dkv)
+            if self.adapters is not None:
+                qkv = self.adapters(q, qkv)
             return qkv[..., :Dq], qkv[..., Dq : Dq + Dkv], qkv[..., Dq + Dkv :]
+        if self.adapters is not None:
+            raise ValueError(f"{type(self).__name__} has adapters on its in-projection, which apply to "
+                             "self-attention through the fused in_proj_weight only (not to cross-attention "
+                             "or separate projections)")
         (wq, wk, wv), (bq, bk, bv) = self.in_projections()
         return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
 
@@ -755,7 +765,8 @@ class Attention(Module):
         if not (self._qkv_same_embed_dim and self.num_kv_heads == self.num_heads and self.rotary is None
                 and self.q_norm is None and self.softcap is None
                 and self.attention_fn is scaled_dot_product_attention
-                and getattr(self, "bias_k", None) is None
+                and getattr(self, "bias_k", None) is None and self.adapters is None
+                and self.out_proj.adapters is None
                 and not self.add_zero_attn and type(self.out_proj) is Linear):
             return False
         w, wo = self.in_proj_weight.data, self.out_proj.weight.data
@@ -855,7 +866,7 @@ class Attention(Module):
             gk4, gq4 = self.k_norm.backward(gk4), self.q_norm.backward(gq4)
         gq4, gk4, gv4 = self.hook_q.backward(gq4), self.hook_k.backward(gk4), self.hook_v.backward(gv4)
         S = gk4.shape[1]
-        has_bias = self.in_proj_bias is not None
+        has_bias = self.in_proj_bias is not None and self.in_proj_bias.requires_grad
         if self._qkv_same_embed_dim and a.k is a.q and a.v is a.q and S == L and isinstance(gq4, np.ndarray):
             return self._fused_in_proj_backward(gq4, gk4, gv4, a.q, has_bias, summed)
         (wq, wk, wv), _ = self.in_projections()
@@ -869,24 +880,30 @@ class Attention(Module):
             return tuple(grads)
         gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
         gkp, gvp = self._extra_keys_backward(gkp, gvp)
-        gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias)
-        gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias)
-        gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias)
+        ws = (self.in_proj_weight,) * 3 if self._qkv_same_embed_dim else \
+            (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
+        gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias, weight_grad=ws[0].requires_grad)
+        gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias, weight_grad=ws[1].requires_grad)
+        gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias, weight_grad=ws[2].requires_grad)
+        if self.adapters is not None:  # self-attention with extra keys: the adapters saw x once
+            ga = self.adapters.backward(np.concatenate([gqp, gkp, gvp], axis=-1))
+            if ga is not None:
+                gq = gq + ga
         self._accumulate_in_proj(gwq, gwk, gwv, gbq, gbk, gbv)
         return gq, gk, gv
 
     def _accumulate_in_proj(self, gwq, gwk, gwv, gbq, gbk, gbv) -> None:
-        """Add the q, k and v projections' weight and bias gradients to the parameters (none
-        with frozen parameters)."""
-        if gwq is None:
-            return
+        """Add the q, k and v projections' weight and bias gradients to the parameters (a
+        None gradient, of a frozen parameter or with frozen parameters, adds nothing)."""
         if self._qkv_same_embed_dim:
-            self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]), owned=True)
+            if gwq is not None:
+                self.in_proj_weight.accumulate(np.concatenate([gwq, gwk, gwv]), owned=True)
         else:
-            self.q_proj_weight.accumulate(gwq)
-            self.k_proj_weight.accumulate(gwk)
-            self.v_proj_weight.accumulate(gwv)
-        if self.in_proj_bias is not None:
+            for p, gw in zip((self.q_proj_weight, self.k_proj_weight, self.v_proj_weight), (gwq, gwk, gwv),
+                             strict=True):
+                if gw is not None:
+                    p.accumulate(gw)
+        if self.in_proj_bias is not None and gbq is not None:
             self.in_proj_bias.accumulate(np.concatenate([gbq, gbk, gbv]), owned=True)
 
     def _fused_in_proj_backward(self, gq4, gk4, gv4, x, has_bias: bool, summed: bool):
@@ -901,20 +918,29 @@ class Attention(Module):
         for part, (a, b) in zip((gq4, gk4, gv4), ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv)), strict=True):
             np.copyto(g[..., a:b].reshape(part.shape, copy=False), part)  # splitting the last axis: a view
         w = self.in_proj_weight.data
+        weight_grad = self.in_proj_weight.requires_grad
         if summed:
-            gx, gw, gb = F.linear_backward(g, x, w, has_bias=has_bias)
+            gx, gw, gb = F.linear_backward(g, x, w, has_bias=has_bias, weight_grad=weight_grad)
             grads = (gx, None, None)
         else:
             g2 = g.reshape(N * L, -1)
             gb = col_sum(g2) if has_bias else None
             cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
             # The weight's gradient and the three inputs' in one wake of the pool.
-            gw, *grads = matmuls([(g2.T, x.reshape(N * L, -1)), *((g2[:, a:b], w[a:b]) for a, b in cuts)],
-                                 tokens=N * L)
+            pairs = [(g2[:, a:b], w[a:b]) for a, b in cuts]
+            if weight_grad:
+                pairs.insert(0, (g2.T, x.reshape(N * L, -1)))
+            grads = matmuls(pairs, tokens=N * L)
+            gw = grads.pop(0) if weight_grad else None
             grads = tuple(part.reshape(N, L, -1) for part in grads)
-        self.in_proj_weight.accumulate(gw, owned=True)
+        if gw is not None:
+            self.in_proj_weight.accumulate(gw, owned=True)
         if has_bias:
             self.in_proj_bias.accumulate(gb, owned=True)
+        if self.adapters is not None:
+            ga = self.adapters.backward(g)
+            if ga is not None:
+                grads = (grads[0] + ga, *grads[1:])
         return grads
 
     add_zero_attn = False

@@ -37,11 +37,14 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
 
 def linear_backward(
-    grad_y: np.ndarray, x: np.ndarray, weight: np.ndarray, *, has_bias: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    grad_y: np.ndarray, x: np.ndarray | None, weight: np.ndarray, *, has_bias: bool, weight_grad: bool = True
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """``(grad_x, grad_weight, grad_bias)`` for :func:`linear`; batch dims are summed.
     With the parameters frozen (:func:`attnlab.nn._context.frozen_parameters`) only
     ``grad_x`` is computed (the others are None).
+
+    ``weight_grad=False`` (a frozen weight): ``grad_weight`` is None and not computed, one
+    product instead of two (``x`` may then be None: nothing reads it).
 
     Raises:
         TypeError: a quantized weight (those are for inference only).
@@ -50,8 +53,10 @@ def linear_backward(
         raise TypeError(f"no backward pass through a quantized weight ({weight.kind} {weight.shape}): quantized "
                         "models are for inference; load the model in float32 to train it")
     g2 = grad_y.reshape(-1, grad_y.shape[-1])
-    if _context.parameters_frozen():
-        return matmul(g2, weight, tokens=g2.shape[0]).reshape(*grad_y.shape[:-1], weight.shape[1]), None, None
+    if not weight_grad or _context.parameters_frozen():
+        grad_x = matmul(g2, weight, tokens=g2.shape[0])
+        grad_b = col_sum(g2) if has_bias and not _context.parameters_frozen() else None
+        return grad_x.reshape(*grad_y.shape[:-1], weight.shape[1]), None, grad_b
     # Both products on one wake of the pool (its threads' wake-up is paid once).
     grad_w, grad_x = matmuls([(g2.T, x.reshape(-1, x.shape[-1])), (g2, weight)], tokens=g2.shape[0])
     grad_b = col_sum(g2) if has_bias else None  # a BLAS matrix-vector product: fast
@@ -698,12 +703,13 @@ def rms_scale(x_hat: np.ndarray, weight: np.ndarray | None, *, add_unit_offset: 
 
 def rms_norm_backward(
     grad_y: np.ndarray, x_hat: np.ndarray, rstd: np.ndarray, weight: np.ndarray | None,
-    *, add_unit_offset: bool = False,
+    *, add_unit_offset: bool = False, weight_grad: bool = True,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """``(grad_x, grad_weight)`` for :func:`rms_norm` (batch dims summed):
-    ``grad_x = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = grad_y * weight``."""
+    ``grad_x = rstd * (g - x_hat * mean(g * x_hat))`` with ``g = grad_y * weight``
+    (``grad_weight`` None for a frozen weight, ``weight_grad=False``)."""
     D = x_hat.shape[-1]
-    grad_w = col_sum(grad_y.reshape(-1, D) * x_hat.reshape(-1, D)) if weight is not None else None
+    grad_w = col_sum(grad_y.reshape(-1, D) * x_hat.reshape(-1, D)) if weight is not None and weight_grad else None
     if weight is None:
         g = grad_y
     else:

@@ -94,7 +94,7 @@ class Embedding(Module):
         with more leading axes than the ids (rows looked up once and broadcast, as shared
         positions over a batch) is summed over them first."""
         ids = self._saved()["ids"]
-        if _context.parameters_frozen():  # the ids have no gradient, and the table takes none
+        if not self.weight.requires_grad or _context.parameters_frozen():  # the ids have no gradient
             return None
         g = grad_output
         if g.ndim > ids.ndim + 1:
@@ -390,13 +390,13 @@ class RMSNorm(Module):
         c = self._saved()
         w = None if self.weight is None else self.weight.data
         if not c["hooked"]:
-            gx, gw = F.rms_norm_backward(grad_output, c["x_hat"], c["rstd"], w,
-                                         add_unit_offset=self.add_unit_offset)
+            gx, gw = F.rms_norm_backward(grad_output, c["x_hat"], c["rstd"], w, add_unit_offset=self.add_unit_offset,
+                                         weight_grad=w is not None and self.weight.requires_grad)
         else:  # through hook_normalized: the gradient of x_hat first, seen by its backward hooks
             scale = None if w is None else ((1.0 + w) if self.add_unit_offset else w)
             gw, _, g_hat = _affine_backward(grad_output, c["x_used"], scale, bias=False)
             gx = F.rms_norm_backward(self.hook_normalized.backward(g_hat), c["x_hat"], c["rstd"], None)[0]
-        if self.weight is not None:
+        if gw is not None:
             self.weight.accumulate(gw)
         return gx
 

@@ -51,6 +51,12 @@ class Linear(Module):
 
     Initialised as torch does (uniform in ``±1/sqrt(in_features)``) from ``rng``.
 
+    ``adapters``: the slot for low-rank adapters (None, or an
+    :class:`~attnlab.nn.adapters.Adapters` whose terms are added to the output; see
+    :mod:`attnlab.train.lora`). A frozen weight (``requires_grad=False``) gets no gradient,
+    and the forward pass keeps its input only where the weight's gradient or an adapter
+    needs it.
+
     >>> layer = Linear(3, 2, rng=np.random.default_rng(0))
     >>> layer(np.ones((4, 3), dtype=np.float32)).shape
     (4, 2)
@@ -65,17 +71,27 @@ class Linear(Module):
         self.weight = Parameter(w)
         self.bias = Parameter(b) if bias else None
 
+    adapters = None  # the adapter slot (attnlab.nn.adapters): None, or an Adapters module
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         x = check_input(x, "x", self.weight.data, self.in_features)
-        self._save(x=x)
-        return F.linear(x, self.weight.data, None if self.bias is None else self.bias.data)
+        self._save(x=x if self.weight.requires_grad else None)
+        y = F.linear(x, self.weight.data, None if self.bias is None else self.bias.data)
+        return y if self.adapters is None else self.adapters(x, y)
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         x = self._saved()["x"]
-        gx, gw, gb = F.linear_backward(grad_output, x, self.weight.data, has_bias=self.bias is not None)
-        self.weight.accumulate(gw, owned=True)
-        if self.bias is not None:
-            self.bias.accumulate(gb, owned=True)
+        w, b = self.weight, self.bias
+        gx, gw, gb = F.linear_backward(grad_output, x, w.data, has_bias=b is not None and b.requires_grad,
+                                       weight_grad=w.requires_grad)
+        if gw is not None:
+            w.accumulate(gw, owned=True)
+        if gb is not None:
+            b.accumulate(gb, owned=True)
+        if self.adapters is not None:
+            ga = self.adapters.backward(grad_output)
+            if ga is not None:
+                gx += ga
         return gx
 
     def extra_repr(self) -> str:

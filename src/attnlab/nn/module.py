@@ -30,20 +30,44 @@ from attnlab.quant import is_quantized
 
 # Gradients of one parameter may be added by two threads' backward passes at once.
 _GRAD_LOCK = threading.Lock()
+# Counts the changes of any module's children or parameters (assigned, replaced, removed):
+# what a plan gathered from a model's modules compares to know it is still current.
+_structure = [0]
+
+
+def structure_version() -> int:
+    """A number that changes whenever a module anywhere gains, loses or replaces a child
+    module or a parameter (adapters added, a layer swapped): plans built from a model's
+    modules (the compiled decoding step's) are rebuilt when it moved."""
+    return _structure[0]
 _hooks_now = _context.current_hooks
 
 
 class Parameter:
     """A trainable array: ``data`` (updated in place by optimizers) and its ``grad``.
 
+    ``requires_grad`` (True by default, as in torch) says whether backward passes compute
+    its gradient: a frozen parameter (``requires_grad=False``, :meth:`Module.requires_grad_`)
+    keeps ``grad`` None, and the layers skip the products that would make it (a frozen
+    weight's gradient is never computed, and an input kept only for it is not kept).
     ``np.asarray(param)`` gives ``param.data``.
+
+    >>> p = Parameter(np.zeros(2), requires_grad=False)
+    >>> p.accumulate(np.ones(2)); p.grad is None
+    True
     """
 
-    __slots__ = ("data", "grad")
+    __slots__ = ("data", "grad", "requires_grad")
 
-    def __init__(self, data: np.ndarray):
+    def __init__(self, data: np.ndarray, requires_grad: bool = True):
         self.data = np.asarray(data)
         self.grad: np.ndarray | None = None
+        self.requires_grad = bool(requires_grad)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Parameter:
+        """Freeze (False) or unfreeze (True) this parameter; returns it (torch's name)."""
+        self.requires_grad = bool(requires_grad)
+        return self
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -59,9 +83,10 @@ class Parameter:
         ``owned``: ``grad`` is a fresh array that nothing else holds or will change (a
         layer's newly computed gradient); on first use it becomes ``self.grad`` itself
         rather than a copy, as torch's autograd keeps a fresh gradient (a weight matrix's
-        copy costs as much as a pass over it). Nothing is added for a ``grad`` of None or in
-        a context with frozen parameters (:func:`attnlab.nn._context.frozen_parameters`)."""
-        if grad is None or _context.parameters_frozen():
+        copy costs as much as a pass over it). Nothing is added for a ``grad`` of None, to a
+        frozen parameter, or in a context with frozen parameters
+        (:func:`attnlab.nn._context.frozen_parameters`)."""
+        if grad is None or not self.requires_grad or _context.parameters_frozen():
             return
         with _GRAD_LOCK:
             if self.grad is None:
@@ -76,8 +101,9 @@ class Parameter:
     def add_rows(self, rows: np.ndarray, grad: np.ndarray) -> None:
         """Add ``grad`` ``(N, ...)`` to the rows ``rows`` ``(N,)`` of ``self.grad`` (made of
         zeros on first use; a row named twice gets both): an embedding table's gradient
-        without a second table-sized array."""
-        if _context.parameters_frozen():
+        without a second table-sized array. A frozen parameter ignores it, as does a context
+        with frozen parameters."""
+        if not self.requires_grad or _context.parameters_frozen():
             return
         with _GRAD_LOCK:
             if self.grad is None:
@@ -89,7 +115,8 @@ class Parameter:
         return data if dtype is None else data.astype(dtype)
 
     def __repr__(self) -> str:
-        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype})"
+        frozen = "" if self.requires_grad else ", requires_grad=False"
+        return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}{frozen})"
 
 
 def to_host(x) -> np.ndarray:
@@ -159,6 +186,8 @@ class Module:
         params, modules = self.__dict__.get("_parameters"), self.__dict__.get("_modules")
         if params is None:
             raise RuntimeError(f"call Module.__init__() in {type(self).__name__}.__init__ first")
+        if name in params or name in modules or isinstance(value, Parameter | Module):
+            _structure[0] += 1
         params.pop(name, None)
         modules.pop(name, None)
         if isinstance(value, Parameter):
@@ -344,6 +373,21 @@ class Module:
     def zero_grad(self) -> None:
         for p in self.parameters():
             p.grad = None
+
+    def requires_grad_(self, requires_grad: bool = True) -> Module:
+        """Freeze (``False``) or unfreeze every parameter of this module and its children;
+        returns ``self`` (torch's ``Module.requires_grad_``). Backward passes then skip the
+        frozen parameters' gradients (see :class:`Parameter`); the input gradients still
+        flow through them.
+
+        >>> from attnlab.nn import Linear
+        >>> layer = Linear(3, 2).requires_grad_(False)
+        >>> [p.requires_grad for p in layer.parameters()]
+        [False, False]
+        """
+        for p in self.parameters():
+            p.requires_grad = bool(requires_grad)
+        return self
 
     # ---- modes ------------------------------------------------------------------------
     def train(self, mode: bool = True) -> Module:

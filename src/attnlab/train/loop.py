@@ -13,7 +13,7 @@ import numpy as np
 from attnlab._validation import positive_int
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
 from attnlab.nn.loss import CrossEntropyLoss
-from attnlab.train.optim import AdamW, clip_grad_norm_
+from attnlab.train.optim import AdamW, clip_grad_norm_, warmup_cosine
 from attnlab.train.tasks import IGNORE_INDEX, RecallTask
 
 __all__ = ["NonFiniteLossError", "TrainConfig", "Trainer", "answer_accuracy"]
@@ -112,12 +112,7 @@ class Trainer:
     def lr_at(self, step: int) -> float:
         """Learning rate of (1-based) ``step``: linear warm-up, then cosine decay."""
         c = self.config
-        if c.warmup and step <= c.warmup:
-            return c.lr * step / c.warmup
-        span = max(c.steps - c.warmup, 1)
-        progress = min((step - c.warmup) / span, 1.0)
-        floor = c.lr * c.min_lr_ratio
-        return floor + 0.5 * (c.lr - floor) * (1.0 + math.cos(math.pi * progress))
+        return warmup_cosine(step, lr=c.lr, steps=c.steps, warmup=c.warmup, min_lr_ratio=c.min_lr_ratio)
 
     def train_step(self) -> tuple[float, float]:
         """One optimisation step; returns ``(loss, accuracy)`` on its batch.

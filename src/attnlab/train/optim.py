@@ -14,7 +14,7 @@ import numpy as np
 
 from attnlab.nn.module import Parameter
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "warmup_cosine"]
 
 
 def _nonneg(value, name: str) -> float:
@@ -182,6 +182,22 @@ class AdamW(Adam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad)
 
 
+def warmup_cosine(step: int, *, lr: float, steps: int, warmup: int = 0, min_lr_ratio: float = 0.0) -> float:
+    """The learning rate of (1-based) ``step`` of ``steps``: linear warm-up over the first
+    ``warmup`` steps (``lr * step / warmup``), then cosine decay from ``lr`` to
+    ``min_lr_ratio * lr``, reached at the last step.
+
+    >>> [round(warmup_cosine(s, lr=1.0, steps=5, warmup=2, min_lr_ratio=0.1), 3) for s in range(1, 6)]
+    [0.5, 1.0, 0.775, 0.325, 0.1]
+    """
+    if warmup and step <= warmup:
+        return lr * step / warmup
+    span = max(steps - warmup, 1)
+    progress = min((step - warmup) / span, 1.0)
+    floor = lr * min_lr_ratio
+    return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
 def clip_grad_norm_(
     params: Iterable[Parameter], max_norm: float, norm_type: float = 2.0
 ) -> float:
@@ -204,6 +220,8 @@ def clip_grad_norm_(
         return 0.0
     if math.isinf(norm_type):
         total = max(float(np.max(np.abs(g))) if g.size else 0.0 for g in grads)
+    elif norm_type == 2.0:  # each gradient's squared norm as one dot product (no temporary)
+        total = math.sqrt(sum(float(np.dot(g.ravel(), g.ravel())) for g in grads))
     else:
         total = float(
             sum(float(np.sum(np.abs(g.astype(np.float64)) ** norm_type)) for g in grads)

@@ -761,3 +761,35 @@ def plot_training_curves(
     if path is not None:
         save_figure(fig, path, dpi=110)
     return fig
+
+
+def plot_finetune_loss(history: Mapping[str, Sequence[float]], *, title: str | None = None,
+                       path: str | os.PathLike | None = None):
+    """The loss of a fine-tuning run per step (:attr:`attnlab.train.finetune.Finetuner.history`:
+    ``"step"``, ``"loss"``, and ``"eval_step"``/``"eval_loss"`` drawn as points), log scale.
+
+    >>> fig = plot_finetune_loss({"step": [1, 2, 3], "loss": [2.0, 1.0, 0.5], "eval_step": [3], "eval_loss": [0.7]})
+    >>> fig.axes[0].get_ylabel()
+    'cross-entropy (answer tokens)'
+    """
+    Figure = _pyplot()
+    for key in ("step", "loss"):
+        if key not in history:
+            raise ValueError(f"history needs a {key!r} list, got keys {sorted(history)}")
+    if len(history["loss"]) != len(history["step"]):
+        raise ValueError(f"history['loss'] has {len(history['loss'])} values for {len(history['step'])} steps")
+    fig = Figure(figsize=(6.4, 3.8), layout="constrained")
+    ax = fig.subplots()
+    ax.plot(history["step"], history["loss"], lw=0.9, label="train (each step's batch)")
+    if history.get("eval_step"):
+        ax.plot(history["eval_step"], history["eval_loss"], "o-", ms=3, label="evaluation")
+    loss = np.asarray(history["loss"], dtype=np.float64)
+    if loss.size and np.all(loss[np.isfinite(loss)] > 0):
+        ax.set_yscale("log")
+    ax.set(xlabel="step", ylabel="cross-entropy (answer tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    fig.suptitle(title or "Fine-tuning loss")
+    if path is not None:
+        save_figure(fig, path, dpi=110)
+    return fig
