@@ -113,7 +113,7 @@ class Store:
             raise SweepError(f"could not begin the sweep in {self.out} ({exc.strerror or exc}); {where}: free "
                              "space (or give a folder that can be written) and run it again") from None
         stale = self.out / WORKER_WEIGHTS
-        if stale.exists():  # a killed run's (the lock says no sweep is running here)
+        if self._lock is not None and stale.exists():  # a killed run's: the lock says no other runs here
             shutil.rmtree(stale, ignore_errors=True)
 
     @contextlib.contextmanager
@@ -196,7 +196,8 @@ class Store:
 
 
 def _take_lock(out: Path):
-    """The open lock file of ``out``, locked; ``SweepError`` while another sweep holds it."""
+    """The open lock file of ``out``, locked (None where the file system has no locks);
+    ``SweepError`` while another sweep holds it."""
     try:
         import fcntl
     except ImportError:  # no flock (Windows): one sweep per folder is the user's to keep
@@ -207,9 +208,9 @@ def _take_lock(out: Path):
     except BlockingIOError:
         fh.close()
         raise SweepError(f"another sweep is running in {out}: wait for it to end, or give another folder") from None
-    except OSError:
+    except OSError:  # a file system without locks (some network ones): the sweep runs unguarded
         fh.close()
-        raise
+        return None
     return fh
 
 
