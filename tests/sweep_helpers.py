@@ -36,3 +36,13 @@ def fail_on_marker(model, batch):
     if (batch.input_ids == MARKER).any():
         raise ValueError("marker seen")
     return last_resid(model, batch)
+
+
+def die_once_on_marker(model, batch):
+    """A method whose worker dies on a batch holding MARKER the first time only: the file
+    named by ``$ATTNLAB_TEST_DIED`` records that it did (a worker's restart comes back clean)."""
+    flag = os.environ["ATTNLAB_TEST_DIED"]
+    if (batch.input_ids == MARKER).any() and not os.path.exists(flag):
+        open(flag, "w").close()
+        os._exit(3)
+    return last_resid(model, batch)

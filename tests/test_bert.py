@@ -297,6 +297,20 @@ def test_trace_of_any_layer_is_its_attention_map(model, layer, k):
     assert f"step by step (layer {k}, head 5 (of 0-11))" in str(one)
 
 
+def test_trace_and_analyze_are_one_computation_at_256_tokens(model):
+    """trace's maps and inputs are analyze's bit for bit at every layer, on a text long
+    enough (256 tokens) that two passes by different routes differed (by ~1e-6)."""
+    rng = np.random.default_rng(0)
+    words = "the bank of a river flows past old stone walls where children play and birds sing".split()
+    text = " ".join(rng.choice(words, 254))
+    a = model.analyze(text)
+    assert len(a.tokens) == 256
+    for k in range(1, model.config.num_hidden_layers + 1):
+        t = model.trace(text, layer=k)
+        assert np.array_equal(np.stack([t.get("weights", h) for h in range(12)]), a.attentions[k - 1]), k
+        assert np.array_equal(t.get("X"), a.hidden_states[k - 1]), k
+
+
 def test_the_model_is_a_module_with_a_state_dict(model):
     state = model.state_dict()
     assert len(state) == 5 + 6 * 12

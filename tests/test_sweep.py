@@ -18,7 +18,7 @@ import pytest
 from attnlab.inspect import activation_patching, detect_heads, logit_lens_top
 from attnlab.sweep import METHODS, SweepError, read_results, register_method, sweep
 from attnlab.sweep.methods import FunctionMethod
-from sweep_helpers import MARKER, die_on_marker, fail_on_marker, last_resid, tiny_gpt2
+from sweep_helpers import MARKER, die_on_marker, die_once_on_marker, fail_on_marker, last_resid, tiny_gpt2
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +216,128 @@ def test_a_full_disk_stops_the_sweep_with_what_was_written_intact(model, tmp_pat
     assert same(read_results(tmp_path / "full"), read_results(tmp_path / "once"))
 
 
+def _manifest_disk_full(monkeypatch):
+    """The manifest's write runs out of space half-way (the rest of the disk is fine)."""
+    real = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if "manifest" in self.name:
+            real(self, data[: len(data) // 2], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else b"/" for p in sorted(folder.rglob("*"))}
+
+
+def test_a_full_disk_at_the_start_is_one_error_and_writes_nothing(model, tmp_path, monkeypatch):
+    items = prompts(6, seed=12)
+    sweep(model, items, tmp_path / "done", method=last_resid, batch_size=4)
+    before = _tree(tmp_path / "done")
+    (tmp_path / "empty").mkdir()
+    with monkeypatch.context() as m:
+        _manifest_disk_full(m)
+        with pytest.raises(SweepError, match=r"could not begin the sweep in .*new.*No space left on device\); "
+                                             "nothing was written"):
+            sweep(model, items, tmp_path / "new" / "deeper", method=last_resid)
+        with pytest.raises(SweepError, match="nothing was written"):
+            sweep(model, items, tmp_path / "empty", method=last_resid)
+        with pytest.raises(SweepError, match=r"No space left on device\); .*done is as it was"):
+            sweep(model, items, tmp_path / "done", method=last_resid, batch_size=4)
+    assert not (tmp_path / "new").exists()  # the folders it made are gone again
+    assert list((tmp_path / "empty").iterdir()) == []
+    assert _tree(tmp_path / "done") == before  # no temporary file, the manifest as it was
+    report = sweep(model, items, tmp_path / "empty", method=last_resid)  # room again: it starts
+    assert report.computed == 6 and report.run == 1
+
+
+def test_a_full_disk_for_the_workers_weights_stops_before_any_worker(model, tmp_path, monkeypatch):
+    from attnlab.io import safetensors as st
+
+    items = prompts(6, seed=13)
+    real = st.save_tensors
+
+    def save(path, tensors, metadata=None):
+        if Path(path).name.startswith("weights-"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, tensors, metadata)
+
+    monkeypatch.setattr(st, "save_tensors", save)
+    with pytest.raises(SweepError, match=r"could not write the workers' copy of the weights \([0-9.]+ MiB\) .*No "):
+        sweep(model, items, tmp_path / "out", method=last_resid, engine="processes", workers=1)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".lock", "manifest.json", "shards"]
+    assert read_results(tmp_path / "out").status.size == 0
+
+
+def test_a_second_sweep_on_a_running_sweeps_folder_is_refused(model, tmp_path):
+    items = prompts(8, seed=14)
+    refused = []
+
+    def meanwhile(p):
+        if not refused:
+            with pytest.raises(SweepError, match="another sweep is running in .*out: wait for it"):
+                sweep(model, items, tmp_path / "out", method=last_resid, batch_size=4)
+            refused.append(p.done)
+
+    sweep(model, items, tmp_path / "out", method=last_resid, batch_size=4, progress=meanwhile)
+    assert refused == [4]
+    again = sweep(model, items, tmp_path / "out", method=last_resid, batch_size=4)  # over: the lock is free
+    assert (again.computed, again.skipped) == (0, 8)
+
+
+_KILLED_SWEEP = """
+import sys, time
+from pathlib import Path
+from attnlab.sweep import sweep
+from sweep_helpers import tiny_gpt2
+
+def stall(p):
+    Path(sys.argv[2]).write_text(str(p.done))  # a batch is recorded: the parent kills us now
+    time.sleep(120)
+
+if __name__ == "__main__":
+    import json
+    sweep(tiny_gpt2(), json.loads(sys.argv[3]), sys.argv[1], method="logit_lens_top", options={"k": 2},
+          batch_size=4, engine="processes", workers=1, progress=stall)
+"""
+
+
+def test_a_killed_process_sweep_leaves_its_weights_in_its_folder_and_the_next_run_removes_them(model, tmp_path):
+    items = prompts(12, seed=15)
+    out, ready = tmp_path / "out", tmp_path / "ready"
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED_SWEEP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(script), str(out), str(ready), json.dumps(items)], env=env,
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):
+            if ready.exists() or proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert ready.exists(), proc.stderr.read().decode() if proc.poll() is not None else "no batch in 120 s"
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and its worker, nothing else
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    left = sorted(p.name for p in (out / "worker-weights").iterdir())
+    assert len(left) == 1 and left[0].startswith("weights-")  # in the sweep's folder, not in /tmp
+    (out / "worker-weights" / ".weights-half-written.tmp").write_bytes(b"x")  # as a kill mid-write leaves
+    seen = []
+    report = sweep(model, items, out, method="logit_lens_top", options={"k": 2}, batch_size=4,
+                   engine="processes", workers=1,
+                   progress=lambda p: seen.append(sorted(q.name for q in (out / "worker-weights").iterdir())))
+    assert report.skipped == int(ready.read_text()) and report.computed == 12 - report.skipped
+    assert seen and all(names == left for names in seen)  # the killed run's leftovers went at the start
+    assert not (out / "worker-weights").exists()  # and this run's at its end
+    sweep(model, items, tmp_path / "serial", method="logit_lens_top", options={"k": 2}, batch_size=4)
+    assert same(read_results(out), read_results(tmp_path / "serial"))
+
+
 # ---- bad input --------------------------------------------------------------------------------
 
 
@@ -278,6 +400,19 @@ def test_processes_give_serials_results_bit_for_bit_and_survive_a_dying_worker(m
     want = read_results(tmp_path / "dies-serial")
     alive = r.ok
     assert alive.sum() == 30 - len(dead) and np.array_equal(r["last"][alive], want["last"][alive])
+
+
+def test_a_worker_that_dies_once_has_its_batch_retried_and_computed(model, tmp_path, monkeypatch):
+    items = prompts(12, seed=16)
+    items[6]["text"][0] = MARKER
+    monkeypatch.setenv("ATTNLAB_TEST_DIED", str(tmp_path / "died"))
+    report = sweep(model, items, tmp_path / "once", method=die_once_on_marker, batch_size=4, engine="processes",
+                   workers=2)
+    assert (tmp_path / "died").exists()  # a worker did die on it
+    assert report.failed == 0 and report.computed == 12
+    sweep(model, items, tmp_path / "serial", method=last_resid, batch_size=4)
+    got, want = read_results(tmp_path / "once"), read_results(tmp_path / "serial")
+    assert got.ok.all() and np.array_equal(got["last"], want["last"])
 
 
 def test_worker_weights_are_read_only_maps_of_one_file(model, tmp_path):
@@ -362,6 +497,66 @@ def test_ray_cluster_by_address_and_an_address_that_does_not_answer(model, tmp_p
             head.wait(10)
 
 
+class _Listener:
+    """A TCP server on 127.0.0.1 that is no Ray cluster: ``"silent"`` (takes the connection,
+    says nothing), ``"http"`` (answers as an HTTP/1.1 server does) or ``"close"``."""
+
+    def __init__(self, kind: str):
+        import socket
+        import threading
+
+        self.kind, self.conns = kind, []
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.kind == "http":
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            if self.kind == "silent":
+                self.conns.append(conn)
+            else:
+                conn.close()
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("silent", "something listens at 127.0.0.1:{port} but does not answer as a Ray cluster"),
+    ("http", r"what listens at 127.0.0.1:{port} is not a Ray cluster \(it replied b'HTTP/1.1 400"),
+    ("close", r"what listens at 127.0.0.1:{port} is not a Ray cluster \(it closed the connection"),
+])
+def test_an_address_where_no_ray_listens_fails_fast_and_writes_nothing(model, tmp_path, capsys, kind, message):
+    """Ray's own ray.init waits minutes on these (measured: still waiting after 80 s)."""
+    from attnlab.cli import main
+
+    server = _Listener(kind)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SweepError, match=message.format(port=server.port)):
+            sweep(model, prompts(3), tmp_path / "out", engine="ray", address=f"127.0.0.1:{server.port}")
+        assert time.monotonic() - t0 < 30
+        assert not (tmp_path / "out").exists()
+        if kind == "http":
+            data = write_jsonl(tmp_path / "d.jsonl", ['{"text": [1, 2, 3]}'])
+            code = main(["sweep", str(data), str(tmp_path / "cli"), "--engine", "ray", "--address",
+                         f"127.0.0.1:{server.port}", "--quiet"])
+            err = capsys.readouterr().err.strip()
+            assert code == 2 and len(err.splitlines()) == 1 and "is not a Ray cluster" in err, err
+            assert not (tmp_path / "cli").exists()
+    finally:
+        server.close()
+
+
 # ---- the command line -------------------------------------------------------------------------
 
 
@@ -397,3 +592,17 @@ def test_cli_sweeps_smollm2_and_refuses_bad_input_in_one_line(tmp_path):
         bad = _attnlab("sweep", data, tmp_path / "out", "--option", "position=-1", *args, "--quiet")
         err = bad.stderr.strip()
         assert bad.returncode == 2 and len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_cli_a_full_disk_at_the_start_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from attnlab.cli import main
+    from attnlab.train.finetune import save_pretrained
+
+    folder = save_pretrained(tiny_gpt2(), tmp_path / "model")
+    data = write_jsonl(tmp_path / "d.jsonl", ['{"text": [1, 2, 3]}', '{"text": [4, 5]}'])
+    _manifest_disk_full(monkeypatch)
+    code = main(["sweep", str(data), str(tmp_path / "out"), "--model", str(folder), "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("attnlab sweep: error: could not begin the sweep") and "No space left on device" in err
+    assert not (tmp_path / "out").exists()

@@ -503,7 +503,7 @@ class BertEncoder(Module):
                 raise TypeError(f"{name}[{i}] must be a str, got {type(t).__name__}")
         return texts
 
-    def _warn_truncated(self, encodings) -> list[bool]:
+    def _warn_truncated(self, encodings, *, stacklevel: int = 3) -> list[bool]:
         cut = [bool(e.overflowing) for e in encodings]
         if any(cut):
             idx = [i for i, c in enumerate(cut) if c]
@@ -512,7 +512,7 @@ class BertEncoder(Module):
                 f"{len(idx)} of {len(cut)} text(s) are longer than max_seq_length="
                 f"{self.max_seq_length} tokens and were truncated (index {shown})",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=stacklevel,
             )
         return cut
 
@@ -614,22 +614,14 @@ class BertEncoder(Module):
         >>> a.tokens, a.attentions.shape
         (['[CLS]', 'the', 'bank', 'of', 'the', 'river', '.', '[SEP]'], (6, 12, 8, 8))
         """
-        enc, ids, types = self._one_text(text)
-        truncated = self._warn_truncated([enc])[0]
-        _, hidden, maps = record_layers(self, lambda: self._run(ids, types))
-        return TextAnalysis(
-            text=text,
-            tokens=list(enc.tokens),
-            offsets=[tuple(o) for o in enc.offsets],
-            input_ids=ids[0],
-            static=self.word_embeddings[ids[0]],
-            hidden_states=hidden[:, 0],
-            attentions=maps[:, 0],
-            truncated=truncated,
-        )
+        return self._recorded(text)[0]
 
     def trace(self, text: str, *, layer: int = -1, head: int | None = None) -> Trace:
         """The step-by-step :class:`~attnlab.Trace` of layer ``layer``'s attention on ``text``.
+
+        It comes from the same forward pass as :meth:`analyze`, so its ``weights`` are
+        ``analyze(text).attentions[layer - 1]`` and its ``X`` ``hidden_states[layer - 1]``,
+        bit for bit.
 
         Args:
             text: the input text.
@@ -642,10 +634,38 @@ class BertEncoder(Module):
         (1, 3, ['[CLS]', 'the', 'bank'], (8, 8))
         """
         k = layer_number(layer, self.config.num_hidden_layers, embeddings=False)
+        return self._recorded(text, traced=k, head=head)[1]
+
+    def _recorded(self, text: str, *, traced: int | None = None, head: int | None = None):
+        """``(TextAnalysis, Trace or None)``: one forward pass of ``text``, recorded through
+        the hook points; with ``traced`` (``1..n``) the same pass also records that block's
+        attention step by step. :meth:`analyze` and :meth:`trace` are views of this one
+        computation (the hooks attached choose the attention's route, so a pass of its own
+        for each could differ in the last bits)."""
         enc, ids, types = self._one_text(text)
-        self._warn_truncated([enc])
-        return trace_model(self, k, lambda: self._run(ids, types, layers=k), tokens=list(enc.tokens), head=head,
-                           masked=False)
+        truncated = self._warn_truncated([enc], stacklevel=4)[0]
+        recorded = []
+
+        def run():
+            recorded.append(record_layers(self, lambda: self._run(ids, types)))
+
+        trace = None
+        if traced is None:
+            run()
+        else:
+            trace = trace_model(self, traced, run, tokens=list(enc.tokens), head=head, masked=False)
+        _, hidden, maps = recorded[0]
+        analysis = TextAnalysis(
+            text=text,
+            tokens=list(enc.tokens),
+            offsets=[tuple(o) for o in enc.offsets],
+            input_ids=ids[0],
+            static=self.word_embeddings[ids[0]],
+            hidden_states=hidden[:, 0],
+            attentions=maps[:, 0],
+            truncated=truncated,
+        )
+        return analysis, trace
 
     def _pool(self, x: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """Sentence vectors ``(B, D)`` from the last layer ``(B, T, D)``: text ``b`` is its

@@ -27,7 +27,6 @@ import contextlib
 import dataclasses
 import importlib.util
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 from attnlab._validation import positive_int
 from attnlab.sweep import engines as _engines
 from attnlab.sweep._data import Plan, count, describe, encode, make_batch, read_entries, windows
-from attnlab.sweep._model import adopt, load_model, map_weights, model_identity, recipe_for
+from attnlab.sweep._model import adopt, load_model, map_weights, model_identity, recipe_for, write_weights
 from attnlab.sweep._store import Store, SweepError, SweepResults, read_results
 from attnlab.sweep.engines import ENGINES, Job
 from attnlab.sweep.methods import (
@@ -172,9 +171,10 @@ def sweep(
         A :class:`SweepReport`.
 
     Raises:
-        SweepError: ``out`` holds another sweep (its differing settings are named), the
-            dataset changed since the folder was begun, the disk is full (what was written
-            stays intact), a Ray address that does not answer, ``on_error="raise"`` and an
+        SweepError: ``out`` holds another sweep (its differing settings are named), another
+            sweep is running in ``out``, the dataset changed since the folder was begun, the
+            disk is full (what was written stays intact; nothing is half-written), a Ray
+            address where no Ray cluster answers (within 10 s), ``on_error="raise"`` and an
             item failed.
         ValueError, TypeError: unknown methods, engines or options.
         ImportError: pyarrow (the ``sweep`` extra) or, for ``engine="ray"``, Ray is missing.
@@ -193,27 +193,39 @@ def sweep(
     if workers is None:
         workers = max(1, len(os.sched_getaffinity(0)) // threads) if hasattr(os, "sched_getaffinity") else 1
     workers = positive_int(workers, "workers")
+    if engine == "ray" and address is not None:
+        _engines.probe(address)  # before anything is loaded or written: seconds, not Ray's minutes
     method = make_method(method, options)
     given = model
     model = load_model(model)
     method.check(model)
+    recipe = None if engine == "serial" else recipe_for(model)  # a model its class cannot rebuild: refused here
     settings = {"method": method.name, "options": method.settings(), "model": model_identity(model),
                 "data": describe(data), "batching": dataclasses.asdict(plan), "threads": threads}
     total = count(data)
-    store = Store(out, settings, run_info={"engine": engine, "workers": 1 if engine == "serial" else workers,
-                                           "started": time.strftime("%Y-%m-%dT%H:%M:%S")})
     t0 = time.perf_counter()
-    recipe = None
-    with contextlib.ExitStack() as cleanup:
+    with Store(out, settings, run_info={"engine": engine, "workers": 1 if engine == "serial" else workers,
+                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S")}) as store, \
+            contextlib.ExitStack() as cleanup:
         if engine == "processes":
-            folder = cleanup.enter_context(tempfile.TemporaryDirectory(prefix="attnlab-sweep-weights-"))
-            recipe = recipe_for(model, folder)  # the weights, written once for the workers to map
+            folder = cleanup.enter_context(store.worker_weights())
+            recipe.path = str(_write_shared_weights(model, folder, store))
             if given is not model:  # loaded here: the driver maps the shared file too, its own copy freed
                 adopt(model, map_weights(recipe.path))
-        elif engine == "ray":
-            recipe = recipe_for(model)
         return _run(store, model, method, data, plan, engine, threads, workers, recipe, address, retry_failed,
                     on_error, total, progress, t0)
+
+
+def _write_shared_weights(model, folder, store: Store):
+    """The model's weights written once for the workers to map (``SweepError`` if the disk
+    cannot take them: the items recorded so far are intact)."""
+    try:
+        return write_weights(model, folder)
+    except OSError as exc:
+        size = sum(p.data.nbytes for p in model.parameters()) / 2**20
+        raise SweepError(f"could not write the workers' copy of the weights ({size:.1f} MiB) to {folder} "
+                         f"({exc.strerror or exc}); the {len(store.records)} items recorded before are intact: "
+                         "free space and run the sweep again, or use engine='serial'") from None
 
 
 def _run(store, model, method, data, plan, engine, threads, workers, recipe, address, retry_failed, on_error,

@@ -12,6 +12,12 @@
 ``OUT/items.parquet``
     one row per item (index, line, status, error, tokens, shard), rewritten from the shards
     every 10 seconds and at the end; a convenience for tables (pandas, DuckDB).
+``OUT/.lock``
+    held (``flock``) by the sweep running in the folder, so that a second one started on it
+    is refused; the operating system lets go of it when that process ends, killed or not.
+``OUT/worker-weights/``
+    the ``processes`` engine's copy of the model's weights, which its workers map; removed
+    at the end of the run, and at the start of the next one where a killed run left it.
 
 Texts (``str`` results) are stored as their UTF-8 bytes (uint8) and read back as ``str``.
 """
@@ -24,6 +30,7 @@ import json
 import math
 import os
 import re
+import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -36,6 +43,8 @@ __all__ = ["FORMAT", "SweepError", "SweepResults", "Store", "read_results"]
 
 FORMAT = "attnlab-sweep/1"
 _META_KEY = "attnlab.sweep"
+LOCK = ".lock"
+WORKER_WEIGHTS = "worker-weights"
 _SHARD = re.compile(r"^(?P<batch>[0-9a-z-]+)\.(?P<run>\d+)\.safetensors$")
 
 
@@ -71,18 +80,70 @@ class Store:
                 raise SweepError(f"{self.out} holds a sweep of format {manifest.get('format')!r}, not {FORMAT!r}")
             _same_settings(self.out, manifest.get("settings", {}), settings)
         else:
-            if self.out.is_dir() and any(p.name != ".DS_Store" for p in self.out.iterdir()):
+            if self.out.is_dir() and any(p.name not in (".DS_Store", LOCK) for p in self.out.iterdir()):
                 raise SweepError(f"{self.out} is not empty and holds no sweep (no manifest.json): give a new or "
                                  "empty folder")
             manifest = {"format": FORMAT, "settings": settings, "runs": []}
         self.records = load_records(self.out)
         self.run = 1 + max((r["run"] for r in manifest["runs"]), default=0)
         manifest["runs"].append({"run": self.run, **run_info})
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.shards.mkdir(exist_ok=True)
-        _write_json(manifest_path, manifest)
+        self._lock = None
+        self._begin(manifest_path, manifest, new=not manifest_path.is_file())
         self.manifest = manifest
         self._table_written = -math.inf
+
+    def _begin(self, manifest_path: Path, manifest: dict, *, new: bool) -> None:
+        """Create the folder, take its lock and write the manifest; on a failure (a full
+        disk, no permission) remove what this made and raise ``SweepError``."""
+        made = [p for p in (*reversed(self.out.parents), self.out, self.shards) if not p.exists()]
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self._lock = _take_lock(self.out)
+            self.shards.mkdir(exist_ok=True)
+            _write_json(manifest_path, manifest)  # last: a folder with a manifest is a sweep's
+        except OSError as exc:
+            self.close()
+            if new:
+                with contextlib.suppress(OSError):
+                    (self.out / LOCK).unlink(missing_ok=True)
+            for folder in reversed(made):
+                with contextlib.suppress(OSError):
+                    folder.rmdir()  # only if empty: nothing of anyone else's goes
+            where = "nothing was written" if new else f"{self.out} is as it was"
+            raise SweepError(f"could not begin the sweep in {self.out} ({exc.strerror or exc}); {where}: free "
+                             "space (or give a folder that can be written) and run it again") from None
+        stale = self.out / WORKER_WEIGHTS
+        if self._lock is not None and stale.exists():  # a killed run's: the lock says no other runs here
+            shutil.rmtree(stale, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def worker_weights(self):
+        """The folder ``OUT/worker-weights`` for the workers' copy of the weights, removed
+        when the block ends (and, where a killed run left it, when the next run begins)."""
+        folder = self.out / WORKER_WEIGHTS
+        try:
+            folder.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise SweepError(f"could not create {folder} ({exc.strerror or exc}); the {len(self.records)} items "
+                             "recorded before are intact: free space and run the sweep again") from None
+        try:
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def close(self) -> None:
+        """Let go of the folder's lock (the sweep is over)."""
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                self._lock.close()
+            self._lock = None
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
 
     def status(self, index: int, digest: str, where: str) -> str | None:
         """``"ok"``/``"failed"`` when item ``index`` is recorded, else None.
@@ -132,6 +193,25 @@ class Store:
         with contextlib.suppress(OSError):
             write_items_table(self.out / "items.parquet", self.records)
         self._table_written = now
+
+
+def _take_lock(out: Path):
+    """The open lock file of ``out``, locked (None where the file system has no locks);
+    ``SweepError`` while another sweep holds it."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): one sweep per folder is the user's to keep
+        return None
+    fh = open(out / LOCK, "a+")  # noqa: SIM115 (held open for the run: the lock lives with it)
+    try:
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise SweepError(f"another sweep is running in {out}: wait for it to end, or give another folder") from None
+    except OSError:  # a file system without locks (some network ones): the sweep runs unguarded
+        fh.close()
+        return None
+    return fh
 
 
 def _same_settings(out: Path, theirs: dict, ours: dict) -> None:

@@ -6,17 +6,18 @@ three give the same numbers bit for bit; they differ only in where it runs. Work
 and send results back; the driver alone writes the sweep's folder.
 
 - ``processes``: ``workers`` processes (started with ``spawn``), each loading the model once
-  from the float32 weights the driver wrote to one safetensors file, which every worker
-  memory-maps read-only (one copy in the OS page cache, however many workers). Each worker
-  holds BLAS and attnlab's pools to ``threads`` threads; with ``threads > 1`` and enough
-  CPUs each worker is confined to CPUs of its own, so that no two pin threads to one core.
-  A worker that dies is replaced, and its batch retried once; a batch that kills two
-  workers is recorded as failed.
+  from the float32 weights the driver wrote to one safetensors file (in the sweep's folder,
+  ``OUT/worker-weights``), which every worker memory-maps read-only (one copy in the OS
+  page cache, however many workers). Each worker holds BLAS and attnlab's pools to
+  ``threads`` threads; with ``threads > 1`` and enough CPUs each worker is confined to CPUs
+  of its own, so that no two pin threads to one core. A worker that dies is replaced, and
+  its batch retried once; a batch that kills two workers is recorded as failed.
 - ``ray``: one actor per worker (``num_cpus=threads``), each rebuilding the model around
   weights put once in Ray's object store (one copy per machine, mapped by every actor
-  there). ``address=`` joins a running cluster (probed first: an address that does not
-  answer fails within seconds); without it a local one-node cluster is started on
-  127.0.0.1 and stopped at the end (one already running in this process is used and kept).
+  there). ``address=`` joins a running cluster (probed first, see :func:`probe`: an address
+  where no Ray cluster answers fails within seconds); without it a local one-node cluster
+  is started on 127.0.0.1 and stopped at the end (one already running in this process is
+  used and kept).
 """
 
 from __future__ import annotations
@@ -295,14 +296,23 @@ class ProcessEngine:
 # --------------------------------------------------------------------------- ray
 
 
-# How long the probe of a Ray address waits for an answer.
+# How long the probe of a Ray address waits for an answer, connecting and replying together.
 PROBE_SECONDS = 10.0
 
+# A Ray cluster's address (its GCS, or a Ray Client server) speaks gRPC, that is HTTP/2: to a
+# client's connection preface (RFC 9113, 3.4: the fixed 24 bytes, then a SETTINGS frame) the
+# server's first frame is a SETTINGS frame on stream 0.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 0x4, 0, 0, 0, 0, 0])
+_H2_SETTINGS = 0x4
 
-def probe(address: str) -> None:
-    """Raise ``SweepError`` unless something answers at ``address`` (``host:port`` or
-    ``ray://host:port``; ``"auto"`` is left to Ray). Ray's own ``ray.init`` to a dead
-    address waits minutes; this answers in seconds."""
+
+def probe(address: str, *, timeout: float = PROBE_SECONDS) -> None:
+    """Raise ``SweepError`` unless a gRPC server (what a Ray cluster's address is) answers at
+    ``address`` (``host:port`` or ``ray://host:port``; ``"auto"`` is left to Ray) within
+    ``timeout`` seconds. Ray's own ``ray.init`` waits minutes on an address where nothing,
+    or something else than Ray, listens; this answers in seconds. With ``RAY_USE_TLS`` set
+    only the connection is checked (the handshake is TLS's).
+    """
     import socket
 
     if address == "auto":
@@ -311,12 +321,33 @@ def probe(address: str) -> None:
     host, _, port = rest.rpartition(":")
     if not host or not port.isdigit():
         raise SweepError(f"address must be host:port (or ray://host:port, or 'auto'), got {address!r}")
+    deadline = time.monotonic() + timeout
     try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_SECONDS):
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+    except OSError as exc:  # refused, unreachable, a name that does not resolve, no answer in time
+        raise SweepError(f"no Ray cluster answers at {address} ({exc.strerror or exc or 'timed out'}); start one "
+                         "with 'ray start --head' or give the address it printed") from None
+    reply = b""
+    with sock:
+        if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+            return
+        try:
+            sock.sendall(_H2_PREFACE)
+            while len(reply) < 9:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = sock.recv(64)
+                if not chunk:
+                    break
+                reply += chunk
+        except TimeoutError:
+            raise SweepError(f"something listens at {address} but does not answer as a Ray cluster (no reply "
+                             f"within {timeout:.0f} s); give the address 'ray start --head' printed") from None
+        except OSError:  # reset: it took the connection, then dropped it
             pass
-    except OSError as exc:
-        raise SweepError(f"no Ray cluster answers at {address} ({exc.strerror or exc}); start one with "
-                         "'ray start --head' or give the address it printed") from None
+    if len(reply) < 9 or reply[3] != _H2_SETTINGS or reply[5:9] != bytes(4):
+        got = f"it replied {reply[:24]!r}" if reply else "it closed the connection"
+        raise SweepError(f"what listens at {address} is not a Ray cluster ({got}; a Ray address speaks gRPC); "
+                         "give the address 'ray start --head' printed")
 
 
 def _ray(local: bool = False):
@@ -357,8 +388,7 @@ class RayEngine:
 
     def __enter__(self):
         ray = _ray(local=self.address is None)
-        if self.address is not None:
-            probe(self.address)
+        if self.address is not None:  # probed by sweep() before anything was loaded
             try:
                 ray.init(address=self.address, log_to_driver=False, logging_level="ERROR")
             except (ConnectionError, RuntimeError, TimeoutError) as exc:
