@@ -185,6 +185,9 @@ def test_input_attribution_rejects_bad_input(pair):
         input_attribution(ours, ids, TARGET, steps=1, rule="riemann_trapezoid")
     with pytest.raises(TypeError, match="target must be a token id"):
         input_attribution(ours, ids, "Paris")
+    with pytest.raises(TypeError, match="input_attribution needs a metric with a gradient.*got function without "
+                                        r"\.grad"):
+        input_attribution(ours, ids, lambda logits: float(logits[..., -1, TARGET].sum()))
     if ours.config.__class__.__name__ != "GPT2Config":
         with pytest.warns(RuntimeWarning, match="a zero baseline on a model without position embeddings"):
             input_attribution(ours, ids, TARGET, steps=2, baseline="zeros")
