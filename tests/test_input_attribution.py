@@ -95,7 +95,7 @@ def test_saliency_and_input_x_gradient_equal_torch_autograd(pair):
     ixg = input_attribution(ours, ids, TARGET, method="input_x_gradient", per_dim=True)
     np.testing.assert_allclose(ixg.per_dim, g * e, atol=1e-6 * np.abs(g * e).max())
     np.testing.assert_allclose(ixg.scores, (g * e).sum(-1), atol=1e-6 * np.abs(g * e).max())
-    assert sal.gap is None and sal.value == pytest.approx(float(_log_prob_of(hf)(input_ids=torch.tensor(ids)[None])))
+    assert sal.gap is None and sal.value == pytest.approx(_log_prob_of(hf)(input_ids=torch.tensor(ids)[None]).item())
 
 
 @pytest.mark.parametrize("output", ["logit", "prob"])
