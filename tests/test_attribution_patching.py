@@ -362,3 +362,30 @@ def test_gradient_methods_leave_the_parameters_gradients_alone():
     attribution_patching(model, ids, np.array([[1, 2, 9, 4, 5]]), logit_diff(7, 8), hook="z", method="atp*")
     for n, p in model.named_parameters():
         np.testing.assert_array_equal(p.grad, before[n])
+
+
+def test_per_head_inputs_with_a_frozen_in_projection():
+    """A frozen in-projection (requires_grad=False) on the per-head route (the blocks'
+    hook_q_input, ...): the hook points' gradients and every other parameter's gradient are
+    the unfrozen run's, and the frozen weight keeps grad None."""
+    from attnlab.models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2),
+                  rng=np.random.default_rng(2), dtype=np.float64)
+    ids = np.array([[1, 2, 3, 4, 5]])
+    G = np.random.default_rng(3).normal(size=(1, 5, 50))
+    names = [f"blocks.{l}.hook_{p}_input" for l in range(2) for p in "qkv"]
+    _, full = model.run_with_cache(ids, names_filter=names, incl_bwd=True, grad_out=G)
+    want = {n: p.grad.copy() for n, p in model.named_parameters()}
+    model.zero_grad()
+    frozen = "blocks.1.attn.in_proj_weight"
+    dict(model.named_parameters())[frozen].requires_grad_(False)
+    _, part = model.run_with_cache(ids, names_filter=names, incl_bwd=True, grad_out=G)
+    for n in names:
+        np.testing.assert_allclose(part[n + "_grad"], full[n + "_grad"], rtol=1e-12, atol=1e-14)
+    for n, p in model.named_parameters():
+        if n == frozen:
+            assert p.grad is None
+        else:
+            np.testing.assert_allclose(p.grad, want[n], rtol=1e-12, atol=1e-14, err_msg=n)

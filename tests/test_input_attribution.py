@@ -95,7 +95,7 @@ def test_saliency_and_input_x_gradient_equal_torch_autograd(pair):
     ixg = input_attribution(ours, ids, TARGET, method="input_x_gradient", per_dim=True)
     np.testing.assert_allclose(ixg.per_dim, g * e, atol=1e-6 * np.abs(g * e).max())
     np.testing.assert_allclose(ixg.scores, (g * e).sum(-1), atol=1e-6 * np.abs(g * e).max())
-    assert sal.gap is None and sal.value == pytest.approx(float(_log_prob_of(hf)(input_ids=torch.tensor(ids)[None])))
+    assert sal.gap is None and sal.value == pytest.approx(_log_prob_of(hf)(input_ids=torch.tensor(ids)[None]).item())
 
 
 @pytest.mark.parametrize("output", ["logit", "prob"])
@@ -185,6 +185,9 @@ def test_input_attribution_rejects_bad_input(pair):
         input_attribution(ours, ids, TARGET, steps=1, rule="riemann_trapezoid")
     with pytest.raises(TypeError, match="target must be a token id"):
         input_attribution(ours, ids, "Paris")
+    with pytest.raises(TypeError, match="input_attribution needs a metric with a gradient.*got function without "
+                                        r"\.grad"):
+        input_attribution(ours, ids, lambda logits: float(logits[..., -1, TARGET].sum()))
     if ours.config.__class__.__name__ != "GPT2Config":
         with pytest.warns(RuntimeWarning, match="a zero baseline on a model without position embeddings"):
             input_attribution(ours, ids, TARGET, steps=2, baseline="zeros")

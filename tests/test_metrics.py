@@ -58,7 +58,7 @@ def test_cross_entropy_equals_torch_with_ignored_positions():
     x = torch.tensor(logits, requires_grad=True)
     v = torch.nn.functional.cross_entropy(x.flatten(0, -2), torch.as_tensor(targets).flatten())
     v.backward()
-    assert metric(logits) == pytest.approx(float(v), abs=1e-12)
+    assert metric(logits) == pytest.approx(v.item(), abs=1e-12)
     np.testing.assert_allclose(metric.grad(logits), x.grad.numpy(), atol=1e-12)
 
 

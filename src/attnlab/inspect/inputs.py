@@ -291,8 +291,8 @@ def input_attribution(
     else:
         alphas, weights = integration_points(rule, int(steps))
         rule_used = rule
-    kind = "cosine" if encoder else (output if not isinstance(target, Metric) and not _has_grad(target)
-                                     else "metric")
+    # A callable target is a metric: one without .grad is named as such (check_metric below).
+    kind = "cosine" if encoder else ("metric" if isinstance(target, Metric) or callable(target) else output)
     # The rows: (ids (R, L), mask (R, L) or None, types or None, the scalar, result shape)
     rows_types = types  # an encoder's segment ids (a text's), else None
     if encoder:
@@ -355,10 +355,6 @@ def input_attribution(
                             baseline_value=base_value, gap=gap, tokens=tokens, method=method, rule=rule_used,
                             steps=int(steps) if method == "integrated_gradients" else 1,
                             output="cosine" if encoder else ("metric" if kind == "metric" else output))
-
-
-def _has_grad(target) -> bool:
-    return callable(target) and callable(getattr(target, "grad", None))
 
 
 def _is_encoder(model) -> bool:

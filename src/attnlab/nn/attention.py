@@ -45,7 +45,7 @@ from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
 from attnlab.nn import functional as F
 from attnlab.nn import init
-from attnlab.nn._context import may_fuse
+from attnlab.nn._context import may_fuse, parameters_frozen
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
@@ -866,22 +866,25 @@ class Attention(Module):
             gk4, gq4 = self.k_norm.backward(gk4), self.q_norm.backward(gq4)
         gq4, gk4, gv4 = self.hook_q.backward(gq4), self.hook_k.backward(gk4), self.hook_v.backward(gv4)
         S = gk4.shape[1]
-        has_bias = self.in_proj_bias is not None and self.in_proj_bias.requires_grad
+        frozen = parameters_frozen()
+        has_bias = self.in_proj_bias is not None and self.in_proj_bias.requires_grad and not frozen
         if self._qkv_same_embed_dim and a.k is a.q and a.v is a.q and S == L and isinstance(gq4, np.ndarray):
             return self._fused_in_proj_backward(gq4, gk4, gv4, a.q, has_bias, summed)
         (wq, wk, wv), _ = self.in_projections()
+        ws = (self.in_proj_weight,) * 3 if self._qkv_same_embed_dim else \
+            (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
         if a.q.ndim == 4:  # per-head inputs: head h's rows of the weight met its own input
             grads, wgrads, bgrads = [], [], []
-            for g4, x, w in ((gq4, a.q, wq), (gk4, a.k, wk), (gv4, a.v, wv)):
+            for g4, x, w, p in ((gq4, a.q, wq, ws[0]), (gk4, a.k, wk, ws[1]), (gv4, a.v, wv, ws[2])):
                 grads.append(np.einsum("nlhd,hde->nlhe", g4, w.reshape(g4.shape[2], D, -1)))
-                wgrads.append(np.einsum("nlhd,nlhe->hde", g4, x).reshape(-1, x.shape[-1]))
+                # A weight whose gradient nobody keeps (frozen) costs no product.
+                keep = p.requires_grad and not frozen
+                wgrads.append(np.einsum("nlhd,nlhe->hde", g4, x).reshape(-1, x.shape[-1]) if keep else None)
                 bgrads.append(g4.sum(axis=(0, 1)).reshape(-1) if has_bias else None)
             self._accumulate_in_proj(*wgrads, *bgrads)
             return tuple(grads)
         gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
         gkp, gvp = self._extra_keys_backward(gkp, gvp)
-        ws = (self.in_proj_weight,) * 3 if self._qkv_same_embed_dim else \
-            (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
         gq, gwq, gbq = F.linear_backward(gqp, a.q, wq, has_bias=has_bias, weight_grad=ws[0].requires_grad)
         gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias, weight_grad=ws[1].requires_grad)
         gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias, weight_grad=ws[2].requires_grad)
@@ -918,7 +921,7 @@ class Attention(Module):
         for part, (a, b) in zip((gq4, gk4, gv4), ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv)), strict=True):
             np.copyto(g[..., a:b].reshape(part.shape, copy=False), part)  # splitting the last axis: a view
         w = self.in_proj_weight.data
-        weight_grad = self.in_proj_weight.requires_grad
+        weight_grad = self.in_proj_weight.requires_grad and not parameters_frozen()
         if summed:
             gx, gw, gb = F.linear_backward(g, x, w, has_bias=has_bias, weight_grad=weight_grad)
             grads = (gx, None, None)
