@@ -123,6 +123,35 @@ def test_lora_gradients_match_peft(family, folders, eager, tmp_path):
     print(f"{family}: worst LoRA gradient {worst:.1e} over {len(found)} adapters")
 
 
+def _torch_steps(hf, ft, config):
+    """torch's version of ``ft``'s run on ``hf`` (its trainable parameters): the same
+    micro-batches, the loss over each step's answer tokens, clipping, AdamW with the same
+    schedule. Returns every step's loss and gradient norm (before clipping)."""
+    trainable = [p for p in hf.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas, eps=config.eps,
+                            weight_decay=config.weight_decay)
+    losses, norms = [], []
+    for step in range(1, config.steps + 1):
+        batches = [collate(b) for b in ft.micro_batches(step)]
+        answers = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
+        total = 0.0
+        for ids, mask, labels in batches:
+            logits = _hf_logits(hf, ids, mask)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                     torch.from_numpy(labels[:, 1:]).reshape(-1),
+                                                     ignore_index=-100, reduction="sum") / answers
+            loss.backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, config.clip)))
+        for group in opt.param_groups:
+            group["lr"] = warmup_cosine(step, lr=config.lr, steps=config.steps, warmup=config.warmup,
+                                        min_lr_ratio=config.min_lr_ratio)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, norms
+
+
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("family", sorted(CASES))
 def test_twenty_adamw_steps_match_torch_peft(family, dtype, folders, eager, tmp_path):
@@ -138,27 +167,7 @@ def test_twenty_adamw_steps_match_torch_peft(family, dtype, folders, eager, tmp_
                             weight_decay=0.05, clip=0.5, seed=4)
     ft = Finetuner(ours, random_examples(1, n=6, vocab=V), config)
     history = ft.run()
-    trainable = [p for p in pm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay)
-    losses, norms = [], []
-    for step in range(1, 21):
-        batches = [collate(b) for b in ft.micro_batches(step)]
-        answers = sum(int((lab[:, 1:] != -100).sum()) for _, _, lab in batches)
-        total = 0.0
-        for ids, mask, labels in batches:
-            logits = _hf_logits(pm, ids, mask)
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                     torch.from_numpy(labels[:, 1:]).reshape(-1),
-                                                     ignore_index=-100, reduction="sum") / answers
-            loss.backward()
-            total += float(loss.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, config.clip)))
-        for group in opt.param_groups:
-            group["lr"] = warmup_cosine(step, lr=config.lr, steps=20, warmup=3, min_lr_ratio=0.1)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses, norms = _torch_steps(pm, ft, config)
     tol = 1e-6 if dtype == np.float64 else 1e-3
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(history["loss"], losses, strict=True))
     assert loss_err <= tol, (history["loss"], losses)
@@ -173,6 +182,36 @@ def test_twenty_adamw_steps_match_torch_peft(family, dtype, folders, eager, tmp_
     assert worst <= tol, worst
     assert history["loss"][-1] < 0.8 * history["loss"][0]
     print(f"{family} {np.dtype(dtype).name}: losses within {loss_err:.1e}, adapters within {worst:.1e}")
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_full_fine_tune_matches_torch(family, folders, eager, tmp_path):
+    """Full fine-tuning (every parameter, the tied embedding included) with the same loop
+    against torch's AdamW on transformers' model, float64: every step's loss, and every
+    parameter after 10 steps (written by save_pretrained under transformers' names) within
+    1e-6."""
+    from attnlab.io.safetensors import load_tensors
+    from attnlab.train.finetune import save_pretrained
+
+    folder = folders(family)
+    ours = from_pretrained(folder, dtype=np.float64)
+    hf = _hf(folder, np.float64, eager)
+    config = FinetuneConfig(method="full", steps=10, batch_size=2, grad_accum=2, lr=1e-3, warmup=3,
+                            min_lr_ratio=0.1, weight_decay=0.05, clip=0.5, seed=4)
+    ft = Finetuner(ours, random_examples(1, n=6, vocab=V), config)
+    history = ft.run()
+    losses, norms = _torch_steps(hf, ft, config)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(history["loss"], losses, strict=True))
+    assert loss_err <= 1e-6, (history["loss"], losses)
+    assert max(norms) > config.clip  # the clipping acted
+    saved = load_tensors(save_pretrained(ours, tmp_path / "full") / "model.safetensors")
+    theirs = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
+    worst = max(grad_rel_err(v, theirs[k]) for k, v in saved.items())
+    assert worst <= 1e-6, worst
+    moved = max(float(np.abs(saved[k] - v).max()) for k, v in load_tensors(folder / "model.safetensors").items()
+                if k in saved)
+    assert moved > 1e-4  # the weights did move
+    print(f"{family} full fine-tune: losses within {loss_err:.1e}, {len(saved)} parameters within {worst:.1e}")
 
 
 @pytest.mark.parametrize("family", sorted(CASES))
