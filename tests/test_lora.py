@@ -231,7 +231,8 @@ def test_saved_adapter_loads_in_peft_and_back(family, folders, eager, tmp_path):
     got = ours(ids, attention_mask=mask)
     with torch.no_grad():
         want = _hf_logits(pm, ids, mask).numpy()
-    assert np.abs(got - want)[real].max() <= 1e-4 * np.abs(want).max()
+    saved_err = np.abs(got - want)[real].max() / np.abs(want).max()
+    assert saved_err <= 1e-4
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
     assert config["fan_in_fan_out"] == (family == "gpt2")
@@ -254,14 +255,16 @@ def test_saved_adapter_loads_in_peft_and_back(family, folders, eager, tmp_path):
     got = fresh(ids, attention_mask=mask)
     base = from_pretrained(folder, dtype=np.float32)(ids, attention_mask=mask)
     assert np.abs(got - base)[real].max() > 1e-2  # the adapter changes the logits
-    assert np.abs(got - want)[real].max() <= 1e-4 * np.abs(want).max()
+    loaded_err = np.abs(got - want)[real].max() / np.abs(want).max()
+    assert loaded_err <= 1e-4
     # merged: the same logits at the model's own cost; unmerged: back
     lora.merge(fresh)
     assert np.abs(fresh(ids, attention_mask=mask) - want)[real].max() <= 1e-4 * np.abs(want).max()
     lora.unmerge(fresh)
     with pytest.raises(ValueError, match="other ranks"):  # its ranks are not the file's
         lora.load_adapter(fresh, tmp_path / "ours")
-    print(f"{family}: saved adapter in PEFT and PEFT's adapter in attnlab within 1e-4")
+    print(f"{family}: attnlab's adapter in PEFT: logits within {saved_err:.1e}; PEFT's in attnlab: {loaded_err:.1e} "
+          "(relative to the largest logit)")
 
 
 def test_load_adapter_into_model_with_other_adapters_is_refused(folders, tmp_path):
