@@ -34,7 +34,7 @@ import numpy as np
 
 from attnlab._threads import matmul
 from attnlab._validation import float_dtype, generator, positive_int, probability
-from attnlab.nn import init
+from attnlab.nn import _context, init
 from attnlab.nn.module import Module, Parameter
 
 __all__ = ["Adapters", "LoRA"]
@@ -98,12 +98,18 @@ class LoRA(Module):
         wrapped weight's rows ``start:stop``."""
         return (self.lora_B.data @ self.lora_A.data) * self.lora_A.data.dtype.type(self.scaling)
 
+    def _keep(self, rows: int, dtype) -> np.ndarray | None:
+        """The dropout's scaled keep mask ``(rows, in_features)`` (None: no dropout now)."""
+        if not (self.dropout > 0 and self.training):
+            return None
+        keep = (self._rng.random((rows, self.in_features)) >= self.dropout).astype(dtype)
+        keep *= dtype.type(1.0 / (1.0 - self.dropout))
+        return keep
+
     def forward(self, x: np.ndarray) -> np.ndarray:
         x2 = x.reshape(-1, self.in_features)
-        keep = None
-        if self.dropout > 0 and self.training:
-            keep = (self._rng.random(x2.shape) >= self.dropout).astype(x2.dtype)
-            keep *= x2.dtype.type(1.0 / (1.0 - self.dropout))
+        keep = self._keep(x2.shape[0], x2.dtype)
+        if keep is not None:
             x2 = x2 * keep
         u = matmul(x2, self.lora_A.data.T)  # (N, r)
         self._save(x=x2, u=u, keep=keep, shape=x.shape)
@@ -111,25 +117,123 @@ class LoRA(Module):
         delta *= delta.dtype.type(self.scaling)
         return delta.reshape(*x.shape[:-1], self.out_features)
 
-    def backward(self, grad_output: np.ndarray) -> np.ndarray:
+    def _training_params(self) -> tuple[bool, bool]:
+        """Whether ``lora_A`` and ``lora_B`` take a gradient in this backward pass."""
+        frozen = _context.parameters_frozen()
+        return self.lora_A.requires_grad and not frozen, self.lora_B.requires_grad and not frozen
+
+    def backward(self, grad_output: np.ndarray, parts: list[tuple[int, int]] | None = None):
         """The gradient of the input ``(..., in_features)`` from that of the delta ``(...,
-        out_features)``; ``lora_A.grad`` and ``lora_B.grad`` accumulate (unless frozen)."""
+        out_features)``; ``lora_A.grad`` and ``lora_B.grad`` accumulate (unless frozen).
+
+        ``parts``: column ranges ``(a, b)`` of the wrapped layer's output that together cover
+        this adapter's (a stacked q/k/v projection's parts, with ``grad_output`` the whole
+        output's gradient ``(..., out_total)``): a list of the input's gradient through each
+        part's columns (None where the adapter has none), whose sum is the input's gradient."""
         c = self._saved()
-        g = grad_output.reshape(-1, self.out_features)
+        full = grad_output if parts is None else grad_output[..., self.start:self.stop]
+        g = full.reshape(-1, self.out_features)
         s = g.dtype.type(self.scaling)
         B, A = self.lora_B, self.lora_A
-        gu = matmul(g, B.data)  # (N, r)
-        gu *= s
-        if B.requires_grad:
+        train_a, train_b = self._training_params()
+        if train_b:
             gB = matmul(g.T, c["u"], tokens=g.shape[0])
             gB *= s
             B.accumulate(gB, owned=True)
-        if A.requires_grad:
+        if parts is None:
+            gus = [matmul(g, B.data)]  # (N, r)
+        else:
+            spans = [(max(a, self.start) - self.start, min(b, self.stop) - self.start) for a, b in parts]
+            gus = [matmul(g[:, lo:hi], B.data[lo:hi]) if lo < hi else None for lo, hi in spans]
+        grads = []
+        for gu in gus:
+            if gu is None:
+                grads.append(None)
+                continue
+            gu *= s
+            gx = matmul(gu, A.data)
+            if c["keep"] is not None:
+                gx *= c["keep"]
+            grads.append(gx.reshape(c["shape"]))
+        if train_a:
+            gu = sum(gu for gu in gus if gu is not None)
             A.accumulate(matmul(gu.T, c["x"], tokens=g.shape[0]), owned=True)
-        gx = matmul(gu, A.data)
-        if c["keep"] is not None:
-            gx *= c["keep"]
-        return gx.reshape(c["shape"])
+        return grads[0] if parts is None else grads
+
+    def _part_B(self, a: int, b: int, head_dim: int) -> np.ndarray | None:
+        """``B``'s rows for the output columns ``a:b`` (``n`` heads of ``head_dim``) as ``(n,
+        head_dim, r)``, zero where the adapter has no rows (None: none at all)."""
+        lo, hi = max(a, self.start), min(b, self.stop)
+        if lo >= hi:
+            return None
+        B = self.lora_B.data
+        if (lo, hi) == (a, b):
+            part = B[lo - self.start:hi - self.start]
+        else:
+            part = np.zeros((b - a, self.r), B.dtype)
+            part[lo - a:hi - a] = B[lo - self.start:hi - self.start]
+        return part.reshape((b - a) // head_dim, head_dim, self.r)
+
+    def forward_heads(self, xs, cuts, head_dim: int) -> list[np.ndarray | None]:
+        """The adapter on per-head inputs: ``xs[p] (N, L, n_p, in_features)``, each head's own
+        input to part ``p`` of the wrapped layer's output, whose columns ``cuts[p] = (a, b)``
+        are ``n_p`` heads of ``head_dim`` (a stacked q/k/v projection); head ``h``'s columns
+        get ``scaling * (x_p[:, :, h] @ A^T) @ B_h^T``. Returns each part's term ``(N, L,
+        n_p head_dim)`` (None where the adapter has no columns). One dropout mask ``(N, L,
+        in_features)`` serves every head, so equal inputs give :meth:`forward`'s terms."""
+        N, L = xs[0].shape[:2]
+        keep = self._keep(N * L, xs[0].dtype)
+        keep = None if keep is None else keep.reshape(N, L, 1, self.in_features)
+        s = xs[0].dtype.type(self.scaling)
+        out, kept = [], []
+        for x, (a, b) in zip(xs, cuts, strict=True):
+            Bp = self._part_B(a, b, head_dim)
+            if Bp is None:
+                out.append(None)
+                kept.append(None)
+                continue
+            xd = x if keep is None else x * keep
+            u = np.einsum("nlhe,re->nlhr", xd, self.lora_A.data)
+            delta = np.einsum("nlhr,hdr->nlhd", u, Bp)
+            delta *= s
+            out.append(delta.reshape(*delta.shape[:2], -1))
+            kept.append((xd, u, a, b))
+        self._save(heads=kept, keep=keep, head_dim=head_dim)
+        return out
+
+    def backward_heads(self, grads) -> list[np.ndarray | None]:
+        """:meth:`forward_heads`'s backward pass: ``grads[p] (N, L, n_p head_dim)``, the
+        gradients of the parts' outputs -> the gradients of each part's per-head inputs
+        ``(N, L, n_p, in_features)`` (None where the adapter has no columns); ``lora_A.grad``
+        and ``lora_B.grad`` accumulate (unless frozen)."""
+        c = self._saved()
+        D, A, B = c["head_dim"], self.lora_A, self.lora_B
+        train_a, train_b = self._training_params()
+        gA = np.zeros(A.shape, A.data.dtype) if train_a else None
+        gB = np.zeros(B.shape, B.data.dtype) if train_b else None
+        out = []
+        for g, kept in zip(grads, c["heads"], strict=True):
+            if kept is None:
+                out.append(None)
+                continue
+            xd, u, a, b = kept
+            s = g.dtype.type(self.scaling)
+            g4 = g.reshape(*g.shape[:2], -1, D)
+            gu = np.einsum("nlhd,hdr->nlhr", g4, self._part_B(a, b, D))
+            gu *= s
+            if gB is not None:
+                lo, hi = max(a, self.start), min(b, self.stop)
+                gB[lo - self.start:hi - self.start] += \
+                    (np.einsum("nlhd,nlhr->hdr", g4, u).reshape(b - a, self.r) * s)[lo - a:hi - a]
+            if gA is not None:
+                gA += np.einsum("nlhr,nlhe->re", gu, xd)
+            gx = np.einsum("nlhr,re->nlhe", gu, A.data)
+            if c["keep"] is not None:
+                gx *= c["keep"]
+            out.append(gx)
+        A.accumulate(gA, owned=True)
+        B.accumulate(gB, owned=True)
+        return out
 
     def extra_repr(self) -> str:
         extra = ", use_rslora=True" if self.use_rslora else ""
@@ -157,7 +261,8 @@ class Adapters(Module):
     def loras(self) -> list[LoRA]:
         return [m for m in self._modules.values() if isinstance(m, LoRA)]
 
-    def forward(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    def _running(self) -> list[LoRA]:
+        """The adapters that add their terms in this call (the unmerged ones)."""
         ran = []
         for lora in self.loras():
             if lora.merged:
@@ -165,14 +270,45 @@ class Adapters(Module):
                     raise RuntimeError("an adapter merged into its weight cannot train: call "
                                        "attnlab.train.lora.unmerge(model) before training")
                 continue
-            y[..., lora.start:lora.stop] += lora(x)
             ran.append(lora)
+        return ran
+
+    def forward(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        ran = self._running()
+        for lora in ran:
+            y[..., lora.start:lora.stop] += lora(x)
         self._save(ran=ran)
         return y
 
-    def backward(self, grad_output: np.ndarray) -> np.ndarray | None:
-        gx = None
+    def backward(self, grad_output: np.ndarray, parts: list[tuple[int, int]] | None = None):
+        """The input's gradient that the adapters add (None if none ran); with ``parts``
+        (column ranges covering the output), a list of it through each part's columns."""
+        total = None if parts is None else [None] * len(parts)
         for lora in reversed(self._saved()["ran"]):
-            g = lora.backward(grad_output[..., lora.start:lora.stop])
-            gx = g if gx is None else gx + g
-        return gx
+            g = lora.backward(grad_output, parts) if parts is not None \
+                else lora.backward(grad_output[..., lora.start:lora.stop])
+            total = _add(total, g) if parts is None else [_add(t, gp) for t, gp in zip(total, g, strict=True)]
+        return total
+
+    def forward_heads(self, xs, ys, cuts, head_dim: int) -> None:
+        """Per-head inputs (:meth:`LoRA.forward_heads`): each adapter's terms added in place
+        to the parts' outputs ``ys[p] (N, L, n_p head_dim)``."""
+        ran = self._running()
+        for lora in ran:
+            for y, delta in zip(ys, lora.forward_heads(xs, cuts, head_dim), strict=True):
+                if delta is not None:
+                    y += delta
+        self._save(ran=ran)
+
+    def backward_heads(self, grads) -> list[np.ndarray | None]:
+        """The per-head inputs' gradients the adapters add, one per part (None: none)."""
+        total = [None] * len(grads)
+        for lora in reversed(self._saved()["ran"]):
+            total = [_add(t, g) for t, g in zip(total, lora.backward_heads(grads), strict=True)]
+        return total
+
+
+def _add(total: np.ndarray | None, g: np.ndarray | None) -> np.ndarray | None:
+    if g is None:
+        return total
+    return g if total is None else total + g

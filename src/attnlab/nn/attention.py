@@ -543,12 +543,16 @@ class Attention(Module):
             if self.adapters is not None:
                 qkv = self.adapters(q, qkv)
             return qkv[..., :Dq], qkv[..., Dq : Dq + Dkv], qkv[..., Dq + Dkv :]
-        if self.adapters is not None:
+        self._check_adapters(False)
+        (wq, wk, wv), (bq, bk, bv) = self.in_projections()
+        return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
+
+    def _check_adapters(self, fused: bool) -> None:
+        """Refuse adapters on an in-projection the call does not run through the fused weight."""
+        if self.adapters is not None and not fused:
             raise ValueError(f"{type(self).__name__} has adapters on its in-projection, which apply to "
                              "self-attention through the fused in_proj_weight only (not to cross-attention "
                              "or separate projections)")
-        (wq, wk, wv), (bq, bk, bv) = self.in_projections()
-        return F.linear(q, wq, bq), F.linear(k, wk, bk), F.linear(v, wv, bv)
 
     def _project_per_head(self, xq, xk, xv):
         """The in-projections of per-head inputs ``(N, L, H, E)``, ``(N, S, H_kv, kdim)``,
@@ -566,7 +570,15 @@ class Attention(Module):
             if b is not None:
                 y += b.reshape(n, D)
             out.append(y.reshape(*y.shape[:2], n * D))
+        if self.adapters is not None:  # each head's input through its rows of the adapters
+            self._check_adapters(self._qkv_same_embed_dim)
+            self.adapters.forward_heads((xq, xk, xv), out, self._in_proj_cuts(), D)
         return tuple(out)
+
+    def _in_proj_cuts(self) -> tuple[tuple[int, int], ...]:
+        """The q, k and v columns ``(a, b)`` of the stacked in-projection's output."""
+        Dq, Dkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return (0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv)
 
     def merge_heads(self, out_h: np.ndarray) -> np.ndarray:
         """The heads' outputs side by side: ``(N, H, L, D) -> (N, L, H D)``."""
@@ -882,6 +894,9 @@ class Attention(Module):
                 wgrads.append(np.einsum("nlhd,nlhe->hde", g4, x).reshape(-1, x.shape[-1]) if keep else None)
                 bgrads.append(g4.sum(axis=(0, 1)).reshape(-1) if has_bias else None)
             self._accumulate_in_proj(*wgrads, *bgrads)
+            if self.adapters is not None:
+                parts = self.adapters.backward_heads([g4.reshape(*g4.shape[:2], -1) for g4 in (gq4, gk4, gv4)])
+                grads = [g if ga is None else g + ga for g, ga in zip(grads, parts, strict=True)]
             return tuple(grads)
         gqp, gkp, gvp = gq4.reshape(N, L, H * D), gk4.reshape(N, S, Hkv * D), gv4.reshape(N, S, Hkv * D)
         gkp, gvp = self._extra_keys_backward(gkp, gvp)
@@ -889,9 +904,8 @@ class Attention(Module):
         gk, gwk, gbk = F.linear_backward(gkp, a.k, wk, has_bias=has_bias, weight_grad=ws[1].requires_grad)
         gv, gwv, gbv = F.linear_backward(gvp, a.v, wv, has_bias=has_bias, weight_grad=ws[2].requires_grad)
         if self.adapters is not None:  # self-attention with extra keys: the adapters saw x once
-            ga = self.adapters.backward(np.concatenate([gqp, gkp, gvp], axis=-1))
-            if ga is not None:
-                gq = gq + ga
+            parts = self.adapters.backward(np.concatenate([gqp, gkp, gvp], axis=-1), list(self._in_proj_cuts()))
+            gq, gk, gv = (g if ga is None else g + ga for g, ga in zip((gq, gk, gv), parts, strict=True))
         self._accumulate_in_proj(gwq, gwk, gwv, gbq, gbk, gbv)
         return gq, gk, gv
 
@@ -928,7 +942,7 @@ class Attention(Module):
         else:
             g2 = g.reshape(N * L, -1)
             gb = col_sum(g2) if has_bias else None
-            cuts = ((0, Dq), (Dq, Dq + Dkv), (Dq + Dkv, Dq + 2 * Dkv))
+            cuts = self._in_proj_cuts()
             # The weight's gradient and the three inputs' in one wake of the pool.
             pairs = [(g2[:, a:b], w[a:b]) for a, b in cuts]
             if weight_grad:
@@ -940,10 +954,13 @@ class Attention(Module):
             self.in_proj_weight.accumulate(gw, owned=True)
         if has_bias:
             self.in_proj_bias.accumulate(gb, owned=True)
-        if self.adapters is not None:
-            ga = self.adapters.backward(g)
-            if ga is not None:
-                grads = (grads[0] + ga, *grads[1:])
+        if self.adapters is not None:  # the adapters' part of the input's gradient (of each input's)
+            if summed:
+                ga = self.adapters.backward(g)
+                grads = grads if ga is None else (grads[0] + ga, *grads[1:])
+            else:
+                parts = self.adapters.backward(g, list(self._in_proj_cuts()))
+                grads = tuple(gx if ga is None else gx + ga for gx, ga in zip(grads, parts, strict=True))
         return grads
 
     add_zero_attn = False
