@@ -329,6 +329,15 @@ def test_wrong_shape_dtype_nan_and_none():
     _fails("cached_attention", lambda q, k, v, kc, vc: q, "it must return a tuple (out, k_cache, v_cache)")
 
 
+def test_a_function_that_calls_exit_is_reported_not_obeyed(smollm2_model):
+    def exits(q, k, v, mask=None):
+        raise SystemExit(0)  # what sys.exit(0) raises
+
+    r = check("grouped_query_attention", exits, model=smollm2_model)
+    assert not r.passed and "your function called sys.exit(0) on case 1 of 4" in r.failure
+    assert r.model.error.startswith("in the model, your function called sys.exit(0) on block 0 of the model")
+
+
 def test_a_slow_function_hits_the_time_limit():
     def slow(x, axis=-1):
         while True:
