@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnlab.core import causal_mask, scaled_dot_product_attention
-from attnlab.exercises._run import (LearnerError, _TooSlow, as_array, exit_message, time_limit,
-                                   where_in_learner_code)
+from attnlab.exercises._run import LearnerError, _TooSlow, as_array, exit_message, time_limit, where_in_learner_code
 from attnlab.nn.module import Module
 
 __all__ = ["QUESTION", "ModelCheck", "model_check", "plugged"]
