@@ -67,12 +67,22 @@ def test_one_exercise_of_a_file(tmp_path, capsys):
     ("def softmax(x, axis=-1)\n    return x\n", [], "mine.py, line 1: SyntaxError"),
     ("import numpy as np\nraise RuntimeError('oops')\n", [], "mine.py, line 2 raised RuntimeError while loading: oops"),
     (GOOD, ["--seed", "-1"], "--seed must be a non-negative integer"),
+    ("import sys\nsys.exit(3)\n", [], "mine.py called sys.exit(3) while loading; put the code that runs it under"),
+    ("softmax = 3\n", [], "mine.py: softmax is not a function (a value of type int); define `def softmax(...)`"),
 ])
 def test_bad_files_and_options_are_one_line_errors(tmp_path, capsys, text, args, message):
     assert main(["check", str(_file(tmp_path, text)), *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert message in err, err
+
+
+def test_a_function_that_exits_is_the_learners_fault(tmp_path, capsys):
+    text = "import sys\ndef causal_mask(L, S):\n    sys.exit(0)\n"
+    assert main(["check", str(_file(tmp_path, text)), "--no-model"]) == 1
+    out = capsys.readouterr().out
+    assert "your function called sys.exit(0) on case 1 of 5: it must return its result" in out
+    assert out.rstrip().endswith("0 of 1 passed")
 
 
 def test_a_missing_file_and_no_file(tmp_path, capsys):

@@ -329,6 +329,15 @@ def test_wrong_shape_dtype_nan_and_none():
     _fails("cached_attention", lambda q, k, v, kc, vc: q, "it must return a tuple (out, k_cache, v_cache)")
 
 
+def test_a_function_that_calls_exit_is_reported_not_obeyed(smollm2_model):
+    def exits(q, k, v, mask=None):
+        raise SystemExit(0)  # what sys.exit(0) raises
+
+    r = check("grouped_query_attention", exits, model=smollm2_model)
+    assert not r.passed and "your function called sys.exit(0) on case 1 of 4" in r.failure
+    assert r.model.error.startswith("in the model, your function called sys.exit(0) on block 0 of the model")
+
+
 def test_a_slow_function_hits_the_time_limit():
     def slow(x, axis=-1):
         while True:
@@ -372,6 +381,20 @@ def test_the_model_runs_even_after_a_failed_case_and_reports_a_crash(smollm2_mod
     assert r.failure is not None  # the 9-over-3 case raised too
     assert r.model is not None and "your function raised ValueError: boom" in r.model.error
     assert "block 0 of the model" in r.model.error and not r.passed
+
+
+def test_a_function_too_slow_inside_the_model_hits_the_time_limit(smollm2_model):
+    from attnlab.core import scaled_dot_product_attention
+
+    def slow_in_the_model(q, k, v, mask=None):
+        while q.shape[-1] == 64:  # SmolLM2's head width; the random cases' are 8 to 32
+            time.sleep(0.01)
+        return sol.grouped_query_attention(q, k, v, mask)
+
+    r = check("grouped_query_attention", slow_in_the_model, model=smollm2_model, model_seconds=0.5)
+    assert r.failure is None and not r.passed
+    assert r.model.error.startswith("the model took more than 0.5 s with your function (the time limit)")
+    assert all(layer.attn.attention_fn is scaled_dot_product_attention for layer in smollm2_model.layers)
 
 
 def test_nan_inside_the_model_is_named(smollm2_model):

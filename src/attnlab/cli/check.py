@@ -66,6 +66,10 @@ def _load(path: Path):
         spec.loader.exec_module(module)
     except SyntaxError as exc:
         raise CLIError(f"{path}, line {exc.lineno}: SyntaxError: {exc.msg}") from None
+    except SystemExit as exc:  # sys.exit() at the top level of the file: put it under `if __name__ == "__main__":`
+        code = "" if exc.code is None else repr(exc.code)
+        raise CLIError(f"{path} called sys.exit({code}) while loading; put the code that runs it under "
+                       "`if __name__ == \"__main__\":`") from None
     except Exception as exc:
         frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename) == path.resolve()
                   or Path(f.filename) == path]
@@ -105,6 +109,11 @@ def run(args) -> int:
     path = Path(args.file)
     module = _load(path)
     found = [n for n in wanted if callable(getattr(module, n, None))]
+    not_functions = [n for n in wanted if hasattr(module, n) and n not in found]
+    if not_functions:
+        n = not_functions[0]
+        raise CLIError(f"{path}: {n} is not a function (a value of type {type(getattr(module, n)).__name__}); "
+                       f"define `def {n}(...)`")
     if not found:
         if args.exercise:
             raise CLIError(f"{path} does not define {', '.join(wanted)}")

@@ -59,6 +59,12 @@ def where_in_learner_code(exc: BaseException) -> str:
     return f" ({Path(f.filename).name}, line {f.lineno}, in {f.name}:{line})"
 
 
+def exit_message(exc: SystemExit, what: str) -> str:
+    """The learner's function called ``sys.exit`` (or ``exit()``, ``quit()``) on ``what``."""
+    return (f"your function called sys.exit({'' if exc.code is None else repr(exc.code)}) on {what}: it must "
+            "return its result")
+
+
 def call(fn, args: tuple, kwargs: dict, *, seconds: float | None, what: str):
     """``fn(*args, **kwargs)``, or :class:`LearnerError` naming ``what`` (the case) when it
     raises or takes longer than ``seconds``."""
@@ -71,6 +77,8 @@ def call(fn, args: tuple, kwargs: dict, *, seconds: float | None, what: str):
                            "is there a loop over single numbers that NumPy could do at once?") from None
     except RecursionError:
         raise LearnerError(f"your function recursed without end on {what}") from None
+    except SystemExit as exc:
+        raise LearnerError(exit_message(exc, what)) from None
     except Exception as exc:  # the learner's bug, reported as theirs
         raise LearnerError(f"your function raised {type(exc).__name__}: {exc}{where_in_learner_code(exc)} "
                            f"on {what}") from None

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnlab.core import causal_mask, scaled_dot_product_attention
-from attnlab.exercises._run import LearnerError, _TooSlow, as_array, time_limit, where_in_learner_code
+from attnlab.exercises._run import LearnerError, _TooSlow, as_array, exit_message, time_limit, where_in_learner_code
 from attnlab.nn.module import Module
 
 __all__ = ["QUESTION", "ModelCheck", "model_check", "plugged"]
@@ -54,6 +54,8 @@ class _Learner:
                 out = self.fn(*args)
         except _TooSlow:
             raise
+        except SystemExit as exc:
+            raise LearnerError(f"in the model, {exit_message(exc, what)}") from None
         except Exception as exc:
             raise LearnerError(f"in the model, your function raised {type(exc).__name__}: {exc}"
                                f"{where_in_learner_code(exc)} in {what}") from None
