@@ -199,7 +199,7 @@ def test_generation_gives_the_same_tokens_whatever_thread_count_a_step_takes(qua
             super().__init__()
             self.fixed, self.seen = one, []
 
-        def _pick_one(self, wanted):
+        def _pick_one(self):
             return self.fixed
 
         def _record(self, one, seconds):

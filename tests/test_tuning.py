@@ -249,7 +249,8 @@ def test_each_number_of_usable_cpus_keeps_its_own_figures(tuning_env):
     assert not warned and calls == [] and prof.source.startswith("measured, read from")
 
 
-@pytest.mark.parametrize("where", ["a file", "below a file", "read-only system folder"])
+@pytest.mark.parametrize("where", ["a file", "below a file", "read-only system folder", "an existing read-only folder",
+                                   "the tuning file a folder"])
 def test_a_cache_that_cannot_be_written_keeps_the_figures_in_memory(tuning_env, monkeypatch, tmp_path, where):
     _, calls = tuning_env
     if where == "a file":
@@ -258,16 +259,23 @@ def test_a_cache_that_cannot_be_written_keeps_the_figures_in_memory(tuning_env, 
     elif where == "below a file":
         (tmp_path / "f").write_text("x")
         target = tmp_path / "f" / "cache"
+    elif where == "the tuning file a folder":  # neither read nor replaced (root too may not)
+        target = tmp_path / "cache"
+        (target / "tuning.json").mkdir(parents=True)
     else:
         if not os.path.isdir("/proc/self"):
             pytest.skip("needs /proc (a file system nobody may write)")
-        target = "/proc/attnlab-cache"
+        target = "/proc/attnlab-cache" if where == "read-only system folder" else "/proc"
     monkeypatch.setenv("ATTNLAB_CACHE", str(target))
     prof, thr, warned = _figures()
     assert calls == [1] and len(warned) == 1, warned
     assert "ATTNLAB_CACHE" in warned[0] and "tuning kept in memory for this process" in warned[0]
     if where == "a file":
         assert f"ATTNLAB_CACHE={target} is a file, not a folder" in warned[0]
+    elif where == "the tuning file a folder":
+        assert f"tuning cache {target / 'tuning.json'} is ignored: it cannot be read" in warned[0]
+        assert "and it cannot be rewritten" in warned[0] and prof.source.endswith("(cache not writable)")
+        assert (target / "tuning.json").is_dir() and os.listdir(target) == ["tuning.json"]  # nothing left behind
     else:
         assert "cannot write its tuning cache" in warned[0] and prof.source.endswith("(cache not writable)")
     assert (prof.pool_us, thr.profile.gemm_gflops) == (123.0, 77.0)

@@ -740,15 +740,16 @@ class StepThreads:
         self._baseline: float | None = None  # its median when last decided
         self._last_end = -math.inf
 
-    def _pick_one(self, wanted: int) -> bool:
-        """One thread for the next step? (under the lock)"""
+    def _pick_one(self) -> bool:
+        """One thread for the next step? (under the lock; the cores' state is the busy-machine
+        watch's last look, :func:`_cores_taken`)"""
         if self._first:  # the process's first step: all threads, unless the cores are taken now
             self._first = False
-            self._one = self._busy(wanted)
+            self._one = self._taken()
         if self._clock() - self._last_end > self.PAUSE:
             self._until_probe = min(self._until_probe, self.FIRST_PROBE)
         if self._probe_left == 0 and self._until_probe <= 0:
-            if self._one and self._busy(wanted):  # the cores are taken: the probe would only lose
+            if self._one and self._taken():  # the cores are taken: the probe would only lose
                 self._every = min(2 * self._every, self.MAX_EVERY)
                 self._until_probe = self._every
             else:
@@ -790,7 +791,7 @@ class StepThreads:
             yield wanted
             return
         with self._lock:
-            one = self._pick_one(wanted)
+            one = self._pick_one()
         outer = getattr(_local, "step_threads", None)
         t0 = self._clock()
         try:
@@ -805,10 +806,6 @@ class StepThreads:
             seconds = self._clock() - t0
             with self._lock:
                 self._record(one, seconds)
-
-    def _busy(self, wanted: int) -> bool:
-        """Whether other processes hold the cores the extra threads would need now."""
-        return self._taken()
 
     @property
     def one_thread(self) -> bool:

@@ -410,13 +410,14 @@ def _load_or_measure(again: bool) -> Profile:
         where = "ATTNLAB_CACHE=" if os.environ.get("ATTNLAB_CACHE", "").strip() else "attnlab's cache folder "
         _warn_once("folder", f"{where}{path.parent} is a file, not a folder: tuning kept in memory for this process")
         return dataclasses.replace(measure(), source="measured, kept in memory (the cache folder is a file)")
+    ignored = None  # why the file there was ignored (one warning says it, and whether it was rewritten)
     if path is not None and not again:
         try:
             found = read_cache(path, key, cpus)
             if found is not None:
                 return found
         except _Unusable as exc:
-            _warn_once("file", f"attnlab's tuning cache {path} is ignored: {exc}; measuring again")
+            ignored = f"attnlab's tuning cache {path} is ignored: {exc}; measured again"
     found = measure()
     if path is not None:
         try:
@@ -424,9 +425,15 @@ def _load_or_measure(again: bool) -> Profile:
             found = dataclasses.replace(found, source=f"measured, kept in {path}")
         except OSError as exc:
             where = "ATTNLAB_CACHE" if os.environ.get("ATTNLAB_CACHE", "").strip() else "the cache folder"
-            _warn_once("write", f"attnlab cannot write its tuning cache {path} ({where}: "
-                                f"{exc.strerror or exc}); tuning kept in memory for this process")
+            why = f"({where}: {exc.strerror or exc}); tuning kept in memory for this process"
+            if ignored is not None:
+                _warn_once("file", f"{ignored}, and it cannot be rewritten {why}")
+                ignored = None
+            else:
+                _warn_once("write", f"attnlab cannot write its tuning cache {path} {why}")
             found = dataclasses.replace(found, source="measured, kept in memory (cache not writable)")
+    if ignored is not None:
+        _warn_once("file", ignored)
     return found
 
 
