@@ -134,12 +134,13 @@ class _Eager:
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
 
-def patch_eager(monkeypatch):
-    """Every family's eager attention replaced by :class:`_Eager` (undone by ``monkeypatch``);
-    its ``float64()`` also replaces the norms and the rotary embedding by versions without
-    the float32 casts. Returns the :class:`_Eager`."""
+def patch_eager(monkeypatch, modules=MODULES):
+    """Every family's eager attention (of ``modules``, transformers' module names) replaced
+    by :class:`_Eager` (undone by ``monkeypatch``); its ``float64()`` also replaces the
+    norms and the rotary embedding by versions without the float32 casts. Returns the
+    :class:`_Eager`."""
     att = _Eager()
-    for name in MODULES:
+    for name in modules:
         mod = getattr(transformers.models, name)
         modeling = getattr(mod, f"modeling_{name}")
         monkeypatch.setattr(modeling, "eager_attention_forward", att)
@@ -147,7 +148,7 @@ def patch_eager(monkeypatch):
     def float64():
         from transformers.modeling_rope_utils import dynamic_rope_update
 
-        for name in MODULES:
+        for name in modules:
             modeling = getattr(getattr(transformers.models, name), f"modeling_{name}")
             prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(name, name.capitalize())
             norm = getattr(modeling, f"{prefix}RMSNorm")
