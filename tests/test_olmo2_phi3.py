@@ -28,12 +28,20 @@ transformers = pytest.importorskip("transformers")
 from attnlab.io import CheckpointError  # noqa: E402
 from attnlab.io.safetensors import read_header, save_tensors  # noqa: E402
 from attnlab.models import from_pretrained  # noqa: E402
-from attnlab.models.llama import _source  # noqa: E402
 from attnlab.models.olmo2 import NoNorm, Olmo2, Olmo2Config  # noqa: E402
 from attnlab.models.phi3 import Phi3, Phi3Config  # noqa: E402
 from attnlab.models.registry import detect  # noqa: E402
 from helpers import TOL, grad_rel_err  # noqa: E402
-from hf_oracle import BASE, V, batch, patch_eager, positions  # noqa: E402
+from hf_oracle import (  # noqa: E402
+    BASE,
+    V,
+    batch,
+    folder_maker,
+    parameter_grads,
+    patch_eager,
+    positions,
+    torch_backward,
+)
 
 # id -> (transformers config class, options)
 CASES = {
@@ -46,41 +54,12 @@ CASES = {
     "phi3-gqa3-tied": ("Phi3Config", dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=48,
                                           tie_word_embeddings=True)),
 }
-MODEL_CLASS = {"Olmo2Config": "Olmo2ForCausalLM", "Phi3Config": "Phi3ForCausalLM"}
-
-
-def _hf(case: str):
-    cls_name, options = CASES[case]
-    torch.manual_seed(sorted(CASES).index(case))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = getattr(transformers, cls_name)(**{**BASE, **options}, attn_implementation="eager")
-        hf = getattr(transformers, MODEL_CLASS[cls_name])(config).eval()
-        with torch.no_grad():  # weights larger than the 0.02 init, norms off their start
-            for name, p in hf.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.add_(torch.randn_like(p) * 0.2)
-                else:
-                    p.mul_(4.0)
-    return hf
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """case -> (transformers model, its saved folder), each made once."""
-    made = {}
-
-    def get(case):
-        if case not in made:
-            hf = _hf(case)
-            folder = tmp_path_factory.mktemp(case)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                hf.save_pretrained(folder)
-            made[case] = hf, folder
-        return made[case]
-
-    return get
+    return folder_maker(tmp_path_factory, CASES)
 
 
 @pytest.fixture
@@ -160,37 +139,18 @@ def _retained(hf, olmo2: bool):
 
 
 def _torch_grads(hf, ids, mask, g, extra=()):
-    hf.zero_grad()
     kept, handles = _retained(hf, "Olmo2" in type(hf).__name__)
-    handles += list(extra)
-    try:
-        out = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                 position_ids=torch.from_numpy(positions(mask)))
-        (out.logits * torch.from_numpy(g)).sum().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    return out.logits.detach().numpy(), kept
+    return torch_backward(hf, ids, mask, g, handles + list(extra)), kept
 
 
 def _compare_parameters(ours, hf, tol, case):
     """Every attnlab parameter's gradient against the transformers tensors (or their rows,
     for Phi-3's gate_up_proj) it is made of; every transformers tensor with a gradient used."""
-    hp = dict(hf.named_parameters())
-    names = type(ours).name_map(ours.config)
-    worst, seen = 0.0, set()
-    for ours_name, p in ours.named_parameters():
-        parts = []
-        for source in names[ours_name]:
-            tensor, rows = _source(source)
-            grad = hp[tensor].grad.numpy()
-            parts.append(grad if rows is None else grad[rows])
-            seen.add(tensor)
-        err = grad_rel_err(p.grad, np.concatenate(parts, axis=0))
-        assert err <= tol, (case, ours_name, err)
+    worst = 0.0
+    for name, (got, want) in parameter_grads(ours, hf).items():
+        err = grad_rel_err(got, want)
+        assert err <= tol, (case, name, err)
         worst = max(worst, err)
-    assert seen == {n for n, q in hp.items() if q.grad is not None} - {"lm_head.weight"} or \
-        seen == {n for n, q in hp.items() if q.grad is not None}
     return worst
 
 
