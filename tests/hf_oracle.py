@@ -53,12 +53,13 @@ CASES = {
 }
 MODEL_CLASS = {"LlamaConfig": "LlamaForCausalLM", "MistralConfig": "MistralForCausalLM",
                "Qwen2Config": "Qwen2ForCausalLM", "Qwen3Config": "Qwen3ForCausalLM",
-               "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM"}
+               "Gemma2Config": "Gemma2ForCausalLM", "Gemma3TextConfig": "Gemma3ForCausalLM",
+               "Olmo2Config": "Olmo2ForCausalLM", "Phi3Config": "Phi3ForCausalLM"}
 MODULES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 
-def hf_decoder(case: str, seed: int):
-    cls_name, options = CASES[case]
+def hf_decoder(case: str, seed: int, cases=CASES):
+    cls_name, options = cases[case]
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -73,13 +74,13 @@ def hf_decoder(case: str, seed: int):
     return hf
 
 
-def folder_maker(tmp_path_factory):
+def folder_maker(tmp_path_factory, cases=CASES):
     """A function ``case -> (transformers model, its saved folder)``, each made once."""
     made = {}
 
     def get(case):
         if case not in made:
-            hf = hf_decoder(case, sorted(CASES).index(case))
+            hf = hf_decoder(case, sorted(cases).index(case), cases)
             folder = tmp_path_factory.mktemp(case)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -134,12 +135,13 @@ class _Eager:
         return torch.matmul(w, v).transpose(1, 2).contiguous(), w
 
 
-def patch_eager(monkeypatch):
-    """Every family's eager attention replaced by :class:`_Eager` (undone by ``monkeypatch``);
-    its ``float64()`` also replaces the norms and the rotary embedding by versions without
-    the float32 casts. Returns the :class:`_Eager`."""
+def patch_eager(monkeypatch, modules=MODULES):
+    """Every family's eager attention (of ``modules``, transformers' module names) replaced
+    by :class:`_Eager` (undone by ``monkeypatch``); its ``float64()`` also replaces the
+    norms and the rotary embedding by versions without the float32 casts. Returns the
+    :class:`_Eager`."""
     att = _Eager()
-    for name in MODULES:
+    for name in modules:
         mod = getattr(transformers.models, name)
         modeling = getattr(mod, f"modeling_{name}")
         monkeypatch.setattr(modeling, "eager_attention_forward", att)
@@ -147,7 +149,7 @@ def patch_eager(monkeypatch):
     def float64():
         from transformers.modeling_rope_utils import dynamic_rope_update
 
-        for name in MODULES:
+        for name in modules:
             modeling = getattr(getattr(transformers.models, name), f"modeling_{name}")
             prefix = {"qwen2": "Qwen2", "qwen3": "Qwen3"}.get(name, name.capitalize())
             norm = getattr(modeling, f"{prefix}RMSNorm")
@@ -174,3 +176,40 @@ def positions(mask):
     return pos
 
 
+
+
+def torch_backward(hf, ids, mask, g, handles=()):
+    """transformers' logits of a left-padded batch and, in ``.grad``, the gradients of
+    ``sum(logits * g)``; ``handles`` (hooks registered for this call) removed after."""
+    hf.zero_grad()
+    try:
+        out = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                 position_ids=torch.from_numpy(positions(mask)))
+        (out.logits * torch.from_numpy(g)).sum().backward()
+    finally:
+        for h in handles:
+            h.remove()
+    return out.logits.detach().numpy()
+
+
+def parameter_grads(ours, hf):
+    """``{attnlab parameter name: (its .grad, transformers' gradient of what it is made of)}``
+    through the family's name map (a source ``"name[a:b]"`` is rows ``a:b``), and the set of
+    transformers tensors used."""
+    from attnlab.models.llama import _source
+
+    hp = dict(hf.named_parameters())
+    names = type(ours).name_map(ours.config)
+    out, seen = {}, set()
+    for ours_name, p in ours.named_parameters():
+        parts = []
+        for source in names[ours_name]:
+            tensor, rows = _source(source)
+            grad = hp[tensor].grad.numpy()
+            parts.append(grad if rows is None else grad[rows])
+            seen.add(tensor)
+        out[ours_name] = p.grad, np.concatenate(parts, axis=0)
+    with_grad = {n for n, q in hp.items() if q.grad is not None}
+    if seen != with_grad and seen != with_grad - {"lm_head.weight"}:  # tied: no lm_head of its own
+        raise AssertionError(f"transformers tensors with a gradient that no parameter is made of: {with_grad - seen}")
+    return out

@@ -19,7 +19,7 @@ from helpers import TOL, grad_rel_err
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_oracle import V, batch, hf_decoder, patch_eager, positions  # noqa: E402
+from hf_oracle import V, batch, hf_decoder, parameter_grads, patch_eager, torch_backward  # noqa: E402
 
 
 @pytest.fixture
@@ -59,24 +59,12 @@ def _float64_pair(gqa3, eager, *, seed: int, T: int):
 def _torch_grads(hf, ids, mask, g, hooks):
     """transformers' parameter gradients of ``sum(logits * g)`` with ``hooks(hf)`` (a list of
     handles) registered for the call."""
-    handles = hooks(hf)
-    hf.zero_grad()
-    try:
-        out = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                 position_ids=torch.from_numpy(positions(mask)))
-        (out.logits * torch.from_numpy(g)).sum().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    return out.logits.detach().numpy()
+    return torch_backward(hf, ids, mask, g, hooks(hf))
 
 
 def _compare_parameters(ours, hf, tol):
-    hp = dict(hf.named_parameters())
-    names = type(ours).name_map(ours.config)
-    for name, p in ours.named_parameters():
-        want = np.concatenate([hp[t].grad.numpy() for t in names[name]])
-        err = grad_rel_err(p.grad, want)
+    for name, (got, want) in parameter_grads(ours, hf).items():
+        err = grad_rel_err(got, want)
         assert err <= tol, (name, err)
 
 

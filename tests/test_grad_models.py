@@ -24,7 +24,16 @@ transformers = pytest.importorskip("transformers")
 from attnlab.models import from_pretrained  # noqa: E402
 from attnlab.models.bert import BertConfig, BertEncoder  # noqa: E402
 from helpers import TOL, grad_rel_err  # noqa: E402
-from hf_oracle import CASES, V, batch, folder_maker, patch_eager, positions  # noqa: E402
+from hf_oracle import (  # noqa: E402
+    CASES,
+    V,
+    batch,
+    folder_maker,
+    parameter_grads,
+    patch_eager,
+    positions,
+    torch_backward,
+)
 
 
 @pytest.fixture(scope="module")
@@ -70,35 +79,19 @@ def _hf_grads(hf, ids, mask, g_logits, *, o_proj_pre=None):
     kept, handles = _retained(hf, [])
     if o_proj_pre is not None:
         handles += [layer.self_attn.o_proj.register_forward_pre_hook(o_proj_pre) for layer in hf.model.layers]
-    hf.zero_grad()
-    try:
-        out = hf(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                 position_ids=torch.from_numpy(positions(mask)))
-        (out.logits * torch.from_numpy(g_logits)).sum().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    return out.logits.detach().numpy(), kept
+    return torch_backward(hf, ids, mask, g_logits, handles), kept
 
 
 def _check_parameter_grads(ours, hf, tol, case):
     """Every attnlab parameter's gradient against the transformers tensors it is made of."""
-    hp = dict(hf.named_parameters())
-    names = type(ours).name_map(ours.config)
+    if ours.config.tie_word_embeddings:
+        assert "lm_head.weight" not in type(ours).name_map(ours.config)  # one parameter, both uses
     worst = 0.0
-    seen = set()
-    for ours_name, p in ours.named_parameters():
-        src = names[ours_name]
-        want = np.concatenate([hp[t].grad.numpy() for t in src], axis=0)
-        if ours_name == "tok_emb.weight" and ours.config.tie_word_embeddings:
-            assert "lm_head.weight" not in names  # one parameter, both uses
-        assert p.grad is not None, ours_name
-        err = grad_rel_err(p.grad, want)
-        assert err <= tol, (case, ours_name, err)
+    for name, (got, want) in parameter_grads(ours, hf).items():
+        assert got is not None, name
+        err = grad_rel_err(got, want)
+        assert err <= tol, (case, name, err)
         worst = max(worst, err)
-        seen.update(src)
-    assert seen == {n for n, q in hp.items() if q.grad is not None} - {"lm_head.weight"} or \
-        seen == {n for n, q in hp.items() if q.grad is not None}
     return worst
 
 

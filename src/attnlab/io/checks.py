@@ -115,7 +115,7 @@ def check_special_ids(config: Mapping, where, vocab_size: int | None = None,
 
 
 def check_decoder_config(config: Mapping, where) -> None:
-    """A Llama-family (Llama, Mistral, Qwen2/3, Gemma) config in ``config.json``'s names
+    """A Llama-family (Llama, Mistral, Qwen2/3, Gemma, OLMo-2, Phi-3) config in ``config.json``'s names
     (a GGUF file's metadata is put in these names first): sizes, head arithmetic, rotary
     values, the norm's epsilon, special token ids.
 
@@ -167,6 +167,11 @@ _BLOCK = {
     "mlp.gate_proj.weight": "F D", "mlp.up_proj.weight": "F D", "mlp.down_proj.weight": "D F",
     "mlp.gate_proj.bias": "F", "mlp.up_proj.bias": "F", "mlp.down_proj.bias": "D",
 }
+# A family's own shapes for a name (a dimension may be a sum: Phi-3's fused projections).
+_FAMILY_BLOCK = {
+    "olmo2": {"self_attn.q_norm.weight": "HE", "self_attn.k_norm.weight": "KE"},  # over the whole projection
+    "phi3": {"self_attn.qkv_proj.weight": "HE+KE+KE D", "mlp.gate_up_proj.weight": "F+F D"},
+}
 # What every block of a family holds (a family's name map may ask for more).
 _NEEDED = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
            "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
@@ -177,6 +182,15 @@ _FAMILY_NEEDS = {
     "gemma2": ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"),
     "gemma3_text": ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
                     "self_attn.q_norm.weight", "self_attn.k_norm.weight"),
+}
+# Families whose blocks hold another set than _NEEDED.
+_FAMILY_ONLY = {
+    "olmo2": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight", "self_attn.q_proj.weight",
+              "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+              "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+              "mlp.down_proj.weight"),
+    "phi3": ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.qkv_proj.weight",
+             "self_attn.o_proj.weight", "mlp.gate_up_proj.weight", "mlp.down_proj.weight"),
 }
 _SIZE_KEYS = {"V": "vocab_size", "D": "hidden_size", "F": "intermediate_size", "H": "num_attention_heads",
               "K": "num_key_value_heads", "E": "head_dim"}
@@ -198,19 +212,25 @@ def decoder_tensor_shape(name: str, config: Mapping) -> tuple[int, ...] | None:
     >>> decoder_tensor_shape("model.layers.0.self_attn.k_proj.weight", c), decoder_tensor_shape("lm_head.weight", c)
     ((4, 8), (10, 8))
     """
-    m = _LAYER.fullmatch(name)
-    rule = _BLOCK.get(m.group(2)) if m else _TOP.get(name)
+    rule = _rule(name, config)
     if rule is None:
         return None
     sizes = _sizes(config)
-    return tuple(math.prod(sizes[c] for c in dim) for dim in rule.split())
+    return tuple(sum(math.prod(sizes[c] for c in term) for term in dim.split("+")) for dim in rule.split())
 
 
-def _size_names(name: str) -> str:
-    """The config's keys that make a tensor's shape: ``"(num_attention_heads x head_dim, hidden_size)"``."""
+def _rule(name: str, config: Mapping) -> str | None:
     m = _LAYER.fullmatch(name)
-    rule = _BLOCK[m.group(2)] if m else _TOP[name]
-    dims = [" x ".join(_SIZE_KEYS[c] for c in dim) for dim in rule.split()]
+    if not m:
+        return _TOP.get(name)
+    own = _FAMILY_BLOCK.get(config.get("model_type"), {})
+    return own.get(m.group(2), _BLOCK.get(m.group(2)))
+
+
+def _size_names(name: str, config: Mapping) -> str:
+    """The config's keys that make a tensor's shape: ``"(num_attention_heads x head_dim, hidden_size)"``."""
+    dims = [" + ".join(" x ".join(_SIZE_KEYS[c] for c in term) for term in dim.split("+"))
+            for dim in _rule(name, config).split()]
     return f"({', '.join(dims)}{',' if len(dims) == 1 else ''})"
 
 
@@ -235,7 +255,8 @@ def check_decoder_tensors(config: Mapping, shapes: Mapping[str, tuple[int, ...]]
         holds = f"{max(found) + 1} blocks" if len(found) == max(found) + 1 else f"blocks {sorted(found)[:8]}"
         raise CheckpointError(f"{where}: num_hidden_layers is {n:,}, but the file holds {holds}")
     if needed is None:
-        block = (*_NEEDED, *_FAMILY_NEEDS.get(config.get("model_type"), ()))
+        kind = config.get("model_type")
+        block = _FAMILY_ONLY.get(kind) or (*_NEEDED, *_FAMILY_NEEDS.get(kind, ()))
         needed = ["model.embed_tokens.weight", "model.norm.weight",
                   *([] if config.get("tie_word_embeddings") else ["lm_head.weight"]),
                   *(f"model.layers.{i}.{b}" for i in range(n) for b in block)]
@@ -251,7 +272,7 @@ def check_decoder_tensors(config: Mapping, shapes: Mapping[str, tuple[int, ...]]
             got = got[1:]  # a norm's weight stored as one row
         if want is not None and got != want:
             raise CheckpointError(f"{where}: tensor {name_of(name)} has shape {tuple(shape)}, but the "
-                                  f"config's {_size_names(name)} is {want}")
+                                  f"config's {_size_names(name, config)} is {want}")
 
 
 def check_weights(w, name: str, where, *, limit: float = MAX_WEIGHT) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -401,13 +402,16 @@ class Llama(CausalLM):
 
     def _mapped(self, weights: Mapping[str, np.ndarray], where, dtype) -> dict[str, np.ndarray]:
         """attnlab's state dict from ``transformers``-named weights: every tensor checked
-        (present, the shape the config needs) before any is stacked or cast."""
+        (present, the shape the config needs) before any is stacked or cast. A source
+        ``"name[a:b]"`` of the name map is rows ``a:b`` of tensor ``name`` (a fused tensor
+        that attnlab keeps as several parameters, such as Phi-3's ``gate_up_proj``)."""
         name_map = self.name_map(self.config)
         own = {n: p.shape for n, p in self.named_parameters()}
-        missing = sorted({t for src in name_map.values() for t in src if t not in weights})
+        missing = sorted({_source(t)[0] for src in name_map.values() for t in src if _source(t)[0] not in weights})
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        weights = {t: _rows(weights, t, where) for src in name_map.values() for t in src}
         for ours, src in name_map.items():
             need = own[ours]
             got = [tuple(np.shape(weights[t])) for t in src]
@@ -462,7 +466,7 @@ class Llama(CausalLM):
             raise ValueError(f"quantized=True needs a .gguf file, got the folder {path}")
         config = cls.config_class.from_json(path / "config.json")
         headers = folder_headers(path)  # every file's header and the config checked before a tensor is read
-        needed = [t for src in cls.name_map(config).values() for t in src]
+        needed = list(dict.fromkeys(_source(t)[0] for src in cls.name_map(config).values() for t in src))
         check_decoder_tensors(config.to_dict(), {n: i.shape for infos, _ in headers.values() for n, i in infos.items()},
                               path, needed=needed)
         tokenizer = load_tokenizer(path / "tokenizer.json") if (path / "tokenizer.json").is_file() and \
@@ -596,6 +600,31 @@ class Llama(CausalLM):
         return texts[0] if single else texts
 
     # ------------------------------------------------------------------ inspection
+
+_PART = re.compile(r"(.+)\[(\d+):(\d+)\]")
+
+
+def _source(name: str) -> tuple[str, slice | None]:
+    """A name map's source: ``(tensor name, rows)``; ``"w[0:8]"`` is rows 0 to 7 of ``w``.
+
+    >>> _source("model.layers.0.mlp.gate_up_proj.weight[0:8]")
+    ('model.layers.0.mlp.gate_up_proj.weight', slice(0, 8, None))
+    """
+    m = _PART.fullmatch(name)
+    return (name, None) if m is None else (m.group(1), slice(int(m.group(2)), int(m.group(3))))
+
+
+def _rows(weights: Mapping, name: str, where) -> np.ndarray:
+    """The tensor (or its rows) that source ``name`` of a name map stands for."""
+    tensor, rows = _source(name)
+    w = weights[tensor]
+    if rows is None:
+        return w
+    if is_quantized(w) or np.ndim(w) < 1 or np.shape(w)[0] < rows.stop:
+        raise CheckpointError(f"{where}: tensor {tensor} of shape {tuple(np.shape(w))} has no rows "
+                              f"{rows.start}:{rows.stop} (a float tensor is split into parameters)")
+    return np.asarray(w)[rows]
+
 
 def _folder_chat_template(folder: Path) -> str | None:
     jinja = folder / "chat_template.jinja"

@@ -93,12 +93,16 @@ FAMILIES: dict[str, Family] = {
                name_map="attnlab.models.gemma:gemma_name_map"),
         Family("gemma3", "attnlab.models.gemma", "Gemma", "GemmaConfig", ("gemma3_text",), ("Gemma3ForCausalLM",),
                name_map="attnlab.models.gemma:gemma_name_map"),
+        Family("olmo2", "attnlab.models.olmo2", "Olmo2", "Olmo2Config", ("olmo2",), ("Olmo2ForCausalLM",),
+               name_map="attnlab.models.olmo2:olmo2_name_map"),
+        Family("phi3", "attnlab.models.phi3", "Phi3", "Phi3Config", ("phi3",), ("Phi3ForCausalLM",),
+               name_map="attnlab.models.phi3:phi3_name_map"),
         Family("tiny", "attnlab.models.tiny", "TinyTransformer", "TinyTransformerConfig",
                files="an attnlab checkpoint (.npz, written by attnlab train)"),
     )
 }
 """Every family attnlab runs, by name (``"bert"``, ``"gpt2"``, ``"llama"``, ``"mistral"``,
-``"qwen2"``, ``"qwen3"``, ``"gemma2"``, ``"gemma3"``, ``"tiny"``): its module, classes, the
+``"qwen2"``, ``"qwen3"``, ``"gemma2"``, ``"gemma3"``, ``"olmo2"``, ``"phi3"``, ``"tiny"``): its module, classes, the
 ``model_type`` and architectures it recognises and its weight-name map. A new family adds one
 entry."""
 

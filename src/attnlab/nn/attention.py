@@ -368,8 +368,12 @@ class Attention(Module):
             self-attention applies in one matrix product. Always separate when ``kdim`` or
             ``vdim`` differ from ``E``.
         kdim, vdim: widths of the keys' and values' input (None: ``E``).
-        qk_norm: a factory ``f(D) -> Module`` for a norm applied to each head's queries and
-            keys over ``D`` (QK-norm), kept as ``q_norm`` and ``k_norm``.
+        qk_norm: a factory ``f(n) -> Module`` for a norm of the queries and the keys
+            (QK-norm), kept as ``q_norm`` and ``k_norm``: over each head's ``n = D``
+            features (Qwen3, Gemma 3), or with ``qk_norm_per_head=False`` over the whole
+            projection, ``n = H D`` for the queries and ``H_kv D`` for the keys (OLMo-2).
+            Either way between ``hook_q``/``hook_k`` and the rotary slot.
+        qk_norm_per_head: see ``qk_norm``.
         rotary: the position slot, a module with ``forward(q, k, positions) -> (q, k)`` on
             ``(N, H, L, D)``/``(N, H_kv, S, D)`` and ``backward(grad_q, grad_k)`` (rotary
             position embedding). Applied after the QK-norm, before the key/value cache.
@@ -428,6 +432,7 @@ class Attention(Module):
         dtype=np.float32,
         attention_fn: Callable[..., np.ndarray] | None = None,
         softcap: float | None = None,
+        qk_norm_per_head: bool = True,
     ):
         super().__init__()
         if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float)
@@ -471,8 +476,10 @@ class Attention(Module):
         self.out_proj = Linear(Dq, E, out_bias, rng=rng, dtype=dtype)
         if out_bias:
             self.out_proj.bias.data[...] = 0
-        self.q_norm = qk_norm(D) if qk_norm is not None else None
-        self.k_norm = qk_norm(D) if qk_norm is not None else None
+        self.qk_norm_per_head = bool(qk_norm_per_head)
+        widths = (D, D) if self.qk_norm_per_head else (Dq, Dkv)
+        self.q_norm = qk_norm(widths[0]) if qk_norm is not None else None
+        self.k_norm = qk_norm(widths[1]) if qk_norm is not None else None
         if rotary is not None and not isinstance(rotary, Module):
             raise TypeError(f"rotary must be an attnlab Module (the position slot), got {type(rotary).__name__}")
         self.rotary = rotary
@@ -596,7 +603,7 @@ class Attention(Module):
         k4 = self.hook_k(_reshape(kp, (N, S, Hkv, D)))
         v4 = self.hook_v(_reshape(vp, (N, S, Hkv, D)))
         if self.q_norm is not None:
-            q4, k4 = self.q_norm(q4), self.k_norm(k4)
+            q4, k4 = self._qk_norm(self.q_norm, q4), self._qk_norm(self.k_norm, k4)
         qh, kh, vh = _permute(q4, (0, 2, 1, 3)), _permute(k4, (0, 2, 1, 3)), _permute(v4, (0, 2, 1, 3))
         if self.rotary is not None:
             if positions is None:
@@ -611,6 +618,14 @@ class Attention(Module):
         if cache is not None:
             kh, vh = cache.append(kh, vh)
         return qh, kh, vh
+
+    def _qk_norm(self, norm: Module, x4, backward: bool = False):
+        """``norm`` (or its backward pass) on ``(N, L, H, D)`` heads: per head, or over the
+        whole projection ``(N, L, H D)``."""
+        run = norm.backward if backward else norm
+        if self.qk_norm_per_head:
+            return run(x4)
+        return _reshape(run(_reshape(x4, (*x4.shape[:2], -1))), tuple(x4.shape))
 
     def _attend(self, qh, kh, vh, mask, causal: bool, need_weights: bool):
         """The attention of the heads: ``(z (N, H, L, D), weights (N, H, L, S) or None,
@@ -875,7 +890,7 @@ class Attention(Module):
             gqh, gkh = self.rotary.backward(gqh, gkh)
         gq4, gk4, gv4 = gqh.transpose(0, 2, 1, 3), gkh.transpose(0, 2, 1, 3), gvh.transpose(0, 2, 1, 3)
         if self.q_norm is not None:
-            gk4, gq4 = self.k_norm.backward(gk4), self.q_norm.backward(gq4)
+            gk4, gq4 = self._qk_norm(self.k_norm, gk4, True), self._qk_norm(self.q_norm, gq4, True)
         gq4, gk4, gv4 = self.hook_q.backward(gq4), self.hook_k.backward(gk4), self.hook_v.backward(gv4)
         S = gk4.shape[1]
         frozen = parameters_frozen()
