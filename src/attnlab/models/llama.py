@@ -513,7 +513,7 @@ class Llama(CausalLM):
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         # A decoding step with quantized weights and nothing hooked: one compiled call a block.
-        if cache is not None:
+        if cache is not None and self._array_type is None:  # (not for weights moved to another library)
             from attnlab.models._decode_step import decode_step
 
             logits = decode_step(self, input_ids, attention_mask, cache)
