@@ -125,8 +125,9 @@ def embed_tokens(tok_emb, pos_emb, hook_embed, hook_pos_embed, ids: np.ndarray, 
     TransformerLens's)."""
     x = hook_embed(tok_emb(ids))  # a fresh array (a hook's replacement is copied)
     p = pos_emb(positions)
-    if hook_pos_embed.hooked:
-        p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)))
+    if hook_pos_embed.hooked:  # a copy of the batch's shape (in the tables' library)
+        p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)) if type(p) is np.ndarray
+                           else namespace(p).broadcast_to(p, x.shape) * 1)
     x += p
     return x
 

@@ -498,7 +498,8 @@ class RotaryEmbedding(Module):
             need = f"({L},)" if q.ndim == 3 else f"({L},) or ({q.shape[0]}, {L})"
             raise shape_error("positions", positions.shape, need)
         numpy = isinstance(q, np.ndarray)
-        cos, sin = self.cos_sin(positions, q.dtype if numpy or q.dtype == namespace(q).float64 else np.float32)
+        host = q.dtype if numpy else np.float64 if q.dtype == namespace(q).float64 else np.float32
+        cos, sin = self.cos_sin(positions, host)
         if cos.ndim == 3:  # (N, L, R) -> (N, 1, L, R): one rotation for every head
             cos, sin = cos[:, None], sin[:, None]
         if not numpy:  # another library's heads: the rows they need, moved to their device and dtype
