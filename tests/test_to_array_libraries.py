@@ -349,3 +349,18 @@ def test_bad_ids_and_masks_of_another_library_get_the_usual_errors():
         model(t(ids), attention_mask=t(mask) * 2)
     with pytest.raises(ValueError, match="attention_mask row 1 is not left-padded"):
         model.generate(t(ids), 2, attention_mask=t(mask).flip(1))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "gemma2"])
+def test_every_decoder_inspects_into_one_output_class_also_on_torch(family):
+    from attnlab.models import CausalLMOutput, GPT2Output
+
+    assert GPT2Output is CausalLMOutput  # the older name still works
+    model = make(family)
+    ids, mask = batch(family)
+    want = model.inspect(ids, attention_mask=mask)
+    assert type(want) is CausalLMOutput and list(vars(want)) == ["logits", "hidden_states", "attentions"]
+    got = model.to(torch).inspect(t(ids), attention_mask=t(mask))
+    assert type(got) is CausalLMOutput
+    for name, w in vars(want).items():
+        close(getattr(got, name), w, "float32", f"torch inspect {family}")
