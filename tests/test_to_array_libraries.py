@@ -364,3 +364,22 @@ def test_every_decoder_inspects_into_one_output_class_also_on_torch(family):
     assert type(got) is CausalLMOutput
     for name, w in vars(want).items():
         close(getattr(got, name), w, "float32", f"torch inspect {family}")
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
+def test_every_decoder_family_exports_to_transformers_and_back(family):
+    """One conversion for every registry decoder family, Gemma included: to_torch gives
+    transformers' class with the same logits, from_torch the same model back."""
+    pytest.importorskip("transformers")
+    from attnlab.interop import from_torch, to_torch
+
+    model = make(family)
+    ids, _ = batch(family)
+    want = model(ids)
+    module = to_torch(model)
+    assert type(module).__module__.startswith("transformers.") and type(module).__name__.endswith("ForCausalLM")
+    with torch.no_grad():
+        close(module(t(ids)).logits, want, "float32", f"to_torch {family}")
+    back = from_torch(module)
+    assert type(back) is type(model)
+    np.testing.assert_array_equal(back(ids), want)
