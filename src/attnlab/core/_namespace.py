@@ -214,25 +214,6 @@ def to_host(x) -> np.ndarray:
     return np.asarray(array_api_compat.to_device(x, "cpu"))
 
 
-def numpy_dtype(dtype) -> np.dtype:
-    """The NumPy dtype of another library's dtype of the same name (``torch.float32`` ->
-    ``float32``; JAX and CuPy dtypes are NumPy's).
-
-    Raises:
-        TypeError: a dtype NumPy has no counterpart of (``torch.bfloat16``).
-    """
-    if isinstance(dtype, np.dtype):
-        return dtype
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        pass
-    try:
-        return np.dtype(str(dtype).rpartition(".")[2])
-    except TypeError:
-        raise TypeError(f"dtype {dtype} has no NumPy counterpart") from None
-
-
 def from_host(a: np.ndarray, like):
     """The NumPy array ``a`` in ``like``'s namespace and on its device (NumPy: ``a`` itself)."""
     if isinstance(like, np.ndarray):
