@@ -383,15 +383,24 @@ def test_config_defaults_follow_transformers():
         assert [w is not None for w in ours.sliding_windows] == [t == "sliding_attention" for t in hf_types]
 
 
-def test_torch_conversion_refuses_gemma_clearly(pair):
-    """to_torch/from_torch convert Llama's families only: Gemma gets a TypeError naming it."""
+def test_torch_conversion_gives_the_transformers_class_and_back(pair):
+    """to_torch writes Gemma as transformers' own class (the config written back, the weights
+    through the name map), with the logits of both; from_torch reads it back as a Gemma."""
     from attnlab.interop import from_torch, to_torch
 
     hf, ours, case = pair
-    with pytest.raises(TypeError, match=r"to_torch supports .*, got Gemma$"):
-        to_torch(ours)
-    with pytest.raises(TypeError, match=r"from_torch supports .*, got Gemma[23]ForCausalLM"):
-        from_torch(hf)
+    ids = prompt(np.random.default_rng(4), 2, 12)
+    with torch.no_grad():
+        want = hf(torch.from_numpy(ids)).logits.numpy()
+    module = to_torch(ours)
+    assert type(module) is type(hf) and not module.training
+    with torch.no_grad():
+        got = module(torch.from_numpy(ids)).logits.numpy()
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max()), case
+    back = from_torch(hf)
+    assert type(back) is Gemma and back.config == ours.config
+    for name, w in ours.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], w)
 
 
 def test_softcapped_attention_backward_with_dropout_matches_autograd():

@@ -9,10 +9,14 @@ back. What each attnlab class becomes:
 - ``SelfAttention``, ``TinyTransformer``: torch modules with attnlab's ``state_dict`` names;
 - ``BertEncoder``: a ``transformers`` ``BertModel`` (Hugging Face names, through
   :func:`attnlab.io.bert_name_map`; needs the ``transformers`` package);
-- ``Llama`` (Llama, Mistral, Qwen2, Qwen3): ``transformers``' ``LlamaForCausalLM``,
-  ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (through
-  :func:`attnlab.models.llama.llama_name_map`; :func:`from_torch` recognises them by the
-  model registry's ``architectures``).
+- the decoder families of the model registry (``Llama``: Llama, Mistral, Qwen2, Qwen3;
+  ``Gemma``: Gemma 2 and 3): ``transformers``' class of the family (``LlamaForCausalLM``,
+  ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+  ``Gemma2ForCausalLM``, ``Gemma3ForCausalLM``), by one conversion: the config written
+  back as ``transformers``' ``config.json`` (:func:`hf_config`), the weights through the
+  model's name map (:attr:`~attnlab.models.llama.Llama.name_map`); :func:`from_torch`
+  recognises them by the registry's ``architectures`` and reads them back through the
+  family's config and model classes.
 
 To run a layer's own forward on torch tensors instead, convert its weights with
 :meth:`attnlab.nn.Module.to` (``layer.to(torch)``).
@@ -41,10 +45,10 @@ from attnlab.nn.module import Module
 
 _TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 # What to_torch and from_torch support, for their errors (a new model adds its names here).
-_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, Llama, TinyTransformer, BertEncoder and GPT2"
+_TO_TORCH = "MultiheadAttention, SelfAttention, Linear, Llama, Gemma, TinyTransformer, BertEncoder and GPT2"
 _FROM_TORCH = (
-    "nn.MultiheadAttention, nn.Linear, transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or "
-    "Qwen3ForCausalLM, to_torch(SelfAttention), to_torch(TinyTransformer), "
+    "nn.MultiheadAttention, nn.Linear, transformers' LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+    "Qwen3ForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM, to_torch(SelfAttention), to_torch(TinyTransformer), "
     "transformers' GPT2LMHeadModel or GPT2Model and "
     "transformers' BertModel"
 )
@@ -232,9 +236,11 @@ def to_torch(layer: Module):
     (-> an equivalent torch module), :class:`~attnlab.models.TinyTransformer` (-> a torch
     module with the same ``state_dict`` names that maps ``ids (B, T)`` to the same logits)
     :class:`~attnlab.models.GPT2` (-> a ``transformers`` ``GPT2LMHeadModel`` with the same
-    logits, dropout 0), :class:`~attnlab.models.llama.Llama` (-> ``transformers``'
-    ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or
-    ``Qwen3ForCausalLM``, as its ``model_type``, with the same logits) and
+    logits, dropout 0), :class:`~attnlab.models.llama.Llama` and
+    :class:`~attnlab.models.gemma.Gemma` (-> ``transformers``' ``LlamaForCausalLM``,
+    ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``,
+    ``Gemma2ForCausalLM`` or ``Gemma3ForCausalLM``, as its ``model_type``, with the same
+    logits) and
     :class:`~attnlab.models.BertEncoder` (-> a ``transformers`` ``BertModel`` built from
     a matching ``BertConfig``, without pooler and with dropout 0 as attnlab's encoder, whose
     ``last_hidden_state`` and ``hidden_states`` equal the encoder's; the tokenizer stays
@@ -250,8 +256,8 @@ def to_torch(layer: Module):
     True
     """
     torch = _torch()
-    if type(layer) is Llama:  # its families only (a subclass, such as Gemma, is not converted)
-        module = _llama_to_torch(layer)
+    if isinstance(layer, Llama):  # a registry decoder family (Llama, Mistral, Qwen2/3, Gemma 2/3)
+        module = _decoder_to_torch(layer)
         module.train(layer.training)
         return module
     if not isinstance(layer, MultiheadAttention | Linear | SelfAttention | TinyTransformer | BertEncoder | GPT2):
@@ -283,7 +289,8 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
     :func:`to_torch` for a ``SelfAttention`` or a ``TinyTransformer``, a ``transformers``
     ``GPT2LMHeadModel`` or ``GPT2Model`` (-> a :class:`~attnlab.models.GPT2`), ``transformers``'
     ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` and ``Qwen3ForCausalLM``
-    (-> a :class:`~attnlab.models.llama.Llama` without tokenizer) and a ``transformers``
+    (-> a :class:`~attnlab.models.llama.Llama` without tokenizer), ``Gemma2ForCausalLM`` and
+    ``Gemma3ForCausalLM`` (-> a :class:`~attnlab.models.gemma.Gemma`) and a ``transformers``
     ``BertModel`` (-> a :class:`~attnlab.models.BertEncoder` without tokenizer; its pooler is
     left out; a model with a BERT inside, such as ``BertForMaskedLM``, gives its encoder),
     also after training in torch, and any of these wrapped in ``DistributedDataParallel``
@@ -309,8 +316,8 @@ def from_torch(module, *, rng: np.random.Generator | None = None) -> Module:
         layer.train(module.training)
         return layer
     family = _registry_family(module)
-    if family is not None and family.name in _FROM_TRANSFORMERS:
-        layer = _FROM_TRANSFORMERS[family.name](module)
+    if family is not None and family.decoder and issubclass(family.model_class(), Llama):
+        layer = _decoder_from_torch(module, family)
         layer.train(module.training)
         return layer
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
@@ -431,22 +438,96 @@ def llama_hf_config(config) -> dict:
     return d
 
 
-def _llama_to_torch(model: Llama):
-    """``transformers``' class of ``model``'s family (``LlamaForCausalLM``…) with its weights
-    (attention dropout 0: the same function as ``model``)."""
-    transformers, torch = _transformers(), _torch()
-    from attnlab.models.llama import llama_name_map
+def gemma_hf_config(config) -> dict:
+    """The ``transformers`` ``config.json`` contents of a
+    :class:`~attnlab.models.gemma.GemmaConfig` (the inverse of ``GemmaConfig.from_dict``):
+    Gemma 2's or Gemma 3's (per-layer-type rotary parameters, QK-norm).
 
+    Raises:
+        ValueError: a combination the ``transformers`` class cannot express (named), e.g.
+            Gemma 3 with soft-capped attention scores or two window sizes.
+
+    >>> from attnlab.models.gemma import GemmaConfig
+    >>> c = GemmaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+    ...                 num_attention_heads=2, sliding_windows=(4, None), attn_logit_softcapping=50.0)
+    >>> d = gemma_hf_config(c)
+    >>> d["architectures"], d["layer_types"], d["sliding_window"], d["attn_logit_softcapping"]
+    (['Gemma2ForCausalLM'], ['sliding_attention', 'full_attention'], 4, 50.0)
+    """
+    from attnlab.models.gemma import FAMILIES
+
+    c = config
+    kind = c.model_type
+
+    def refuse(what: str) -> ValueError:
+        return ValueError(f"{FAMILIES[kind]} has no {what}; this {kind} config has it")
+
+    windows = c.sliding_windows or (None,) * c.num_hidden_layers
+    sizes = {w for w in windows if w is not None}
+    if len(sizes) > 1:
+        raise ValueError(f"sliding_windows {c.sliding_windows}: transformers' {FAMILIES[kind]} has one window size")
+    if c.qkv_bias != c.out_bias:
+        raise refuse(f"qkv_bias={c.qkv_bias} with out_bias={c.out_bias}")
+    if c.mlp_bias:
+        raise refuse("mlp_bias")
+    if c.qk_norm != (kind == "gemma3_text"):
+        raise refuse(f"qk_norm={c.qk_norm}")
+    if kind == "gemma3_text" and c.attn_logit_softcapping is not None:
+        raise refuse("soft-capped attention scores (attn_logit_softcapping)")
+    glob = {"rope_type": "default", **dict(c.rope_scaling or {}), "rope_theta": c.rope_theta}
+    own_local = c.local_rope_theta is not None or c.local_rope_scaling is not None
+    if kind == "gemma2" and own_local:
+        raise refuse("rotary parameters of its own for the local layers")
+    d = {
+        "model_type": kind, "architectures": [FAMILIES[kind]], "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers, "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.kv_heads, "head_dim": c.head_size,
+        "max_position_embeddings": c.max_position_embeddings, "rms_norm_eps": c.rms_norm_eps,
+        "hidden_activation": c.hidden_act, "tie_word_embeddings": c.tie_word_embeddings,
+        "attention_bias": c.qkv_bias, "attention_dropout": 0.0,
+        "query_pre_attn_scalar": c.head_size if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar,
+        "attn_logit_softcapping": c.attn_logit_softcapping, "final_logit_softcapping": c.final_logit_softcapping,
+        "sliding_window": next(iter(sizes), None),
+        "layer_types": ["sliding_attention" if w is not None else "full_attention" for w in windows],
+        "bos_token_id": c.bos_token_id, "pad_token_id": c.pad_token_id,
+        "eos_token_id": list(c.eos_token_id) if isinstance(c.eos_token_id, tuple) else c.eos_token_id,
+    }
+    if kind == "gemma2":
+        d["rope_parameters"] = glob
+    else:  # the local layers' own base (and scaling), or the global layers' rotary parameters
+        local = {"rope_type": "default", **dict(c.local_rope_scaling or {}),
+                 "rope_theta": c.rope_theta if c.local_rope_theta is None else c.local_rope_theta} \
+            if own_local else glob
+        d["rope_parameters"] = {"full_attention": glob, "sliding_attention": local}
+    return d
+
+
+def hf_config(config) -> dict:
+    """The ``transformers`` ``config.json`` contents of a registry decoder family's config:
+    :func:`gemma_hf_config` for a :class:`~attnlab.models.gemma.GemmaConfig`, else
+    :func:`llama_hf_config` (Llama, Mistral, Qwen2, Qwen3)."""
+    from attnlab.models.gemma import GemmaConfig
+
+    return gemma_hf_config(config) if isinstance(config, GemmaConfig) else llama_hf_config(config)
+
+
+def _decoder_to_torch(model: Llama):
+    """``transformers``' class of ``model``'s family (``LlamaForCausalLM``,
+    ``Gemma2ForCausalLM``…) with its weights (attention dropout 0: the same function as
+    ``model``): the config through :func:`hf_config`, the weights through the model's own
+    name map, a fused q/k/v tensor split by the query and key/value heads' sizes."""
+    transformers, torch = _transformers(), _torch()
     c = model.config
-    d = llama_hf_config(c)
+    d = hf_config(c)
     kind = d.pop("model_type")
-    hf_config = transformers.AutoConfig.for_model(kind, **d)
+    hf = transformers.AutoConfig.for_model(kind, **d)
     H, Hkv, Dh = c.num_attention_heads, c.kv_heads, c.head_size
     sizes = [H * Dh, Hkv * Dh, Hkv * Dh]
     ours = model.state_dict()
-    state = _split_sizes(ours, llama_name_map(c), {"in_proj_weight": sizes, "in_proj_bias": sizes})
+    state = _split_sizes(ours, model.name_map(c), {"in_proj_weight": sizes, "in_proj_bias": sizes})
     dtype = getattr(torch, _TORCH_DTYPES[ours["tok_emb.weight"].dtype])
-    module = _for_loading(lambda: getattr(transformers, d["architectures"][0])(hf_config)).to(dtype)
+    module = _for_loading(lambda: getattr(transformers, d["architectures"][0])(hf)).to(dtype)
     missing, unexpected = module.load_state_dict(
         {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}, strict=False)
     tied = ["lm_head.weight"] if c.tie_word_embeddings else []
@@ -457,20 +538,14 @@ def _llama_to_torch(model: Llama):
     return module
 
 
-def _llama_from_torch(module) -> Llama:
-    """A :class:`~attnlab.models.llama.Llama` with a ``LlamaForCausalLM``'s (or a
-    relative's) architecture and weights (read through ``LlamaConfig.from_dict``)."""
-    from attnlab.models.llama import LlamaConfig
-
+def _decoder_from_torch(module, family) -> Llama:
+    """The registry family's model (a :class:`~attnlab.models.llama.Llama` or
+    :class:`~attnlab.models.gemma.Gemma`) with a ``transformers`` model's architecture and
+    weights, read through the family's ``config_class.from_dict``."""
     name = type(module).__name__
     data = module.config.to_dict()
     data["architectures"] = [name]
-    config = LlamaConfig.from_dict(data, where=name)
+    config = family.config_class().from_dict(data, where=name)
     state = {k: v.detach().cpu().numpy() for k, v in module.state_dict().items()}
     dtype = state["model.embed_tokens.weight"].dtype
-    return Llama(config, weights=state, dtype=dtype, name=f"{name} (from torch)")
-
-
-#: registry family name -> its converter from a ``transformers`` model.
-# The registry's families arranged by attnlab.models.llama (Llama, Mistral, Qwen2, Qwen3).
-_FROM_TRANSFORMERS = {name: _llama_from_torch for name in ("llama", "mistral", "qwen2", "qwen3")}
+    return family.model_class()(config, weights=state, dtype=dtype, name=f"{name} (from torch)")

@@ -119,6 +119,15 @@ def float_array(x: object, name: str, xp, *, min_ndim: int = 0, layout: str | No
     return x
 
 
+def writeable(x) -> bool:
+    """Whether ``x`` may be written in place (``x[i] = v``): not JAX's immutable arrays."""
+    if isinstance(x, np.ndarray):
+        return x.flags.writeable
+    import array_api_compat
+
+    return bool(array_api_compat.is_writeable_array(x))
+
+
 def is_bool(x) -> bool:
     """``x`` has a boolean dtype."""
     if isinstance(x, np.ndarray):
@@ -183,6 +192,26 @@ def mul_(a, b):
         a *= b
         return a
     return a * b
+
+
+def to_host(x) -> np.ndarray:
+    """``x`` as a NumPy array: itself if it is one, else a copy on the host, from any library
+    and device (never ``np.asarray`` of another library's array, which fails on a GPU).
+
+    >>> to_host(np.arange(3))
+    array([0, 1, 2])
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if is_numpy(x):
+        return np.asarray(x)
+    if array_type(x) == "array_api_strict.Array":  # its host device is called CPU_DEVICE
+        return np.asarray(x.to_device(type(x.device)("CPU_DEVICE")))
+    import array_api_compat
+
+    if array_api_compat.is_jax_array(x):  # JAX copies to the host from any device; it has no "cpu" device name
+        return np.asarray(x)
+    return np.asarray(array_api_compat.to_device(x, "cpu"))
 
 
 def from_host(a: np.ndarray, like):

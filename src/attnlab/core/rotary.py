@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from attnlab._validation import positive_int, shape_error
+from attnlab.core._namespace import namespace
 
 __all__ = [
     "ROPE_TYPES",
@@ -321,11 +322,15 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sign: float) -> np.
         raise shape_error("cos", cos.shape, f"(..., R) with R even and <= the head dim {D}")
     if cos.shape != sin.shape:
         raise shape_error("sin", sin.shape, f"the shape of cos {tuple(cos.shape)}")
+    F = R // 2
+    if type(x) is not np.ndarray:  # another library's arrays (cos and sin in its dtype): the same products
+        x1, x2 = x[..., :F], x[..., F:R]
+        parts = [x1 * cos[..., :F] - sign * x2 * sin[..., :F], x2 * cos[..., F:] + sign * x1 * sin[..., F:]]
+        return namespace(x).concat(parts + [x[..., R:]] if R < D else parts, axis=-1)
     out = _rotate_compiled(x, cos, sin, sign)
     if out is not None:
         return out
     xr = x[..., :R]
-    F = R // 2
     out = np.empty(np.broadcast_shapes(x.shape[:-1] + (R,), cos.shape)[:-1] + (D,), dtype=x.dtype)
     # out1 = x1 cos1 - s x2 sin1 ; out2 = x2 cos2 + s x1 sin2   (s = +1 forward, -1 transpose)
     x1, x2 = xr[..., :F], xr[..., F:]

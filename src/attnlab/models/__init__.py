@@ -16,6 +16,7 @@ from attnlab.models.bert import (
     load_minilm,
     minilm_available,
 )
+from attnlab.models.decoder import CausalLMOutput
 from attnlab.models.gpt2 import GPT2, GPT2Config, GPT2Output
 from attnlab.models.registry import FAMILIES, detect, from_pretrained
 from attnlab.models.tiny import TinyTransformer, TinyTransformerConfig
@@ -24,6 +25,7 @@ __all__ = [
     "FAMILIES",
     "BertConfig",
     "BertEncoder",
+    "CausalLMOutput",
     "CheckpointError",
     "GPT2",
     "GPT2Config",

@@ -37,6 +37,7 @@ import numpy as np
 
 from attnlab._threads import pool_threads, run_units
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, shape_error
+from attnlab.core._namespace import from_host, to_host
 from attnlab.io import (
     CheckpointError,
     bert_name_map,
@@ -51,7 +52,7 @@ from attnlab.io import (
 )
 from attnlab.io.checks import check_sizes
 from attnlab.io.sentence_transformers import POOLING_MODES
-from attnlab.models.generate import embed_tokens, embed_tokens_backward
+from attnlab.models.generate import embed_tokens, embed_tokens_backward, full_precision
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -307,7 +308,7 @@ class BertEmbeddings(Module):
         self.ln = LayerNorm(c.hidden_size, c.layer_norm_eps, dtype=dtype)
 
     def forward(self, ids: np.ndarray, token_type_ids: np.ndarray | None = None) -> np.ndarray:
-        ids = np.asarray(ids)
+        ids = to_host(ids)  # checked, then moved to the tables' device by each lookup
         types = np.zeros_like(ids) if token_type_ids is None else token_type_ids
         x = embed_tokens(self.tok_emb, self.pos_emb, self.hook_embed, self.hook_pos_embed, ids,
                          np.arange(ids.shape[-1]))
@@ -523,8 +524,11 @@ class BertEncoder(Module):
         embeddings) for ``ids (B, T)``. Every view records it through the hook points
         (:func:`attnlab.nn.hooks.record_layers`)."""
         x = self.embeddings(ids, types)
-        for block in self.layers[:layers]:
-            x = block(x, key_padding_mask=key_padding_mask)
+        if key_padding_mask is not None and type(x) is not np.ndarray:  # weights of another library (Module.to)
+            key_padding_mask = from_host(to_host(key_padding_mask), x)
+        with full_precision(x):
+            for block in self.layers[:layers]:
+                x = block(x, key_padding_mask=key_padding_mask)
         return x
 
     def forward(
@@ -548,7 +552,7 @@ class BertEncoder(Module):
             :class:`BertOutput` with ``(B, T, D)``, ``(layers + 1, B, T, D)`` and
             ``(layers, B, H, T, T)`` arrays.
         """
-        ids = np.asarray(input_ids)
+        ids = to_host(input_ids)  # another library's ids (on any device) are checked on the host
         c = self.config
         if ids.ndim != 2:
             raise shape_error("input_ids", ids.shape, "(B, T)")
@@ -560,7 +564,7 @@ class BertEncoder(Module):
                               f"(B, T) with T <= max_position_embeddings={c.max_position_embeddings}")
         if ids.size and (ids.min() < 0 or ids.max() >= c.vocab_size):
             raise ValueError(f"input_ids must lie in [0, vocab_size={c.vocab_size})")
-        types = np.zeros_like(ids) if token_type_ids is None else np.asarray(token_type_ids)
+        types = np.zeros_like(ids) if token_type_ids is None else to_host(token_type_ids)
         if types.shape != ids.shape or not np.issubdtype(types.dtype, np.integer):
             raise ValueError(f"token_type_ids has shape {types.shape} and dtype {types.dtype}, "
                              f"but should be integers of shape {ids.shape}")
@@ -568,7 +572,7 @@ class BertEncoder(Module):
             raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={c.type_vocab_size})")
         mask = None
         if attention_mask is not None:
-            mask = np.asarray(attention_mask)
+            mask = to_host(attention_mask)
             if mask.shape != ids.shape:
                 raise shape_error("attention_mask", mask.shape, str(ids.shape))
             if mask.dtype != np.bool_:
@@ -706,7 +710,8 @@ class BertEncoder(Module):
                 model's pipeline (:attr:`normalize`; True for MiniLM).
 
         Returns:
-            ``(D,)`` for one text, ``(n, D)`` for a sequence; the model's dtype.
+            ``(D,)`` for one text, ``(n, D)`` for a sequence; the model's dtype (NumPy, also
+            for a model moved to another array library, which computes the layers there).
         """
         single = isinstance(sentences, str)
         texts = self._check_texts(sentences)
@@ -750,7 +755,7 @@ class BertEncoder(Module):
                     ids[row, : n[row]] = encodings[i].ids
                     types[row, : n[row]] = encodings[i].type_ids
                 keep = None if (n == T).all() else np.arange(T) < n[:, None]
-                result[idx] = self._pool(self._run(ids, types, keep), n)
+                result[idx] = self._pool(to_host(self._run(ids, types, keep)), n)  # moved weights: a host copy
 
             run_units(units, run, min(threads, len(units)))
             if normalize:

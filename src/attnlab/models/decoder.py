@@ -10,6 +10,7 @@ methods come from here. Shapes: ``B`` sequences, ``T`` tokens, ``D`` width, ``V`
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +22,26 @@ from attnlab.nn.attention import KVCache
 from attnlab.nn.hooks import record_layers
 from attnlab.nn.module import Module
 
-__all__ = ["CausalLM", "decode_stream"]
+__all__ = ["CausalLM", "CausalLMOutput", "decode_stream"]
+
+
+@dataclass
+class CausalLMOutput:
+    """Everything a causal language model's :meth:`~CausalLM.inspect` records for a batch
+    (every decoder family's; ``GPT2Output`` is its older name).
+
+    Attributes:
+        logits: ``(B, T, V)``.
+        hidden_states: ``(n_layers + 1, B, T, D)``: layer 0 is the embeddings (GPT-2's
+            token + position), layer ``k`` the output of block ``k`` (before the final norm;
+            ``transformers``' last hidden state is after it).
+        attentions: ``(n_layers, B, H, T, T)``, each row a causal map summing to 1 (a
+            padded query's row is all 0: it has no real token to attend to).
+    """
+
+    logits: np.ndarray
+    hidden_states: np.ndarray
+    attentions: np.ndarray
 
 
 class CausalLM(Module):
@@ -41,7 +61,7 @@ class CausalLM(Module):
     #: time for far less memory; the gradients are the same).
     checkpoint_blocks = False
     _positions_name = "context_length"
-    _output_class = None  # what inspect returns: (logits, hidden_states, attentions)
+    _output_class = CausalLMOutput  # what inspect returns
 
     @property
     def dtype(self) -> np.dtype:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnlab._validation import float_dtype, generator
+from attnlab.core._namespace import namespace
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.checks import check_decoder_config
 from attnlab.io.files import CheckpointError
@@ -300,7 +301,8 @@ class Gemma(Llama):
         self.eval()
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        return self.hook_embed(self.tok_emb(ids) * self.embed_scale)
+        e = self.tok_emb(ids)  # another library's arrays take the factor as a Python number (the same value)
+        return self.hook_embed(e * (self.embed_scale if type(e) is np.ndarray else float(self.embed_scale)))
 
     def _embed_backward(self, grad: np.ndarray) -> None:
         self.tok_emb.backward(self.hook_embed.backward(grad) * self.embed_scale)
@@ -323,6 +325,8 @@ class Gemma(Llama):
         cap = self.config.final_logit_softcapping
         if cap is None:
             return logits
+        if type(logits) is not np.ndarray:  # weights of another library (Module.to)
+            return namespace(logits).tanh(logits / cap) * cap
         logits /= cap
         np.tanh(logits, out=logits)
         logits *= cap

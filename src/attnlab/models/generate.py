@@ -20,6 +20,7 @@ vocabulary size, ``D`` model width.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
@@ -27,6 +28,8 @@ import numpy as np
 from attnlab._threads import DECODE_STEPS
 from attnlab._validation import generator, positive_int, shape_error
 from attnlab.core import softmax
+from attnlab.core._namespace import from_host, is_numpy, namespace, to_host
+from attnlab.core.blockwise_xp import matmul_precision
 from attnlab.nn import _context
 from attnlab.nn.attention import KVCache
 
@@ -41,8 +44,10 @@ def check_token_ids(input_ids, vocab_size: int, name: str = "input_ids") -> np.n
     Traceback (most recent call last):
     ...
     ValueError: input_ids holds token id 7, but token ids must lie in [0, 5) (the vocabulary has 5 tokens)
+
+    Ids of another array library (a torch tensor, on any device) are checked on the host: a copy.
     """
-    ids = np.asarray(input_ids)
+    ids = to_host(input_ids)
     if ids.ndim not in (1, 2):
         raise shape_error(name, ids.shape, "(B, T) or (T,)")
     if ids.size == 0 and ids.dtype == np.float64:  # an empty list
@@ -75,7 +80,7 @@ def check_attention_mask(
     """
     if attention_mask is None:
         return None
-    mask = np.asarray(attention_mask)
+    mask = to_host(attention_mask)  # another library's mask (on any device): a host copy
     if mask.shape != tuple(shape):
         raise shape_error("attention_mask", mask.shape, f"{tuple(shape)} (one entry per token, cached "
                           "ones included)")
@@ -120,8 +125,9 @@ def embed_tokens(tok_emb, pos_emb, hook_embed, hook_pos_embed, ids: np.ndarray, 
     TransformerLens's)."""
     x = hook_embed(tok_emb(ids))  # a fresh array (a hook's replacement is copied)
     p = pos_emb(positions)
-    if hook_pos_embed.hooked:
-        p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)))
+    if hook_pos_embed.hooked:  # a copy of the batch's shape (in the tables' library)
+        p = hook_pos_embed(np.ascontiguousarray(np.broadcast_to(p, x.shape)) if type(p) is np.ndarray
+                           else namespace(p).broadcast_to(p, x.shape) * 1)
     x += p
     return x
 
@@ -194,20 +200,32 @@ def decoder_forward(
     # generate() runs each step on one thread where that is faster now (StepThreads).
     positions = position_ids(mask, past, T)
     x = embed(ids, positions)
+    if mask is not None and type(x) is not np.ndarray:  # weights of another library: the mask goes there
+        mask = from_host(mask, x)
     if checkpoint is not None:
         checkpoint.update(mask=mask, positions=positions, inputs=[])
-    for i, block in enumerate(blocks):
-        layer_cache = None if cache is None else cache[i]
-        if checkpoint is not None:
-            checkpoint["inputs"].append((x, [(g, g.bit_generator.state) for g in _generators(block)]))
-        x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
-        if checkpoint is not None:  # only the block's input is kept: the rest is recomputed
-            tape = _context.tape()
-            for _, m in block.named_modules():
-                tape.drop(m)
-    if logits_to_keep is not None:
-        x = x[..., T - logits_to_keep :, :]
-    return head(x)
+    with full_precision(x):
+        for i, block in enumerate(blocks):
+            layer_cache = None if cache is None else cache[i]
+            if checkpoint is not None:
+                checkpoint["inputs"].append((x, [(g, g.bit_generator.state) for g in _generators(block)]))
+            x = block(x, key_padding_mask=mask, cache=layer_cache, positions=positions)
+            if checkpoint is not None:  # only the block's input is kept: the rest is recomputed
+                tape = _context.tape()
+                for _, m in block.named_modules():
+                    tape.drop(m)
+        if logits_to_keep is not None:
+            x = x[..., T - logits_to_keep :, :]
+        return head(x)
+
+
+def full_precision(x):
+    """A context in which a forward pass on ``x`` multiplies at its dtype's full precision:
+    for JAX arrays, whose GPU default is TF32 for float32 products (see
+    :func:`attnlab.core.blockwise_xp.matmul_precision`); nothing for the others."""
+    if type(x) is np.ndarray:
+        return contextlib.nullcontext()
+    return matmul_precision(namespace(x))
 
 
 def decoder_backward(grad_h: np.ndarray, tokens: int, *, blocks: Sequence, embed_backward: Callable,
@@ -282,7 +300,7 @@ def next_token(
     array([1])
     """
     temperature, top_k = _check_sampling(temperature, top_k)
-    logits = np.asarray(logits)
+    logits = to_host(logits)  # another library's logits (on any device): a host copy
     if np.isnan(logits).any() or np.isposinf(logits).any() or not np.isfinite(logits).any(axis=-1).all():
         raise ValueError("logits must be finite (or -inf for a token never to be drawn), with at "
                          "least one finite entry per row: cannot pick the next token from NaN or +inf")
@@ -363,7 +381,9 @@ def generate(
 
     Returns:
         ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=
-        max_new_tokens`` new tokens.
+        max_new_tokens`` new tokens; an array of the prompt's library and device when
+        ``input_ids`` is another library's (a model moved with ``model.to(torch)``), else
+        NumPy. Each step's choice is made on the host from a copy of its last logits.
     """
     run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
                       positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
@@ -376,7 +396,8 @@ def generate(
         out[:, T + n] = token
         n += 1
     out = out[:, : T + n]
-    return out[0] if run.single else out
+    out = out[0] if run.single else out
+    return out if run.like is None else from_host(out, run.like)
 
 
 def generate_stream(
@@ -397,10 +418,11 @@ def generate_stream(
     soon as it is chosen (the first right after the prompt's forward pass).
 
     The arguments are :func:`generate`'s and are checked when this is called, before any
-    token is made. Each item is the step's token of every prompt, ``(B,)`` int64, or an
-    ``int`` for one prompt ``(T,)``. The iterator ends after ``max_new_tokens`` steps, or
-    when every row has produced ``eos_token_id`` (that step included). Stopping early
-    (``break``, Ctrl-C) keeps what was yielded and computes nothing more.
+    token is made. Each item is the step's token of every prompt, ``(B,)`` int64 (NumPy,
+    whatever the prompt's library), or an ``int`` for one prompt ``(T,)``. The iterator ends
+    after ``max_new_tokens`` steps, or when every row has produced ``eos_token_id`` (that
+    step included). Stopping early (``break``, Ctrl-C) keeps what was yielded and computes
+    nothing more.
 
     >>> class Echo:  # a decoder whose next token is always the last token + 1
     ...     def new_cache(self): return []
@@ -432,6 +454,7 @@ class _Generation:
                              f"{T + self.max_new_tokens} positions, but the model has {positions_name}={n_positions}")
         mask = check_attention_mask(attention_mask, ids.shape, left_padded=True)
         self.single = ids.ndim == 1
+        self.like = None if is_numpy(input_ids) else input_ids  # the tokens go back to the prompt's library
         self.rows = ids.astype(np.int64).reshape(-1, T)
         self.mask = None if mask is None else mask.reshape(self.rows.shape)
 
@@ -446,10 +469,11 @@ class _Generation:
         step_ids, mask = self.rows, self.mask
         for n in range(self.max_new_tokens):
             if n == 0:  # the prompt
-                logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+                logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)
             else:  # a decoding step, on the threads that run it fastest now (see StepThreads)
                 with DECODE_STEPS.step():
-                    logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)[:, -1]
+                    logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)
+            logits = to_host(logits)[:, -1]  # (B, V); another library's (on any device): a host copy
             token = next_token(logits, temperature=self.temperature, top_k=self.top_k, rng=self.rng)
             if self.eos is not None:
                 token[finished] = self.eos[0]

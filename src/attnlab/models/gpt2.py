@@ -37,7 +37,7 @@ from attnlab.io import CheckpointError, check_tokenizer, load_tokenizer, read_he
 from attnlab.io.checks import check_sizes, check_special_ids
 from attnlab.io.files import file_kind
 from attnlab.io.names import gpt2_name_map, gpt2_transposed, load_transposed
-from attnlab.models.decoder import CausalLM
+from attnlab.models.decoder import CausalLM, CausalLMOutput
 from attnlab.models.generate import embed_tokens, embed_tokens_backward
 from attnlab.nn import init
 from attnlab.nn.blocks import TransformerBlock
@@ -166,22 +166,9 @@ def unsupported_setting(settings) -> str | None:
     return None
 
 
-@dataclass
-class GPT2Output:
-    """Everything :meth:`GPT2.inspect` records for a batch.
-
-    Attributes:
-        logits: ``(B, T, V)``.
-        hidden_states: ``(n_layer + 1, B, T, D)``: layer 0 is the embeddings (token +
-            position), layer ``k`` the output of block ``k`` (before the final LayerNorm;
-            ``transformers``' last hidden state is after it).
-        attentions: ``(n_layer, B, H, T, T)``, each row a causal map summing to 1 (a
-            padded query's row is all 0: it has no real token to attend to).
-    """
-
-    logits: np.ndarray
-    hidden_states: np.ndarray
-    attentions: np.ndarray
+#: What :meth:`GPT2.inspect` returns: every decoder's
+#: :class:`~attnlab.models.decoder.CausalLMOutput`, under its older name.
+GPT2Output = CausalLMOutput
 
 
 def parameter_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
@@ -292,7 +279,6 @@ class GPT2(CausalLM):
         self.eval()
 
     _positions_name = "n_positions"
-    _output_class = GPT2Output
 
     @staticmethod
     def name_map(config: GPT2Config) -> dict[str, tuple[str, ...]]:

@@ -38,7 +38,6 @@ from attnlab.io.checks import check_decoder_config, check_decoder_tensors
 from attnlab.io.files import CheckpointError, check_tokenizer, load_tokenizer, read_json, read_text, regular_file
 from attnlab.io.safetensors import folder_headers, load_folder
 from attnlab.models.decoder import CausalLM
-from attnlab.models.gpt2 import GPT2Output
 from attnlab.models.registry import FAMILIES as _REGISTRY
 from attnlab.nn import init
 from attnlab.nn.attention import Attention
@@ -338,7 +337,6 @@ class Llama(CausalLM):
     ((1, 3, 50), (1, 7))
     """
 
-    _output_class = GPT2Output
     #: the config class and the weight-name map the loaders use (a subclass's family gives its own)
     config_class = LlamaConfig
     name_map = staticmethod(llama_name_map)
@@ -517,7 +515,7 @@ class Llama(CausalLM):
 
     def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
         # A decoding step with quantized weights and nothing hooked: one compiled call a block.
-        if cache is not None:
+        if cache is not None and self._array_type is None:  # (not for weights moved to another library)
             from attnlab.models._decode_step import decode_step
 
             logits = decode_step(self, input_ids, attention_mask, cache)

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
+from attnlab.core._namespace import to_host
 from attnlab.models.generate import (
     decoder_backward,
     decoder_forward,
@@ -275,7 +276,7 @@ class TinyTransformer(Module):
         return [KVCache() for _ in self.layers]
 
     def _check_ids(self, ids, past: int = 0) -> np.ndarray:
-        ids = np.asarray(ids)
+        ids = to_host(ids)  # another library's ids (on any device): a host copy
         if ids.ndim not in (1, 2):
             raise shape_error("ids", ids.shape, "(B, T) or (T,)")
         T, n = ids.shape[-1], self.config.context_length

@@ -38,7 +38,16 @@ from attnlab.core import (
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
 )
-from attnlab.core._namespace import add_, as_dtype, device, fill_forbidden, is_bool, is_floating, namespace
+from attnlab.core._namespace import (
+    add_,
+    as_dtype,
+    device,
+    fill_forbidden,
+    is_bool,
+    is_floating,
+    namespace,
+    writeable,
+)
 from attnlab.core._reduce import col_sum, row_sum
 from attnlab.core.masks import sliding_window_mask
 from attnlab.core.naive import dropout_mask
@@ -235,6 +244,12 @@ class KVCache:
                     or value.shape[3] != self._value.shape[3]:
                 need = fmt_shape((*have.shape[:2], "S_new", have.shape[3]))
                 raise shape_error("key", key.shape, f"{need} ({have.dtype}) like the cached keys")
+        if type(key) is not np.ndarray and not writeable(key):  # immutable arrays (JAX): grown by concatenation
+            xp = namespace(key)
+            if self._key is not None:
+                key, value = xp.concat([self._key, key], axis=2), xp.concat([self._value, value], axis=2)
+            self._key, self._value, self.length = key, value, self.length + n
+            return key, value
         self._reserve(n, key, value)
         self._key[:, :, self.length : self.length + n, :] = key
         self._value[:, :, self.length : self.length + n, :] = value

@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import numpy as np
 
 from attnlab._validation import fmt_shape
+from attnlab.core._namespace import array_type, device, is_numpy, namespace, writeable
 from attnlab.nn import _context
 from attnlab.nn.module import Module
 
@@ -114,7 +115,7 @@ class HookPoint(Module):
         fwd = bwd = ()
         if h is not None:
             fwd, bwd = h.fwd.get(self, ()), h.bwd.get(self, ())
-        keep = self.training or (h is not None and h.keep)
+        keep = self._array_type is None and (self.training or (h is not None and h.keep))  # moved: keeps nothing
         if not fwd and not bwd:
             if keep:  # nothing for backward: forget what an earlier hooked call kept here
                 tape = _context.existing_tape()
@@ -171,10 +172,30 @@ def _replacement(out, x, name: str, what: str = "activation") -> np.ndarray:
     if not hasattr(out, "shape") or not hasattr(out, "dtype"):
         raise TypeError(f"the {kind} on {name!r} returned {type(out).__name__}: a hook returns None "
                         f"(read only) or an array {fmt_shape(x.shape)} of dtype {x.dtype}")
+    if (type(x) is np.ndarray) != is_numpy(out) or not (type(x) is np.ndarray or _same_place(out, x)):
+        where = "" if type(x) is np.ndarray else f" on {device(x)}"
+        raise TypeError(f"the {kind} on {name!r} returned {array_type(out)}, but the {what} is "
+                        f"{array_type(x)}{where}: return an array of the {what}'s library and device "
+                        "(e.g. built with its namespace, like zeros_like)")
     if tuple(out.shape) != tuple(x.shape) or out.dtype != x.dtype:
         raise ValueError(f"the {kind} on {name!r} returned an array {fmt_shape(tuple(out.shape))} of dtype "
                          f"{out.dtype}, but the {what} is {fmt_shape(tuple(x.shape))} of dtype {x.dtype}")
-    return np.array(out, copy=True) if isinstance(out, np.ndarray) else out
+    return _copy(out)
+
+
+def _same_place(a, b) -> bool:
+    """Whether the arrays ``a`` and ``b`` are of one library, on one device."""
+    try:
+        return namespace(a, b) is not np and device(a) == device(b)
+    except TypeError:
+        return False
+
+
+def _copy(x):
+    """A fresh copy of the array ``x`` (an immutable JAX array is itself)."""
+    if isinstance(x, np.ndarray):
+        return np.array(x, copy=True)
+    return namespace(x).asarray(x, copy=True) if writeable(x) else x
 
 
 def hook_points(module: Module, prefix: str = "") -> Iterator[tuple[str, HookPoint]]:
@@ -260,7 +281,9 @@ def hooks(module: Module, fwd_hooks=(), bwd_hooks=(), *, keep: bool = False) -> 
 
 class ActivationCache(Mapping):
     """Activations recorded by :meth:`~attnlab.nn.Module.run_with_cache`: a read-only
-    mapping from hook name to a NumPy array (a copy, not writeable), in forward order.
+    mapping from hook name to a copy of the activation (a NumPy array, not writeable; an
+    array of the weights' library and device for a model moved with
+    :meth:`~attnlab.nn.Module.to`), in forward order.
 
     ``cache["blocks.0.attn.hook_pattern"]`` is ``(B, H, T, T)``; a missing name raises a
     ``KeyError`` naming the closest recorded ones.
@@ -295,8 +318,9 @@ class ActivationCache(Mapping):
 
 def _recorder(store: dict, suffix: str = "") -> HookFn:
     def record(x, name):
-        a = np.array(x, copy=True)  # later in-place updates must not reach the cache
-        a.flags.writeable = False
+        a = _copy(x)  # later in-place updates must not reach the cache
+        if isinstance(a, np.ndarray):
+            a.flags.writeable = False
         store[name + suffix] = a
 
     record.reads_only = True  # changes nothing: the hook point need not watch for writes
@@ -314,12 +338,17 @@ def run_with_cache(module: Module, *args, names_filter=None, incl_bwd: bool = Fa
         ValueError: ``incl_bwd=True`` without ``grad_out``, or ``grad_out`` without
             ``incl_bwd=True``; the errors of ``module.backward`` (``grad_out`` of the
             wrong shape or dtype, quantized weights).
+        TypeError: ``incl_bwd=True`` on a module moved to another array library.
     """
     if incl_bwd and grad_out is None:
         raise ValueError("incl_bwd=True needs grad_out, the gradient of the loss with respect to the output "
                          "(e.g. of the logits (B, T, V) of a decoder): attnlab runs backward(grad_out) itself")
     if grad_out is not None and not incl_bwd:
         raise ValueError("grad_out is read only with incl_bwd=True (the gradients are then cached too)")
+    if incl_bwd and module._array_type is not None:
+        raise TypeError(f"run_with_cache(incl_bwd=True) runs a backward pass, which attnlab computes on NumPy "
+                        f"arrays, but {type(module).__name__}'s weights are {module._array_type}: call .to(np) "
+                        "first (or train in torch: attnlab.interop.to_torch)")
     points = dict(hook_points(module))
     known = list(points)
     keep = _check_name_filter(names_filter, known)
@@ -368,8 +397,9 @@ def record_layers(model: Module, run: Callable[[], object], *, maps: bool = True
     pattern = [f"blocks.{i}.attn.hook_pattern" for i in range(len(blocks))] if maps else []
     with hooks(model, [(n, keep) for n in names + pattern]):
         out = run()
-    hidden = np.stack([store[n] for n in names])
-    weights = np.stack([store[n] for n in pattern]) if maps else None
+    xp = namespace(store[names[0]])  # a model moved to another library (Module.to) records in that library
+    hidden = xp.stack([store[n] for n in names])
+    weights = xp.stack([store[n] for n in pattern]) if maps else None
     if weights is not None and hidden.ndim == 3:  # one unbatched sequence: (n, H, T, S)
         weights = weights[:, 0]
     return out, hidden, weights

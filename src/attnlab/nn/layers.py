@@ -15,7 +15,7 @@ import numpy as np
 
 from attnlab._threads import matmul
 from attnlab._validation import float_dtype, generator, positive_int, probability
-from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace
+from attnlab.core._namespace import array_type, as_dtype, device, from_host, is_numpy, namespace, to_host
 from attnlab.core._reduce import col_sum
 from attnlab.nn import _context, init
 from attnlab.nn import functional as F
@@ -465,8 +465,8 @@ class RotaryEmbedding(Module):
         return self.config.rotary_dim
 
     def cos_sin(self, positions: np.ndarray, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
-        """``(cos, sin)`` ``(..., L, R)`` for integer ``positions`` ``(L,)`` or ``(N, L)``."""
-        positions = np.asarray(positions)
+        """``(cos, sin)`` ``(..., L, R)`` (NumPy) for integer ``positions`` ``(L,)`` or ``(N, L)``."""
+        positions = to_host(positions)
         if not np.issubdtype(positions.dtype, np.integer):
             raise TypeError(f"positions must be an integer array, got dtype {positions.dtype}")
         if positions.ndim not in (1, 2):
@@ -492,14 +492,18 @@ class RotaryEmbedding(Module):
             if np.ndim(x) not in (3, 4) or np.shape(x)[-1] != self.head_dim:
                 raise shape_error(name, np.shape(x), f"(N, heads, L, {self.head_dim}) or (heads, L, {self.head_dim})")
         L = q.shape[-2]
-        positions = np.asarray(positions)
+        positions = to_host(positions)  # the angles are computed on the host (transformers' float32 products)
         if positions.shape[-1:] != (L,) or positions.ndim not in (1, 2) or (
                 positions.ndim == 2 and (q.ndim != 4 or positions.shape[0] not in (1, q.shape[0]))):
             need = f"({L},)" if q.ndim == 3 else f"({L},) or ({q.shape[0]}, {L})"
             raise shape_error("positions", positions.shape, need)
-        cos, sin = self.cos_sin(positions, q.dtype)
+        numpy = isinstance(q, np.ndarray)
+        host = q.dtype if numpy else np.float64 if q.dtype == namespace(q).float64 else np.float32
+        cos, sin = self.cos_sin(positions, host)
         if cos.ndim == 3:  # (N, L, R) -> (N, 1, L, R): one rotation for every head
             cos, sin = cos[:, None], sin[:, None]
+        if not numpy:  # another library's heads: the rows they need, moved to their device and dtype
+            cos, sin = as_dtype(from_host(cos, q), q.dtype), as_dtype(from_host(sin, q), q.dtype)
         self._save(cos=cos, sin=sin)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

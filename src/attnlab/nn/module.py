@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Mapping
 import numpy as np
 
 from attnlab._validation import fmt_shape
-from attnlab.core._namespace import array_type, is_numpy, namespace
+from attnlab.core._namespace import array_type, is_numpy, namespace, to_host
 from attnlab.core._namespace import device as device_of
 from attnlab.nn import _context
 from attnlab.quant import is_quantized
@@ -117,23 +117,6 @@ class Parameter:
     def __repr__(self) -> str:
         frozen = "" if self.requires_grad else ", requires_grad=False"
         return f"Parameter(shape={self.data.shape}, dtype={self.data.dtype}{frozen})"
-
-
-def to_host(x) -> np.ndarray:
-    """``x`` as a NumPy array: itself if it is one, else a copy on the host (from any device).
-
-    >>> to_host(np.arange(3))
-    array([0, 1, 2])
-    """
-    if isinstance(x, np.ndarray):
-        return x
-    if is_numpy(x):
-        return np.asarray(x)
-    if array_type(x) == "array_api_strict.Array":  # its host device is called CPU_DEVICE
-        return np.asarray(x.to_device(type(x.device)("CPU_DEVICE")))
-    import array_api_compat
-
-    return np.asarray(array_api_compat.to_device(x, "cpu"))
 
 
 # What the layers' forward passes call in another library's namespace beyond the core's own
@@ -301,9 +284,14 @@ class Module:
         After ``layer.to(torch)`` the forward pass takes torch tensors and returns torch
         tensors of the weights' dtype, computed in torch through the core's namespace path;
         ``layer.to(np)`` brings the weights back. Inputs must then come from the weights'
-        library and device (integer ids may be NumPy: they are moved). Backward passes stay
-        NumPy-only: calling one after a forward in another library raises a ``TypeError``
-        (to train in torch, export the model with :func:`attnlab.interop.to_torch`).
+        library and device (integer ids may be NumPy: they are moved; a model's ``input_ids``
+        and ``attention_mask`` may be of either library).
+
+        A moved module runs forward passes only. It keeps nothing for a backward pass (in
+        training mode too, where dropout still drops), and its ``backward``, as
+        ``run_with_cache(incl_bwd=True)``, raises a ``TypeError`` that says to call
+        ``.to(np)`` first (or to train in torch: :func:`attnlab.interop.to_torch`). Weights
+        kept quantized cannot move: ``to`` refuses them before anything moves.
 
         Args:
             target: where the weights go:
@@ -321,8 +309,9 @@ class Module:
         returns NumPy arrays (copied to the host), so checkpoints read and write as before.
 
         Raises:
-            TypeError: a ``target`` that is none of the above, or a library whose namespace
-                lacks a function attnlab computes with (the message names the array type).
+            TypeError: a ``target`` that is none of the above, a library whose namespace
+                lacks a function attnlab computes with (the message names the array type),
+                or weights kept quantized (named; load the model dequantized).
             ValueError: a NumPy layer sent to a device other than ``"cpu"``.
 
         >>> import numpy as np, torch
@@ -353,12 +342,26 @@ class Module:
                 f"NumPy arrays live on the host, not on device {dev!r}: name the library too, "
                 f"e.g. layer.to(torch, device={str(dev)!r})"
             )
-        convert = _converter(xp, dev)
         kind = None if xp is np else array_type(xp.empty(0))  # what backward refuses
+        if kind is not None:
+            self._check_movable(kind)
+        convert = _converter(xp, dev)
         for _, m in self.named_modules():
             m._apply(convert)
             object.__setattr__(m, "_array_type", kind)
         return self
+
+    def _check_movable(self, kind: str) -> None:
+        """A ``TypeError`` before anything moves when a weight cannot go to another library:
+        a weight kept quantized, which only attnlab's NumPy kernels multiply by."""
+        quantized = [(name, p.data.kind) for name, p in self.named_parameters() if is_quantized(p.data)]
+        if quantized:
+            (name, q), more = quantized[0], len(quantized) - 1
+            others = f" and {more} more weights" if more else ""
+            raise TypeError(
+                f"{type(self).__name__}.to(): {name}{others} are kept quantized ({q}), and quantized weights "
+                f"compute only in attnlab's NumPy kernels, not on {kind}: load the model dequantized "
+                "(load_smollm2() or from_pretrained(path) without quantized=True), then move it")
 
     def _apply(self, convert: Callable) -> None:
         """Replace this module's own arrays by ``convert(array)`` (the parameters; a
@@ -409,7 +412,10 @@ class Module:
     def _keeping(self) -> bool:
         """Whether this call keeps what backward needs: training mode, or a call that keeps
         its tape in any mode (``run_with_cache(incl_bwd=True)``). Eval-mode shortcuts that
-        overwrite inputs or skip intermediates check this."""
+        overwrite inputs or skip intermediates check this. A module whose weights
+        :meth:`to` moved to another library keeps nothing (its backward passes refuse)."""
+        if self._array_type is not None:
+            return False
         if self.training:
             return True
         h = _hooks_now()
@@ -492,7 +498,8 @@ class Module:
         return np.dtype(np.float32)
 
     def _saved(self) -> dict:
-        cache = _context.tape().pop(self, missing=self._missing(), freed=self._freed())
+        cache = {} if self._array_type is not None else \
+            _context.tape().pop(self, missing=self._missing(), freed=self._freed())
         if self._array_type is not None or not is_numpy(*cache.values()):
             kind = self._array_type or next(array_type(v) for v in cache.values() if not is_numpy(v))
             raise TypeError(
@@ -570,8 +577,8 @@ class Module:
 def _converter(xp, dev) -> Callable:
     """``array -> array`` in namespace ``xp`` on device ``dev`` (``None``: the library's
     default, or where the array already is in that library); unchanged if already there."""
-    if xp is np:
-        return to_host
+    if xp is np:  # weights kept quantized are NumPy's already
+        return lambda a: a if is_quantized(a) else to_host(a)
 
     def convert(a):
         if not isinstance(a, np.ndarray) and namespace(a) is xp:
