@@ -409,6 +409,15 @@ class Llama(CausalLM):
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise CheckpointError(f"{where}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        split = {}  # a tensor split into parameters: how many rows the parts take
+        for t in (t for src in name_map.values() for t in src):
+            tensor, rows = _source(t)
+            if rows is not None:
+                split[tensor] = split.get(tensor, 0) + rows.stop - rows.start
+        for tensor, n in split.items():
+            if np.shape(weights[tensor])[:1] != (n,):
+                raise CheckpointError(f"{where}: tensor {tensor} has shape {tuple(np.shape(weights[tensor]))}, but "
+                                      f"this config's parameters take {n} rows of it")
         weights = {t: _rows(weights, t, where) for src in name_map.values() for t in src}
         for ours, src in name_map.items():
             need = own[ours]
