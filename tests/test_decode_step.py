@@ -1,7 +1,7 @@
-"""The compiled decoding step of a Llama-family model with quantized weights
-(:mod:`attnlab.models._decode_step`): it must give the modules' logits, fill the cache as
-they do, and stand aside whenever something (a hook, the float32 weights, numba turned
-off) needs the modules."""
+"""The compiled decoding step of a block with quantized weights (each
+:class:`~attnlab.nn.TransformerBlock` runs :mod:`attnlab._decode_kernels` on one new token):
+it must give the modules' logits, fill the cache as they do, and stand aside whenever
+something (a hook, the float32 weights, numba turned off) needs the modules."""
 
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ def quantized_llama(kind: str, seed: int = 0, **config) -> Llama:
 
 
 def modules_only(model):
-    """A hook that reads and changes nothing: the modules run (the compiled step stands aside)."""
-    return model.hooks([("blocks.0.hook_resid_pre", lambda x, name: None)])
+    """A hook on every block that reads and changes nothing: the modules run (each block's
+    compiled step stands aside for a hook on its own points)."""
+    return model.hooks([(f"blocks.{i}.hook_resid_pre", lambda x, name: None) for i in range(len(model.layers))])
 
 
 @pytest.fixture
@@ -111,13 +112,20 @@ def test_a_left_padded_batch_generates_the_modules_tokens(calls):
 
 
 def test_the_modules_run_when_a_hook_is_attached(calls):
+    """A hook on one block's point runs that block through its modules; the other blocks
+    stay compiled, and the tokens are the same."""
     model = quantized_llama("Q8_0")
     seen = []
     with model.hooks([("blocks.1.mlp.hook_post", lambda x, name: seen.append(x.shape))]):
-        model.generate(np.array([[1, 2, 3]]), 4)
-    assert calls == [] and seen == [(1, 3, 128)] + [(1, 1, 128)] * 3
-    model.generate(np.array([[1, 2, 3]]), 4)
-    assert len(calls) == 3 * 2  # detached: compiled again
+        hooked = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 and seen == [(1, 3, 128)] + [(1, 1, 128)] * 3  # block 0 only
+    with model.hooks([("hook_embed", lambda x, name: seen.append(x.shape))]):
+        embedded = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 + 3 * 2 and seen[-1] == (1, 1, 64)  # the embedding's hook: every block compiled
+    plain = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 + 3 * 2 * 2  # detached: compiled again
+    np.testing.assert_array_equal(hooked, plain)
+    np.testing.assert_array_equal(embedded, plain)
 
 
 def test_float32_weights_and_numba_turned_off_take_the_modules(calls):
