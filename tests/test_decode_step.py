@@ -25,13 +25,14 @@ CONFIGS = {
 }
 
 
-def quantized_llama(kind: str, seed: int = 0, **config) -> Llama:
-    """A 2-block Llama whose block weights are ``kind``, with norm weights and biases moved
-    away from their start values (so a step that skipped one would be caught)."""
-    cfg = LlamaConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-                         **config})
-    model = Llama(cfg, rng=np.random.default_rng(seed))
+def quantized_llama(kind: str, seed: int = 0, family=Llama, config_class=LlamaConfig, **config) -> Llama:
+    """A 2-block Llama (or ``family``) whose block weights are ``kind``, with norm weights
+    and biases moved away from their start values (so a step that skipped one would be
+    caught)."""
+    cfg = config_class(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                          **config})
+    model = family(cfg, rng=np.random.default_rng(seed))
     rng = np.random.default_rng(seed + 1)
     for name, p in model.named_parameters():
         if p.data.ndim == 1:
@@ -88,6 +89,34 @@ def test_steps_give_the_modules_logits_and_cache(kind, config, calls):
         k_a, v_a = a._key[:, :, :13], a._value[:, :, :13]
         np.testing.assert_allclose(k_a, b._key[:, :, :13], rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(v_a, b._value[:, :, :13], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("config", [
+    dict(sliding_windows=(3, None), attn_logit_softcapping=4.0, query_pre_attn_scalar=24),  # Gemma 2
+    dict(sliding_windows=(3, None), qk_norm=True, local_rope_theta=100.0, hidden_act="gelu"),  # Gemma 3
+])
+def test_gemma_blocks_give_the_modules_logits(kind, config, calls):
+    """The block's other slots (sandwich and unit-offset norms, soft-capped scores, GELU,
+    a scale of its own, local and global rotary) reach the compiled step through the
+    blocks' records: a left-padded batch's steps equal the modules'."""
+    from attnlab.models.gemma import Gemma, GemmaConfig
+
+    model = quantized_llama(kind, family=Gemma, config_class=GemmaConfig, head_dim=16, **config)
+    ids = np.array([[0, 0, 5, 9, 77, 3], [20, 8, 1, 2, 3, 4]])
+    mask = (np.arange(6) >= np.array([[2], [0]])).astype(np.int64)
+    fast, slow = model.new_cache(), model.new_cache()
+    model(ids, mask, cache=fast)
+    model(ids, mask, cache=slow)
+    nxt = np.array([[7], [11]])
+    for step in range(6):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        got = model(nxt, mask, cache=fast)
+        with modules_only(model):
+            want = model(nxt, mask, cache=slow)
+        assert _close(got, want), (step, float(np.abs(got - want).max()))
+        nxt = want[:, -1:].argmax(-1)
+    assert len(calls) == 6 * 2
 
 
 def test_a_left_padded_batch_generates_the_modules_tokens(calls):
