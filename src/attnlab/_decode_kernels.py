@@ -15,16 +15,16 @@ by the module that owns them (plain tuples, which numba types quickly; the names
 the fields in order):
 
 - a product (:func:`attnlab.quant.product_record`): ``(codes, scales, mins, kind, bias)``,
-  ``kind`` 0 ``Q8_0``, 1 ``Q4_0``, 2 ``Q4_1``, ``bias`` empty for none;
+  ``kind`` 0 ``Q8_0``, 1 ``Q4_0``, 2 ``Q4_1``, ``bias`` None for none;
 - a norm (:meth:`attnlab.nn.RMSNorm.decode_record`): ``(weight (D,), eps, offset)``, scaling
-  by ``weight + offset`` (1 with a unit offset), ``weight`` empty for no norm;
+  by ``weight + offset`` (1 with a unit offset); None where a block has no such norm;
 - the attention (:meth:`attnlab.nn.Attention.decode_record`): ``(qkv, out, q_norm, k_norm,
   num_heads, num_kv_heads, head_dim, scale, softcap)``, two products, two norms (QK-norm of
-  each head, or none), ``softcap`` 0 for none;
+  each head, or None), ``softcap`` 0 for none;
 - the feed-forward network (:meth:`attnlab.nn.GatedFeedForward.decode_record`): ``(gate,
   up, down, activation)``, activation 0 SiLU, 1 GELU (tanh), 2 GELU (erf), 3 ReLU;
 - the block (:meth:`attnlab.nn.TransformerBlock.decode_record`): ``(ln_1, attention,
-  ln_1_post, ln_2, feed_forward, ln_2_post)``, the sandwich norms empty for none;
+  ln_1_post, ln_2, feed_forward, ln_2_post)``, the sandwich norms None for none;
 - the rows of one call (:meth:`attnlab.nn.Attention.decode_rows`): ``(cos, sin, keys,
   values, slot, start, key_mask)``.
 
@@ -33,7 +33,8 @@ Axes: ``N`` rows (sequences), ``D`` model width, ``Hq``/``Hkv`` query and key/va
 ``F`` the feed-forward width.
 
 Each step computes what the module path computes, in the same order, to float32 round-off
-(the norms' mean of squares and the softmax's sum are accumulated in float64).
+(the norms' mean of squares and the softmax's sum are accumulated in float64). An absent
+slot is None, which numba compiles away (and which costs the call nothing to pass).
 """
 
 from __future__ import annotations
@@ -58,7 +59,13 @@ def _product(weight, x, out):
         q8_0_matvec(codes, scales, x, out)
     else:
         q4_matvec(codes, scales, mins, x, out, kind == 2)
-    if bias.shape[0]:
+    _add_bias(out, bias)
+
+
+@nb.njit(**_JIT)
+def _add_bias(out, bias):
+    """``out (N, R) += bias (R,)``; None is no bias (compiled away)."""
+    if bias is not None:
         for n in range(out.shape[0]):
             out[n] += bias
 
@@ -163,13 +170,11 @@ def _attention(x, attn, rows, qkv, z, out):
     for n in range(x.shape[0]):
         for hh in range(n_heads):
             q = qkv[n:n + 1, hh * Dh: (hh + 1) * Dh]
-            if q_norm[0].shape[0]:
-                _rms_norm(q, q_norm, q)
+            _norm_in_place(q, q_norm)
             _rotate(q[0], cos[n], sin[n])
         for g in range(n_kv):
             k = qkv[n:n + 1, Dq + g * Dh: Dq + (g + 1) * Dh]
-            if k_norm[0].shape[0]:
-                _rms_norm(k, k_norm, k)
+            _norm_in_place(k, k_norm)
             _rotate(k[0], cos[n], sin[n])
             keys[n, g, slot] = k[0]
             values[n, g, slot] = qkv[n, Dq + Dkv + g * Dh: Dq + Dkv + (g + 1) * Dh]
@@ -178,10 +183,16 @@ def _attention(x, attn, rows, qkv, z, out):
 
 
 @nb.njit(**_JIT)
+def _norm_in_place(x, norm):
+    """``x = norm(x)``; None is no norm (compiled away)."""
+    if norm is not None:
+        _rms_norm(x, norm, x)
+
+
+@nb.njit(**_JIT)
 def _add_normed(h, y, norm):
-    """``h += norm(y)`` (``y`` itself for an empty norm), ``y`` overwritten."""
-    if norm[0].shape[0]:
-        _rms_norm(y, norm, y)
+    """``h += norm(y)`` (``y`` itself for no norm, None), ``y`` overwritten."""
+    _norm_in_place(y, norm)
     h += y
 
 

@@ -51,9 +51,7 @@ from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
 from attnlab.quant import product_record
 
-#: records of the compiled decoding step (attnlab._decode_kernels): no norm; every key
-NO_NORM = (np.empty(0, dtype=np.float32), np.float32(0.0), np.float32(0.0))
-_NO_KEY_MASK = np.ones((0, 0), dtype=np.bool_)
+_NO_KEY_MASK = np.ones((0, 0), dtype=np.bool_)  # the compiled decoding step's: every key
 
 
 # Array operations whose NumPy spelling is not the Array API's (the layers' weights may be
@@ -821,7 +819,7 @@ class Attention(Module):
         self-attention with one fused in-projection and an out-projection kept quantized
         (:func:`attnlab.quant.product_record`; biases included), a rotary slot that gives
         its rotation (:meth:`~attnlab.nn.RotaryEmbedding.decode_rows`), QK-norms that give
-        their record (:meth:`~attnlab.nn.RMSNorm.decode_record`; empty for none), any
+        their record (:meth:`~attnlab.nn.RMSNorm.decode_record`; None for none), any
         ``scale``, soft-cap (0 for none), grouped-query heads and sliding window
         (:meth:`decode_rows`); not dropout, adapters, another ``attention_fn`` or a
         subclass."""
@@ -836,9 +834,10 @@ class Attention(Module):
             return None
         qkv = product_record(w, None if b is None else b.data)
         out = o.decode_record() if type(o) is Linear else None
-        norms = [NO_NORM if n is None else n.decode_record() if getattr(n, "normalized_shape", None) == D
-                 and hasattr(n, "decode_record") else None for n in (self.q_norm, self.k_norm)]
-        if qkv is None or out is None or None in norms:
+        norms = [None if n is None else n.decode_record() if getattr(n, "normalized_shape", None) == D
+                 and hasattr(n, "decode_record") else False for n in (self.q_norm, self.k_norm)]
+        if qkv is None or out is None or any(r is None and n is not None or r is False
+                                             for n, r in zip((self.q_norm, self.k_norm), norms, strict=True)):
             return None
         scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale  # as the core's default
         return (qkv, out, *norms, H, Hkv, D, np.float32(scale), np.float32(self.softcap or 0.0))

@@ -10,12 +10,14 @@ always :class:`~attnlab.nn.Attention`, so its ``attention_fn``, its maps, its ho
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from attnlab._validation import generator, probability, shape_error
 from attnlab.nn import functional as F
 from attnlab.nn._context import may_fuse
-from attnlab.nn.attention import NO_NORM, Attention, KVCache
+from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
 from attnlab.nn.linear import Linear
@@ -258,7 +260,7 @@ class TransformerBlock(Module):
         ``(ln_1, attention, ln_1_post, ln_2, feed_forward, ln_2_post)``, each part's own
         record (``decode_record`` of :class:`~attnlab.nn.RMSNorm`,
         :class:`~attnlab.nn.Attention` and :class:`GatedFeedForward`; an absent sandwich
-        norm is none), or None where the step cannot compute the block: post-norm, not
+        norm is None), or None where the step cannot compute the block: post-norm, not
         causal, dropout after the attention, a part that gives no record, a part of another
         width, a subclass, or a parameter that no record reads (one the step would leave
         out)."""
@@ -268,9 +270,9 @@ class TransformerBlock(Module):
         parts = (self.ln_1, self.attn, self.ln_1_post, self.ln_2, self.mlp, self.ln_2_post)
         if any(getattr(m, "normalized_shape", E) != E for m in parts) or getattr(self.mlp, "d_model", None) != E:
             return None
-        record = tuple(NO_NORM if m is None else m.decode_record() if hasattr(m, "decode_record") else None
+        record = tuple(None if m is None else m.decode_record() if hasattr(m, "decode_record") else False
                        for m in parts)
-        if None in record:
+        if any(r is False or r is None and m is not None for m, r in zip(parts, record, strict=True)):
             return None
         read = {id(a) for a in _leaves(record)}
         if any(id(p.data.codes if is_quantized(p.data) else p.data) not in read for p in self.parameters()):
@@ -295,18 +297,21 @@ class TransformerBlock(Module):
             plan = _DecodePlan(self)
             object.__setattr__(self, "_decode_plan", plan)
         N, _, D = x.shape
-        if plan.record is None or D != plan.widths[0] or not may_fuse(self.training, plan.points) \
-                or _kernels() is None:
+        kernels = None if plan.record is None or D != plan.widths[0] or not may_fuse(self.training, plan.points) \
+            else _step_kernels()
+        if kernels is None:
             return None
         rows = self.attn.decode_rows(N, key_padding_mask, cache, positions)
         if rows is None:
             return None
-        from attnlab import _decode_kernels
-
-        h = np.array(x.reshape(N, D), order="C")  # the residual, updated in place: x stays as it was
-        scratch = tuple(np.empty((N, w), np.float32) for w in plan.widths)
+        h = x.reshape(N, D).copy()  # the residual, updated in place: x stays as it was
+        key = (N, plan.widths)
+        scratch = _SCRATCH.__dict__.get(key)  # this thread's, shared by the blocks of one width
+        if scratch is None:
+            scratch = tuple(np.empty((N, w), np.float32) for w in plan.widths)
+            _SCRATCH.__dict__[key] = scratch
         _set_threads()
-        _decode_kernels.decode_layer(h, plan.record, rows, scratch)
+        kernels.decode_layer(h, plan.record, rows, scratch)
         return h.reshape(N, 1, D)
 
     def forward_with_weights(
@@ -429,6 +434,19 @@ class _DecodePlan:
 
     def current(self, block: TransformerBlock) -> bool:
         return self.version == structure_version() and all(p.data is d for p, d in self.datas)
+
+
+_SCRATCH = threading.local()  # the compiled step's scratch arrays, per thread, by (rows, widths)
+
+
+def _step_kernels():
+    """:mod:`attnlab._decode_kernels` (imported on first use: it imports numba), or None
+    where the compiled kernels are not there or turned off (:func:`attnlab.quant._kernels`)."""
+    if _kernels() is None:
+        return None
+    from attnlab import _decode_kernels
+
+    return _decode_kernels
 
 
 def _leaves(record):

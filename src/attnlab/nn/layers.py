@@ -438,6 +438,9 @@ class SiLU(Module):
         return F.silu_backward(grad_output, self._saved()["x"])
 
 
+_LAST_DECODE_ROWS: list = [None]  # RotaryEmbedding.decode_rows's last (key, config, (cos, sin))
+
+
 class RotaryEmbedding(Module):
     """Rotary position embedding for an attention layer's position slot (Hugging Face's
     split-halves convention; see :mod:`attnlab.core.rotary` for the math and the scalings).
@@ -516,10 +519,18 @@ class RotaryEmbedding(Module):
         if type(self) is not RotaryEmbedding or type(positions) is not np.ndarray \
                 or positions.shape not in ((1,), (n, 1)) or positions.dtype.kind not in "iu":
             return None
+        # Every block of a step asks for the same rotation: the last one is kept (read only
+        # by the step), for the rotary parameters and positions it was computed from.
+        key = (positions.tobytes(), positions.dtype.char, n)
+        last = _LAST_DECODE_ROWS[0]
+        if last is not None and last[0] == key and (last[1] is self.config or last[1] == self.config):
+            return last[2]
         cos, sin = self.cos_sin(positions.reshape(-1))
         if cos.shape[0] != n:
             cos, sin = np.repeat(cos, n, axis=0), np.repeat(sin, n, axis=0)
-        return np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+        rows = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+        _LAST_DECODE_ROWS[0] = (key, self.config, rows)
+        return rows
 
     def forward(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for name, x in (("q", q), ("k", k)):
