@@ -1,7 +1,7 @@
-"""The compiled decoding step of a Llama-family model with quantized weights
-(:mod:`attnlab.models._decode_step`): it must give the modules' logits, fill the cache as
-they do, and stand aside whenever something (a hook, the float32 weights, numba turned
-off) needs the modules."""
+"""The compiled decoding step of a block with quantized weights (each
+:class:`~attnlab.nn.TransformerBlock` runs :mod:`attnlab._decode_kernels` on one new token):
+it must give the modules' logits, fill the cache as they do, and stand aside whenever
+something (a hook, the float32 weights, numba turned off) needs the modules."""
 
 from __future__ import annotations
 
@@ -25,13 +25,14 @@ CONFIGS = {
 }
 
 
-def quantized_llama(kind: str, seed: int = 0, **config) -> Llama:
-    """A 2-block Llama whose block weights are ``kind``, with norm weights and biases moved
-    away from their start values (so a step that skipped one would be caught)."""
-    cfg = LlamaConfig(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-                         **config})
-    model = Llama(cfg, rng=np.random.default_rng(seed))
+def quantized_llama(kind: str, seed: int = 0, family=Llama, config_class=LlamaConfig, **config) -> Llama:
+    """A 2-block Llama (or ``family``) whose block weights are ``kind``, with norm weights
+    and biases moved away from their start values (so a step that skipped one would be
+    caught)."""
+    cfg = config_class(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                          **config})
+    model = family(cfg, rng=np.random.default_rng(seed))
     rng = np.random.default_rng(seed + 1)
     for name, p in model.named_parameters():
         if p.data.ndim == 1:
@@ -43,8 +44,9 @@ def quantized_llama(kind: str, seed: int = 0, **config) -> Llama:
 
 
 def modules_only(model):
-    """A hook that reads and changes nothing: the modules run (the compiled step stands aside)."""
-    return model.hooks([("blocks.0.hook_resid_pre", lambda x, name: None)])
+    """A hook on every block that reads and changes nothing: the modules run (each block's
+    compiled step stands aside for a hook on its own points)."""
+    return model.hooks([(f"blocks.{i}.hook_resid_pre", lambda x, name: None) for i in range(len(model.layers))])
 
 
 @pytest.fixture
@@ -89,6 +91,34 @@ def test_steps_give_the_modules_logits_and_cache(kind, config, calls):
         np.testing.assert_allclose(v_a, b._value[:, :, :13], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("config", [
+    dict(sliding_windows=(3, None), attn_logit_softcapping=4.0, query_pre_attn_scalar=24),  # Gemma 2
+    dict(sliding_windows=(3, None), qk_norm=True, local_rope_theta=100.0, hidden_act="gelu"),  # Gemma 3
+])
+def test_gemma_blocks_give_the_modules_logits(kind, config, calls):
+    """The block's other slots (sandwich and unit-offset norms, soft-capped scores, GELU,
+    a scale of its own, local and global rotary) reach the compiled step through the
+    blocks' records: a left-padded batch's steps equal the modules'."""
+    from attnlab.models.gemma import Gemma, GemmaConfig
+
+    model = quantized_llama(kind, family=Gemma, config_class=GemmaConfig, head_dim=16, **config)
+    ids = np.array([[0, 0, 5, 9, 77, 3], [20, 8, 1, 2, 3, 4]])
+    mask = (np.arange(6) >= np.array([[2], [0]])).astype(np.int64)
+    fast, slow = model.new_cache(), model.new_cache()
+    model(ids, mask, cache=fast)
+    model(ids, mask, cache=slow)
+    nxt = np.array([[7], [11]])
+    for step in range(6):
+        mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+        got = model(nxt, mask, cache=fast)
+        with modules_only(model):
+            want = model(nxt, mask, cache=slow)
+        assert _close(got, want), (step, float(np.abs(got - want).max()))
+        nxt = want[:, -1:].argmax(-1)
+    assert len(calls) == 6 * 2
+
+
 def test_a_left_padded_batch_generates_the_modules_tokens(calls):
     model = quantized_llama("Q4_1", num_key_value_heads=1)
     ids = np.array([[0, 0, 0, 7, 8, 9], [1, 2, 3, 4, 5, 6], [0, 11, 12, 13, 14, 15]])
@@ -111,13 +141,20 @@ def test_a_left_padded_batch_generates_the_modules_tokens(calls):
 
 
 def test_the_modules_run_when_a_hook_is_attached(calls):
+    """A hook on one block's point runs that block through its modules; the other blocks
+    stay compiled, and the tokens are the same."""
     model = quantized_llama("Q8_0")
     seen = []
     with model.hooks([("blocks.1.mlp.hook_post", lambda x, name: seen.append(x.shape))]):
-        model.generate(np.array([[1, 2, 3]]), 4)
-    assert calls == [] and seen == [(1, 3, 128)] + [(1, 1, 128)] * 3
-    model.generate(np.array([[1, 2, 3]]), 4)
-    assert len(calls) == 3 * 2  # detached: compiled again
+        hooked = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 and seen == [(1, 3, 128)] + [(1, 1, 128)] * 3  # block 0 only
+    with model.hooks([("hook_embed", lambda x, name: seen.append(x.shape))]):
+        embedded = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 + 3 * 2 and seen[-1] == (1, 1, 64)  # the embedding's hook: every block compiled
+    plain = model.generate(np.array([[1, 2, 3]]), 4)
+    assert len(calls) == 3 + 3 * 2 * 2  # detached: compiled again
+    np.testing.assert_array_equal(hooked, plain)
+    np.testing.assert_array_equal(embedded, plain)
 
 
 def test_float32_weights_and_numba_turned_off_take_the_modules(calls):

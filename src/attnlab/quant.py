@@ -46,7 +46,7 @@ from attnlab._threads import get_num_threads, run_units
 
 __all__ = [
     "BLOCK", "CHUNK_ROWS", "KINDS", "MATVEC_MAX_ROWS", "QuantizedFallbackWarning", "QuantizedTensor", "is_quantized",
-    "keeps_quantized", "quantized_linear", "stack_rows",
+    "keeps_quantized", "product_record", "quantized_linear", "stack_rows",
 ]
 
 #: values per block (every supported type)
@@ -265,6 +265,32 @@ def is_quantized(w) -> bool:
     False
     """
     return type(w) is QuantizedTensor
+
+
+_KIND_CODES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+
+
+def product_record(weight, bias=None) -> tuple | None:
+    """The record of ``x @ weight.T + bias`` that the compiled decoding step multiplies by
+    (:mod:`attnlab._decode_kernels`): ``(codes, scales, mins, kind, bias)``, or None where
+    that step cannot (``weight`` not a :class:`QuantizedTensor`, ``bias`` not a
+    C-contiguous float32 NumPy vector of its rows). ``kind`` is 0 ``Q8_0``, 1 ``Q4_0``, 2
+    ``Q4_1``; ``mins`` is ``scales`` where there are none; ``bias`` None is none.
+
+    >>> w = QuantizedTensor.quantize(np.ones((2, 32), dtype=np.float32), "Q4_1")
+    >>> codes, scales, mins, kind, bias = product_record(w)
+    >>> codes.shape, kind, bias
+    ((2, 16), 2, None)
+    >>> product_record(np.ones((2, 32), dtype=np.float32)) is None
+    True
+    """
+    if type(weight) is not QuantizedTensor:
+        return None
+    if bias is not None and (type(bias) is not np.ndarray or bias.dtype != np.float32
+                             or bias.shape != (weight.shape[0],) or not bias.flags.c_contiguous):
+        return None
+    mins = weight.scales if weight.mins is None else weight.mins
+    return (weight.codes, weight.scales, mins, _KIND_CODES[weight.kind], bias)
 
 
 def stack_rows(parts, *, name: str = "weight"):

@@ -61,6 +61,7 @@ class CausalLM(Module):
     #: time for far less memory; the gradients are the same).
     checkpoint_blocks = False
     _positions_name = "context_length"
+    _ids_name = "input_ids"  # the token ids' argument, as errors name it
     _output_class = CausalLMOutput  # what inspect returns
 
     @property
@@ -125,8 +126,8 @@ class CausalLM(Module):
         logits = decoder_forward(
             input_ids, attention_mask, cache, embed=self._embed, blocks=self.layers,
             head=head if keeping else self._logits, vocab_size=self.config.vocab_size,
-            n_positions=self.max_positions, positions_name=self._positions_name, logits_to_keep=logits_to_keep,
-            checkpoint=checkpoint,
+            n_positions=self.max_positions, positions_name=self._positions_name, ids_name=self._ids_name,
+            logits_to_keep=logits_to_keep, checkpoint=checkpoint,
         )
         self._save_call(shape=logits.shape, tokens=np.shape(input_ids)[-1], cached=cache is not None,
                         checkpoint=checkpoint, **kept)

@@ -522,17 +522,6 @@ class Llama(CausalLM):
     def _out_param(self):
         return self.tok_emb.weight if self.config.tie_word_embeddings else self.lm_head.weight
 
-    def _run(self, input_ids, attention_mask, cache, logits_to_keep=None):
-        # A decoding step with quantized weights and nothing hooked: one compiled call a block.
-        if cache is not None and self._array_type is None:  # (not for weights moved to another library)
-            from attnlab.models._decode_step import decode_step
-
-            logits = decode_step(self, input_ids, attention_mask, cache)
-            if logits is not None:
-                self._save_call()  # an inference call: forgets what an earlier one kept
-                return logits
-        return super()._run(input_ids, attention_mask, cache, logits_to_keep)
-
     @property
     def max_positions(self) -> int:
         """The longest sequence the model takes (its context length)."""

@@ -22,14 +22,8 @@ import numpy as np
 
 from attnlab._validation import float_dtype, generator, layer_number, positive_int, probability, shape_error
 from attnlab.core._namespace import to_host
-from attnlab.models.generate import (
-    decoder_backward,
-    decoder_forward,
-    embed_tokens,
-    embed_tokens_backward,
-    generate,
-    generate_stream,
-)
+from attnlab.models.decoder import CausalLM
+from attnlab.models.generate import embed_tokens, embed_tokens_backward
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
 from attnlab.nn.hooks import HookPoint, record_layers
@@ -173,8 +167,10 @@ class TinyTransformerConfig:
         return cls(**d)
 
 
-class TinyTransformer(Module):
-    """A small causal language model; parameter names follow the attribute layout
+class TinyTransformer(CausalLM):
+    """A small causal language model: the shared decoder (:class:`~attnlab.models.decoder.CausalLM`:
+    forward, backward, cache, generation, hooks) in the arrangement its config gives.
+    Parameter names follow the attribute layout
     (``tok_emb.weight``, ``pos_emb.weight``, ``blocks.0.attn.in_proj_weight``, …,
     ``ln_f.weight``, ``head.weight``). Llama-style (rotary positions) it has no
     ``pos_emb``, its fused ``in_proj_weight`` holds ``n_heads`` query heads then
@@ -245,16 +241,13 @@ class TinyTransformer(Module):
             if c.mlp == "gated" else None
         return {"attn": attn, "mlp": mlp, "ln_1": self._norm(dtype), "ln_2": self._norm(dtype)}
 
-    _hook_alias = {"ln_f": "ln_final"}
+    tokenizer = None
+    _ids_name = "ids"
 
     @property
-    def layers(self) -> list[TransformerBlock]:
-        return list(self.blocks._modules.values())
-
-    @property
-    def ln_final(self) -> LayerNorm | RMSNorm:
-        """The final norm (hook name ``ln_final``)."""
-        return self.ln_f
+    def max_positions(self) -> int:
+        """The longest sequence the model takes (``context_length``)."""
+        return self.config.context_length
 
     @property
     def W_U(self) -> np.ndarray:
@@ -262,18 +255,8 @@ class TinyTransformer(Module):
         return self.head.weight.data.T
 
     @property
-    def b_U(self) -> np.ndarray | None:
-        return None if self.head.bias is None else self.head.bias.data
-
-    def unembed(self, h: np.ndarray) -> np.ndarray:
-        """The output layer: ``(..., d_model) -> (..., vocab_size)`` logits of a normalized
-        residual (after :attr:`ln_final`)."""
-        return self.head(h)
-
-    def new_cache(self) -> list[KVCache]:
-        """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
-        :meth:`forward` ``(ids, cache=...)``."""
-        return [KVCache() for _ in self.layers]
+    def _out_param(self):
+        return self.head.weight
 
     def _check_ids(self, ids, past: int = 0) -> np.ndarray:
         ids = to_host(ids)  # another library's ids (on any device): a host copy
@@ -287,10 +270,7 @@ class TinyTransformer(Module):
             raise shape_error("ids", ids.shape, need)
         return ids
 
-    def _embed(self, ids: np.ndarray, past: int = 0) -> np.ndarray:
-        return self._embed_at(ids, np.arange(past, past + ids.shape[-1]))
-
-    def _embed_at(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         # positions (T,) are shared by the batch, (B, T) are per sequence (a padded batch)
         if self.config.position == "rotary":  # positions enter in every attention
             return self.hook_embed(self.tok_emb(ids))
@@ -322,63 +302,7 @@ class TinyTransformer(Module):
         >>> bool(np.abs(np.concatenate(step, axis=1) - model(ids)).max() < 1e-5)
         True
         """
-        c = self.config
-        logits = decoder_forward(
-            ids, attention_mask, cache, embed=self._embed_at, blocks=self.layers,
-            head=lambda h: self.unembed(self.ln_f(h)), vocab_size=c.vocab_size, n_positions=c.context_length,
-            positions_name="context_length", ids_name="ids", logits_to_keep=logits_to_keep,
-        )
-        self._save_call(shape=logits.shape, tokens=np.shape(ids)[-1], cached=cache is not None)
-        return logits
-
-    def generate(
-        self,
-        ids: np.ndarray,
-        max_new_tokens: int,
-        *,
-        attention_mask: np.ndarray | None = None,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        rng: np.random.Generator | None = None,
-        eos_token_id: int | None = None,
-    ) -> np.ndarray:
-        """The sequences ``ids (B, T)`` followed by up to ``max_new_tokens`` new tokens, with a
-        key/value cache: greedy when ``temperature == 0``, else sampled with ``rng``
-        (see :func:`attnlab.models.generate.generate`).
-
-        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
-        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
-        >>> model.generate(np.array([1, 2, 3]), 4).shape
-        (7,)
-        """
-        c = self.config
-        return generate(
-            self, ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.context_length,
-            positions_name="context_length", attention_mask=attention_mask, temperature=temperature,
-            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
-        )
-
-    def stream(self, ids: np.ndarray, max_new_tokens: int, **options):
-        """:meth:`generate`'s new tokens one at a time, as soon as each is chosen (the options
-        are :meth:`generate`'s; see :func:`attnlab.models.generate.generate_stream`).
-
-        >>> cfg = TinyTransformerConfig(vocab_size=10, context_length=8, d_model=16, d_ff=32)
-        >>> model = TinyTransformer(cfg, rng=np.random.default_rng(0)).eval()
-        >>> ids = np.array([1, 2, 3])
-        >>> list(model.stream(ids, 4)) == model.generate(ids, 4)[3:].tolist()
-        True
-        """
-        c = self.config
-        return generate_stream(self, ids, max_new_tokens, vocab_size=c.vocab_size, n_positions=c.context_length,
-                               positions_name="context_length", **options)
-
-    def backward(self, grad_logits: np.ndarray) -> None:
-        """Add to ``.grad`` of every parameter from ``dLoss/dlogits`` ``(B, T, vocab_size)``
-        (ids have no gradient), through the hook points (see
-        :meth:`attnlab.models.decoder.CausalLM.backward` for the rules and errors)."""
-        c, g = self._start_backward(grad_logits, "grad_logits")
-        decoder_backward(self.ln_f.backward(self.head.backward(g)), c["tokens"], blocks=self.layers,
-                         embed_backward=self._embed_backward)
+        return self._run(ids, attention_mask, cache, logits_to_keep)
 
     def _embed_backward(self, g: np.ndarray) -> None:
         if self.config.position == "rotary":

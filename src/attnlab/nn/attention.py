@@ -58,6 +58,9 @@ from attnlab.nn._context import may_fuse, parameters_frozen
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.linear import Linear, check_input
 from attnlab.nn.module import Module, Parameter
+from attnlab.quant import product_record
+
+_NO_KEY_MASK = np.ones((0, 0), dtype=np.bool_)  # the compiled decoding step's: every key
 
 
 # Array operations whose NumPy spelling is not the Array API's (the layers' weights may be
@@ -849,6 +852,68 @@ class Attention(Module):
         HD = H * D
         self._heads(qkv[..., :HD], qkv[..., HD:2 * HD], qkv[..., 2 * HD:], None, cache, 0)  # fills the cache
         return out
+
+    # ---- the compiled decoding step's view of this layer ----------------------------------
+    def decode_record(self) -> tuple | None:
+        """This layer's slots for the compiled decoding step (:mod:`attnlab._decode_kernels`):
+        ``(qkv, out, q_norm, k_norm, num_heads, num_kv_heads, head_dim, scale, softcap)``,
+        or None where the step cannot compute this layer. It computes causal
+        self-attention with one fused in-projection and an out-projection kept quantized
+        (:func:`attnlab.quant.product_record`; biases included), a rotary slot that gives
+        its rotation (:meth:`~attnlab.nn.RotaryEmbedding.decode_rows`), QK-norms that give
+        their record (:meth:`~attnlab.nn.RMSNorm.decode_record`; None for none), any
+        ``scale``, soft-cap (0 for none), grouped-query heads and sliding window
+        (:meth:`decode_rows`); not dropout, adapters, another ``attention_fn`` or a
+        subclass."""
+        if type(self) is not Attention or not (self.causal and self._qkv_same_embed_dim and self.dropout == 0.0
+                                               and self.attention_fn is scaled_dot_product_attention
+                                               and self.adapters is None and self.rotary is not None
+                                               and hasattr(self.rotary, "decode_rows")):
+            return None
+        b, w, o = self.in_proj_bias, self.in_proj_weight.data, self.out_proj
+        H, Hkv, D, E = self.num_heads, self.num_kv_heads, self.head_dim, self.embed_dim
+        if w.shape != ((H + 2 * Hkv) * D, E) or (o.in_features, o.out_features) != (H * D, E):
+            return None
+        qkv = product_record(w, None if b is None else b.data)
+        out = o.decode_record() if type(o) is Linear else None
+        norms = [None if n is None else n.decode_record() if getattr(n, "normalized_shape", None) == D
+                 and hasattr(n, "decode_record") else False for n in (self.q_norm, self.k_norm)]
+        if qkv is None or out is None or any(r is None and n is not None or r is False
+                                             for n, r in zip((self.q_norm, self.k_norm), norms, strict=True)):
+            return None
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale is None else self.scale  # as the core's default
+        return (qkv, out, *norms, H, Hkv, D, np.float32(scale), np.float32(self.softcap or 0.0))
+
+    def decode_rows(self, n: int, key_padding_mask, cache, positions) -> tuple | None:
+        """The rows of one compiled decoding step (:mod:`attnlab._decode_kernels`): ``(cos,
+        sin, keys, values, slot, start, key_mask)`` for one new token in each of ``n``
+        rows after the ``cache`` (a non-empty float32 NumPy :class:`KVCache`), with room
+        made for it (``slot``, counted in ``cache``); ``start`` is the first key the sliding
+        window keeps. None (the cache untouched) where the step does not apply: an empty
+        or foreign cache, a ``key_padding_mask`` that is not a bool ``(n, S + 1)`` array
+        allowing every new token, positions the rotary slot does not take (None: after the
+        cached ones)."""
+        k, v, past = cache._key, cache._value, cache.length
+        if type(cache) is not KVCache or not past or type(k) is not np.ndarray or type(v) is not np.ndarray \
+                or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[0] != n \
+                or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim or k.shape != v.shape \
+                or not (k.flags.c_contiguous and v.flags.c_contiguous):
+            return None
+        if key_padding_mask is None:
+            key_mask = _NO_KEY_MASK
+        elif type(key_padding_mask) is not np.ndarray or key_padding_mask.dtype != np.bool_ \
+                or key_padding_mask.shape != (n, past + 1) or not key_padding_mask[:, -1].all():
+            return None  # a new token that takes no part: the modules decide
+        else:
+            key_mask = np.ascontiguousarray(key_padding_mask)
+        rotation = self.rotary.decode_rows(np.array([past]) if positions is None else positions, n)
+        if rotation is None:
+            return None
+        cache._reserve(1, k, v)
+        slot = cache.length
+        cache.length += 1
+        start = 0 if self.sliding_window is None else max(0, slot + 1 - self.sliding_window)
+        return (*rotation, cache._key, cache._value, slot, start, key_mask)
 
     def backward(self, grad_output: np.ndarray):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);

@@ -10,15 +10,19 @@ always :class:`~attnlab.nn.Attention`, so its ``attention_fn``, its maps, its ho
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from attnlab._validation import generator, probability, shape_error
 from attnlab.nn import functional as F
+from attnlab.nn._context import may_fuse
 from attnlab.nn.attention import Attention, KVCache
 from attnlab.nn.hooks import HookPoint
 from attnlab.nn.layers import GELU, Dropout, LayerNorm, ReLU, Sequential
 from attnlab.nn.linear import Linear
-from attnlab.nn.module import Module
+from attnlab.nn.module import Module, structure_version
+from attnlab.quant import _kernels, _set_threads, is_quantized
 
 __all__ = ["ACTIVATIONS", "FeedForward", "KVCache", "TransformerBlock", "activation_layer"]
 
@@ -245,7 +249,70 @@ class TransformerBlock(Module):
         cache: KVCache | None = None,
         positions: np.ndarray | None = None,
     ) -> np.ndarray:
+        if cache is not None:  # one new token after cached ones: one compiled call where it applies
+            out = self._decode_step(x, key_padding_mask, cache, positions)
+            if out is not None:
+                return out
         return self._run(x, key_padding_mask, cache, positions, need_weights=False)[0]
+
+    def decode_record(self) -> tuple | None:
+        """This block's slots for the compiled decoding step (:mod:`attnlab._decode_kernels`):
+        ``(ln_1, attention, ln_1_post, ln_2, feed_forward, ln_2_post)``, each part's own
+        record (``decode_record`` of :class:`~attnlab.nn.RMSNorm`,
+        :class:`~attnlab.nn.Attention` and :class:`GatedFeedForward`; an absent sandwich
+        norm is None), or None where the step cannot compute the block: post-norm, not
+        causal, dropout after the attention, a part that gives no record, a part of another
+        width, a subclass, or a parameter that no record reads (one the step would leave
+        out)."""
+        if type(self) is not TransformerBlock or not (self.norm_first and self.causal and self.drop_1.p == 0.0):
+            return None
+        E = self.attn.embed_dim
+        parts = (self.ln_1, self.attn, self.ln_1_post, self.ln_2, self.mlp, self.ln_2_post)
+        if any(getattr(m, "normalized_shape", E) != E for m in parts) or getattr(self.mlp, "d_model", None) != E:
+            return None
+        record = tuple(None if m is None else m.decode_record() if hasattr(m, "decode_record") else False
+                       for m in parts)
+        if any(r is False or r is None and m is not None for m, r in zip(parts, record, strict=True)):
+            return None
+        read = {id(a) for a in _leaves(record)}
+        if any(id(p.data.codes if is_quantized(p.data) else p.data) not in read for p in self.parameters()):
+            return None
+        return record
+
+    def _decode_step(self, x, key_padding_mask, cache, positions) -> np.ndarray | None:
+        """The block on one new token per row, ``x (N, 1, D)`` after a non-empty ``cache``,
+        in one compiled call (:func:`attnlab._decode_kernels.decode_layer`), or None where
+        the module path runs. The choice goes by what the inputs are: float32 NumPy ``x``
+        and cache (:meth:`~attnlab.nn.Attention.decode_rows`), the block's record
+        (:meth:`decode_record`: quantized projections, the block's slots), numba there
+        and not turned off, and a call that may take a fused kernel
+        (:func:`attnlab.nn._context.may_fuse`: eval mode, no tape, no hook on the block's
+        points). The result equals the module path's to float32 round-off; bad input
+        goes to the module path, which raises."""
+        if type(x) is not np.ndarray or x.ndim != 3 or x.shape[1] != 1 or x.dtype != np.float32 \
+                or type(cache) is not KVCache or not cache.length:
+            return None
+        plan = self.__dict__.get("_decode_plan")
+        if plan is None or not plan.current(self):
+            plan = _DecodePlan(self)
+            object.__setattr__(self, "_decode_plan", plan)
+        N, _, D = x.shape
+        kernels = None if plan.record is None or D != plan.widths[0] or not may_fuse(self.training, plan.points) \
+            else _step_kernels()
+        if kernels is None:
+            return None
+        rows = self.attn.decode_rows(N, key_padding_mask, cache, positions)
+        if rows is None:
+            return None
+        h = x.reshape(N, D).copy()  # the residual, updated in place: x stays as it was
+        key = (N, plan.widths)
+        scratch = _SCRATCH.__dict__.get(key)  # this thread's, shared by the blocks of one width
+        if scratch is None:
+            scratch = tuple(np.empty((N, w), np.float32) for w in plan.widths)
+            _SCRATCH.__dict__[key] = scratch
+        _set_threads()
+        kernels.decode_layer(h, plan.record, rows, scratch)
+        return h.reshape(N, 1, D)
 
     def forward_with_weights(
         self,
@@ -347,6 +414,50 @@ class TransformerBlock(Module):
         return g if self.ln_2_post is None else self.ln_2_post.backward(g)
 
 
+class _DecodePlan:
+    """A block's record for the compiled decoding step, the hook points the step passes by,
+    its scratch widths ``(D, qkv, z, D, F, F)`` and what it was made from (the structure
+    version and every parameter's array: a replaced weight or module makes a new plan)."""
+
+    __slots__ = ("datas", "points", "record", "version", "widths")
+
+    def __init__(self, block: TransformerBlock) -> None:
+        self.version = structure_version()
+        self.datas = tuple((p, p.data) for p in block.parameters())
+        self.record = block.decode_record()
+        self.points = tuple(m for _, m in block.named_modules() if isinstance(m, HookPoint))
+        self.widths = (0,) * 6
+        if self.record is not None:
+            attn, mlp = self.record[1], self.record[4]
+            D, F = block.attn.embed_dim, mlp[0][0].shape[0]
+            self.widths = (D, attn[0][0].shape[0], attn[4] * attn[6], D, F, F)
+
+    def current(self, block: TransformerBlock) -> bool:
+        return self.version == structure_version() and all(p.data is d for p, d in self.datas)
+
+
+_SCRATCH = threading.local()  # the compiled step's scratch arrays, per thread, by (rows, widths)
+
+
+def _step_kernels():
+    """:mod:`attnlab._decode_kernels` (imported on first use: it imports numba), or None
+    where the compiled kernels are not there or turned off (:func:`attnlab.quant._kernels`)."""
+    if _kernels() is None:
+        return None
+    from attnlab import _decode_kernels
+
+    return _decode_kernels
+
+
+def _leaves(record):
+    """The arrays of a decoding-step record (nested tuples)."""
+    for item in record:
+        if type(item) is tuple:
+            yield from _leaves(item)
+        elif type(item) is np.ndarray:
+            yield item
+
+
 class GatedFeedForward(Module):
     """The gated feed-forward network of Llama-style decoders (SwiGLU with ``"silu"``):
     ``down_proj(act(gate_proj(x)) * up_proj(x))``, Hugging Face's ``LlamaMLP`` (parameter
@@ -386,6 +497,28 @@ class GatedFeedForward(Module):
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
+
+    @property
+    def d_model(self) -> int:
+        """The input and output width."""
+        return self.gate_proj.in_features
+
+    def decode_record(self) -> tuple | None:
+        """This network's slots for the compiled decoding step
+        (:mod:`attnlab._decode_kernels`): ``(gate, up, down, activation)``, the three
+        projections' products (:meth:`~attnlab.nn.Linear.decode_record`: kept quantized)
+        and the activation's code (0 SiLU, 1 GELU tanh, 2 GELU erf, 3 ReLU), or None where
+        the step cannot compute it (float weights, adapters, another activation module, a
+        subclass)."""
+        act = self.act_fn
+        code = _DECODE_ACTIVATIONS.get((type(act), getattr(act, "approximate", None)))
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if type(self) is not GatedFeedForward or code is None or not (
+                type(g) is type(u) is type(d) is Linear and g.in_features == u.in_features == d.out_features
+                and g.out_features == u.out_features == d.in_features):
+            return None
+        products = (g.decode_record(), u.decode_record(), d.decode_record())
+        return None if None in products else (*products, code)
 
     def forward(self, x: np.ndarray) -> np.ndarray:
         gate = self._pre(self.gate_proj(x))
@@ -442,5 +575,8 @@ def _gated_activation(name: str) -> Module:
 
 
 from attnlab.nn.layers import SiLU  # noqa: E402  (the gated network's default activation)
+
+#: the activation codes of the compiled decoding step (attnlab._decode_kernels._activate)
+_DECODE_ACTIVATIONS = {(SiLU, None): 0, (GELU, "tanh"): 1, (GELU, "none"): 2, (ReLU, None): 3}
 
 __all__ += ["GatedFeedForward"]

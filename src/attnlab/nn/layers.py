@@ -400,6 +400,22 @@ class RMSNorm(Module):
             self.weight.accumulate(gw)
         return gx
 
+    def decode_record(self) -> tuple | None:
+        """This norm's slots for the compiled decoding step (:mod:`attnlab._decode_kernels`):
+        ``(weight, eps, offset)``, the step scaling by ``weight + offset`` (``offset`` 1 with
+        ``add_unit_offset``), or None where the step cannot compute it (no weight, one that
+        is not a C-contiguous float32 NumPy vector, a subclass). The weight is the parameter's own
+        array: a change in place is seen.
+
+        >>> RMSNorm(4, eps=1e-5, add_unit_offset=True).decode_record()[1:]
+        (np.float32(1e-05), np.float32(1.0))
+        """
+        w = None if self.weight is None else self.weight.data
+        if type(self) is not RMSNorm or type(w) is not np.ndarray or w.dtype != np.float32 \
+                or w.shape != (self.normalized_shape,) or not w.flags.c_contiguous:
+            return None
+        return (w, np.float32(self.eps), np.float32(1.0 if self.add_unit_offset else 0.0))
+
     def extra_repr(self) -> str:
         offset = ", add_unit_offset=True" if self.add_unit_offset else ""
         return f"({self.normalized_shape},), eps={self.eps}{offset}"
@@ -420,6 +436,9 @@ class SiLU(Module):
 
     def backward(self, grad_output: np.ndarray) -> np.ndarray:
         return F.silu_backward(grad_output, self._saved()["x"])
+
+
+_LAST_DECODE_ROWS: list = [None]  # RotaryEmbedding.decode_rows's last (key, config, (cos, sin))
 
 
 class RotaryEmbedding(Module):
@@ -486,6 +505,32 @@ class RotaryEmbedding(Module):
             table = rope_cos_sin(self.inv_freq, np.arange(n), attention_factor=self.attention_factor, dtype=dtype)
             object.__setattr__(self, "_table", table)
         return table[0][positions], table[1][positions]
+
+    def decode_rows(self, positions: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The rotation of one new token in each of ``n`` rows for the compiled decoding
+        step (:mod:`attnlab._decode_kernels`): C-contiguous float32 ``(cos, sin)``, each
+        ``(n, R)``, for integer ``positions`` ``(1,)`` (every row's) or ``(n, 1)``; None
+        for other positions (the module path checks them) or a subclass (its own rotation).
+
+        >>> cos, sin = RotaryEmbedding(8).decode_rows(np.array([[0], [3]]), 2)
+        >>> cos.shape, float(cos[0, 0]), float(sin[0, 0])
+        ((2, 8), 1.0, 0.0)
+        """
+        if type(self) is not RotaryEmbedding or type(positions) is not np.ndarray \
+                or positions.shape not in ((1,), (n, 1)) or positions.dtype.kind not in "iu":
+            return None
+        # Every block of a step asks for the same rotation: the last one is kept (read only
+        # by the step), for the rotary parameters and positions it was computed from.
+        key = (positions.tobytes(), positions.dtype.char, n)
+        last = _LAST_DECODE_ROWS[0]
+        if last is not None and last[0] == key and (last[1] is self.config or last[1] == self.config):
+            return last[2]
+        cos, sin = self.cos_sin(positions.reshape(-1))
+        if cos.shape[0] != n:
+            cos, sin = np.repeat(cos, n, axis=0), np.repeat(sin, n, axis=0)
+        rows = np.ascontiguousarray(cos), np.ascontiguousarray(sin)
+        _LAST_DECODE_ROWS[0] = (key, self.config, rows)
+        return rows
 
     def forward(self, q: np.ndarray, k: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for name, x in (("q", q), ("k", k)):

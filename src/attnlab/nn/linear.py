@@ -9,7 +9,7 @@ from attnlab.core._namespace import array_type, device, float_array, is_numpy, n
 from attnlab.nn import functional as F
 from attnlab.nn import init
 from attnlab.nn.module import Module, Parameter
-from attnlab.quant import QuantizedTensor
+from attnlab.quant import QuantizedTensor, product_record
 
 
 def check_input(x, name: str, like, last_dim: int, layout: str = "(..., {d})") -> np.ndarray:
@@ -93,6 +93,15 @@ class Linear(Module):
             if ga is not None:
                 gx += ga
         return gx
+
+    def decode_record(self) -> tuple | None:
+        """This layer's product for the compiled decoding step
+        (:func:`attnlab.quant.product_record`), or None where the step cannot compute it (a
+        float weight, adapters in the slot, a subclass)."""
+        if type(self) is not Linear or self.adapters is not None \
+                or self.weight.data.shape != (self.out_features, self.in_features):
+            return None
+        return product_record(self.weight.data, None if self.bias is None else self.bias.data)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
