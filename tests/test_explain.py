@@ -51,7 +51,7 @@ def test_trace_is_skipped_for_long_texts_unless_asked():
 def test_to_dict_is_the_json_document():
     e = explain("Hello, world!", dim=8, heads=2, head=1)
     d = json.loads(json.dumps(e.to_dict(), allow_nan=False))
-    assert d["format"] == "attnlab-explanation" and d["version"] == 4
+    assert d["format"] == "attnlab-explanation" and d["version"] == 5
     assert (d["model_name"], d["layer"], d["head"], d["layers"], d["heads"]) == ("random", 1, 1, 1, 2)
     assert d["attentions"]["shape"] == [1, 2, 4, 4] and d["unknown_tokens"] == 0
     # weights to 4 decimals (what the views show), vectors to 4 significant digits

@@ -234,7 +234,7 @@ def edge_attribution(
     >>> graph = edge_attribution(model, np.array([[1, 2, 3, 4]]), np.array([[1, 5, 3, 4]]), logit_diff(7, 8))
     >>> graph
     EdgeGraph(46 of 46 edges, method='eap-ig', 6 components)
-    >>> graph["a0.h1", "a1.h0<k>"] == graph.scores[2, 9]
+    >>> bool(graph["a0.h1", "a1.h0<k>"] == graph.scores[2, 9])
     True
     """
     method = _choice(method, "method", EDGE_METHODS)
