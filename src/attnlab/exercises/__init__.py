@@ -91,9 +91,9 @@ def check(name: str, fn: Callable, *, seed: int = 0, model=None, seconds: float 
     Runs the exercise's random cases (drawn from ``np.random.default_rng(seed)``) against
     attnlab's reference and stops at the first that fails, explaining it. Then, even if a
     case failed, plugs ``fn`` into a decoder's attention layers (:func:`plugged`) and asks
-    "What is the capital of France?". A fault of ``fn`` (it raises, returns the wrong shape
-    or dtype, NaN, takes longer than ``seconds`` on a case) is reported as such, with the
-    case, never as an error of attnlab's.
+    "What is the capital of France?". A fault of ``fn`` (it raises, calls ``sys.exit``,
+    returns the wrong shape or dtype, NaN, takes longer than ``seconds`` on a case) is
+    reported as such, with the case, never as an error of attnlab's.
 
     Args:
         name: the exercise (see :func:`names`).
