@@ -101,44 +101,52 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
     """Each row's one query per head over its keys ``start .. stop - 1`` (those ``key_mask``
     allows; an empty mask allows all): ``z (N, Hq Dh)``. Query head ``h`` reads key/value
     head ``h // (Hq / Hkv)``; ``qkv (N, ...)`` holds the rotated queries first. A
-    ``softcap`` above 0 caps each scaled score ``s`` to ``softcap * tanh(s / softcap)``."""
+    ``softcap`` above 0 caps each scaled score ``s`` to ``softcap * tanh(s / softcap)``.
+    One task per row and key/value head: the ``G = Hq / Hkv`` query heads of a group read
+    each cached key and value row once (a long cache is read once a step, not G times)."""
     N = qkv.shape[0]
     G = n_heads // n_kv
     S = stop - start
     masked = key_mask.shape[0] > 0
-    for t in nb.prange(N * n_heads):
-        n, h = t // n_heads, t % n_heads
-        g = h // G
-        p = np.empty(S, dtype=np.float32)
-        m = _F(-3.4e38)
+    for t in nb.prange(N * n_kv):
+        n, g = t // n_kv, t % n_kv
+        q0 = g * G * Dh  # the group's first query column
+        p = np.empty((G, S), dtype=np.float32)
+        m = np.full(G, _F(-3.4e38), dtype=np.float32)
         for j in range(S):
             if masked and not key_mask[n, start + j]:
                 continue
-            acc = _F(0.0)
-            for d in range(Dh):
-                acc += qkv[n, h * Dh + d] * keys[n, g, start + j, d]
-            acc *= scale
-            if softcap > 0:
-                acc = _F(np.tanh(acc / softcap) * softcap)
-            p[j] = acc
-            if acc > m:
-                m = acc
-        tot = 0.0
-        for j in range(S):
-            if masked and not key_mask[n, start + j]:
-                p[j] = _F(0.0)
-                continue
-            e = np.exp(p[j] - m)
-            p[j] = e
-            tot += e
-        inv = _F(1.0 / tot)
-        for d in range(Dh):
-            z[n, h * Dh + d] = _F(0.0)
-        for j in range(S):
-            w = p[j] * inv
-            if w != 0:
+            for i in range(G):
+                acc = _F(0.0)
                 for d in range(Dh):
-                    z[n, h * Dh + d] += w * values[n, g, start + j, d]
+                    acc += qkv[n, q0 + i * Dh + d] * keys[n, g, start + j, d]
+                acc *= scale
+                if softcap > 0:
+                    acc = _F(np.tanh(acc / softcap) * softcap)
+                p[i, j] = acc
+                if acc > m[i]:
+                    m[i] = acc
+        inv = np.empty(G, dtype=np.float32)
+        for i in range(G):
+            tot = 0.0
+            for j in range(S):
+                if masked and not key_mask[n, start + j]:
+                    p[i, j] = _F(0.0)
+                    continue
+                e = np.exp(p[i, j] - m[i])
+                p[i, j] = e
+                tot += e
+            inv[i] = _F(1.0 / tot)
+        out = np.zeros((G, Dh), dtype=np.float32)
+        for j in range(S):
+            for i in range(G):
+                w = p[i, j] * inv[i]
+                if w != 0:
+                    for d in range(Dh):
+                        out[i, d] += w * values[n, g, start + j, d]
+        for i in range(G):
+            for d in range(Dh):
+                z[n, q0 + i * Dh + d] = out[i, d]
 
 
 @nb.njit(**_JIT)
