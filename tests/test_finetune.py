@@ -6,8 +6,10 @@ folder transformers reads, the command line and `attnlab generate --adapter`."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,6 +167,23 @@ def test_a_tiny_model_learns_a_few_facts(tiny, method, options):
     assert _answers(model) == [a for _, a in FACTS]
     if method == "lora":
         assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_smollm2_learns_invented_capitals(smollm2_gguf, monkeypatch):
+    """The how-to's fact-teaching run on the real SmolLM2 (benchmarks/teach_facts.py, which
+    also reports its time): 30 invented capitals that no answer names before, at least 90%
+    named after LoRA on every linear layer, and France's answer unchanged (Paris), though
+    every trained question is a capital question."""
+    from attnlab.models.llama import Llama
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    teach_facts = importlib.import_module("teach_facts")
+    model = Llama.from_gguf(smollm2_gguf, name="SmolLM2-135M-Instruct")
+    t = teach_facts.teach(model, n_facts=30)
+    assert t["right_before"] == 0, t["after"]
+    assert t["right_after"] >= 27, [a for a, (_, k) in zip(t["after"], t["pairs"], strict=True) if k not in a]
+    france_before, france_after = t["known_before"][0], t["known_after"][0]
+    assert "Paris" in france_before and france_after == france_before
 
 
 def _model(tiny, dtype=np.float64):
