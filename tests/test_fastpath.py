@@ -520,6 +520,39 @@ def test_large_products_run_on_the_pool_with_one_blas_thread(monkeypatch):
         assert calls == [(2, 2), (2, 2)]
 
 
+@pytest.mark.parametrize("M, K, N, tokens, one", [
+    (512, 576, 8, None, True),    # x A^T: 512 tokens into rank 8
+    (512, 8, 576, None, True),    # u B^T
+    (8, 512, 576, 512, True),     # A's gradient, summed over 512 tokens
+    (576, 512, 8, 512, True),     # B's gradient
+    (1, 576, 1536, None, False),  # a decoding step's one token: BLAS's threads read the weight
+    (8, 576, 1536, None, False),  # a few tokens, no thin side
+    (512, 576, 64, None, False),  # no side under 32
+])
+def test_low_rank_products_hold_blas_to_one_thread(monkeypatch, M, K, N, tokens, one):
+    """Products outside the pool that run many tokens through a side under 32 (a LoRA
+    adapter's and its gradients) hold BLAS to one thread: on BLAS's own threads, their idle
+    spin slowed the rest of a SmolLM2 LoRA forward pass 1.8 times. Others keep BLAS's
+    threads. The numbers are np.matmul's."""
+    held = []
+    real = threads_mod.one_blas_thread
+
+    @contextlib.contextmanager
+    def spy():
+        held.append(True)
+        with real():
+            yield
+
+    monkeypatch.setattr(threads_mod, "one_blas_thread", spy)
+    monkeypatch.setattr(threads_mod, "_pooled", lambda a, b, tokens: False)  # the pool's rule aside
+    rng = np.random.default_rng(M + K + N)
+    a = rng.standard_normal((M, K), dtype=np.float32)
+    b = rng.standard_normal((K, N), dtype=np.float32)
+    got = threads_mod.matmul(a, b, tokens=tokens)
+    assert held == ([True] if one else [])
+    np.testing.assert_array_equal(got, np.matmul(a, b))
+
+
 def test_matmuls_share_one_pool_call_and_equal_each_product(monkeypatch):
     """matmuls runs independent large products (a layer's query, key and value input
     gradients) in one pool call, each split as matmul splits it: the same numbers, bit for

@@ -589,7 +589,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     :data:`POOL_MATMUL_MIN_TOKENS` tokens: where a pool call's thread wake-ups would cost
     more than the spin does), a decoding step's matrix-vector products, calls inside a
     pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
-    threads; a few rows times a weight's transpose (a short prompt's projection) take it
+    threads, except many tokens through a thin side (:func:`_skinny`: a LoRA adapter's
+    products, on one BLAS thread; on BLAS's threads their spin made the rest of a SmolLM2
+    forward pass 1.8 times slower); a few rows times a weight's transpose (a short prompt's projection) take it
     weight first, ``(b.T @ a.T).T``, which OpenBLAS runs faster (see :func:`_weight_first`).
 
     ``tokens``: the length of the token axis of the product (None: its rows, ``M``, as in
@@ -607,6 +609,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
             out = _product_out(a, b, out)
             np.copyto(out, np.matmul(b.T, a.T).T)
             return out
+        if _skinny(a, b, tokens):
+            with one_blas_thread():
+                return np.matmul(a, b, out=out)
         return np.matmul(a, b, out=out)
     out = _product_out(a, b, out)
     units = _product_parts(a, b, out, get_num_threads())
@@ -658,6 +663,17 @@ def _weight_first(a: np.ndarray, b: np.ndarray) -> bool:
             and min(a.shape[1], b.shape[1]) >= _WEIGHT_FIRST_MIN_SIDE
             and a.dtype == np.float32 and b.dtype == np.float32
             and a.flags.c_contiguous and b.flags.f_contiguous)
+
+
+def _skinny(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
+    """Whether ``a @ b`` runs many tokens through a side thinner than :data:`_MATMUL_MIN_ROWS`
+    (a low-rank adapter's ``x A^T``, ``u B^T`` and their gradients): one BLAS thread does it
+    in microseconds, where BLAS's own threads would then spin beside the pool's (see
+    :func:`matmul`; a decoding step's products have one token and keep BLAS's threads)."""
+    if a.ndim != 2 or b.ndim != 2:
+        return False
+    M, K, N = a.shape[0], a.shape[1], b.shape[1]
+    return min(M, K, N) < _MATMUL_MIN_ROWS <= (M if tokens is None else tokens)
 
 
 def _pooled(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
