@@ -102,7 +102,7 @@ def check_attention_args(
     return _checked_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap)
 
 
-def _checked_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap) -> AttentionSpec:
+def _checked_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=None) -> AttentionSpec:
     """:func:`check_attention_args` for any call: every check, every error."""
     xp = namespace(query, key, value, attn_mask, names=("query", "key", "value", "attn_mask"))
     q = float_array(query, "query", xp, min_ndim=2, layout="(..., L, E)")
@@ -188,7 +188,8 @@ def _heads(q, k, enable_gqa, names: tuple[str, str] = ("query", "key")) -> tuple
         ) from None
 
 
-def _plain_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap) -> AttentionSpec | None:
+def _plain_spec(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                softcap=None) -> AttentionSpec | None:
     """The spec of the most common call, built in a few comparisons, or None for any other
     call (:func:`check_attention_args` then checks it in full, and raises its errors):
     NumPy arrays of one float dtype with a head axis, no mask, no dropout, the same
