@@ -92,6 +92,37 @@ def test_strict_arrays_equal_numpy_path(dtype, kind, Hq, H, L, S):
         assert_same(a, b)
 
 
+@pytest.mark.parametrize("kind", ["bool", "causal", "float"])
+def test_strict_softcap_and_the_step_functions_equal_numpy_path(kind):
+    """``softcap=`` and the explicit steps (scores and their backward, weights @ values and
+    its backward) in the arrays' own library, grouped-query heads included."""
+    q, k, v, masks = inputs(7, np.float64)
+    q *= 4
+    mask, causal = (None, True) if kind == "causal" else (masks[kind], False)
+    opts = dict(attn_mask=mask, is_causal=causal, enable_gqa=True, softcap=1.5)
+    strict_opts = dict(opts, attn_mask=None if mask is None else dev(mask))
+    assert_same(attnlab.scaled_dot_product_attention(dev(q), dev(k), dev(v), **strict_opts),
+                attnlab.scaled_dot_product_attention(q, k, v, **opts))
+    g = np.random.default_rng(98).standard_normal((2, 4, 5, 6))
+    ours = attnlab.scaled_dot_product_attention_backward(dev(g), dev(q), dev(k), dev(v), **strict_opts)
+    for a, b in zip(ours, attnlab.scaled_dot_product_attention_backward(g, q, k, v, **opts), strict=True):
+        assert_same(a, b)
+    s = attnlab.attention_scores(q, k, mask, causal, None, True, softcap=1.5)
+    assert_same(attnlab.attention_scores(dev(q), dev(k), strict_opts["attn_mask"], causal, None, True, softcap=1.5), s)
+    g_s = np.random.default_rng(97).standard_normal(s.shape)
+    ours = attnlab.attention_scores_backward(dev(g_s), dev(q), dev(k), strict_opts["attn_mask"], causal, None, True,
+                                             softcap=1.5)
+    for a, b in zip(ours, attnlab.attention_scores_backward(g_s, q, k, mask, causal, None, True, softcap=1.5),
+                    strict=True):
+        assert_same(a, b)
+    w = attnlab.softmax(s)
+    assert_same(attnlab.apply_attention_weights(dev(w), dev(v), enable_gqa=True),
+                attnlab.apply_attention_weights(w, v, enable_gqa=True))
+    ours = attnlab.apply_attention_weights_backward(dev(g), dev(w), dev(v), enable_gqa=True)
+    for a, b in zip(ours, attnlab.apply_attention_weights_backward(g, w, v, enable_gqa=True), strict=True):
+        assert_same(a, b)
+
+
 def test_strict_dropout_equals_numpy_for_the_same_seed():
     q, k, v, _ = inputs(5, np.float64)
     args = dict(dropout_p=0.25, enable_gqa=True)

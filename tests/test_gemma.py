@@ -434,6 +434,47 @@ def test_softcapped_attention_backward_with_dropout_matches_autograd():
     np.testing.assert_allclose(gx, xt.grad.numpy(), rtol=0, atol=1e-10)
 
 
+def test_softcapped_layer_attends_through_its_attention_fn():
+    """One route: without weights or hooks a soft-capped layer calls its attention function
+    with ``softcap=`` like any other option; with weights the core's explicit steps give the
+    same output."""
+    from attnlab.core import scaled_dot_product_attention
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("softcap"))
+        return scaled_dot_product_attention(*args, **kwargs)
+
+    rng = np.random.default_rng(10)
+    layer = Attention(12, 4, num_kv_heads=2, causal=True, softcap=2.0, rng=rng, dtype=np.float64,
+                      attention_fn=recording)
+    layer.in_proj_weight.data *= 3.0
+    x = rng.standard_normal((2, 6, 12))
+    out = layer(x)
+    assert seen == [2.0]
+    np.testing.assert_allclose(layer.forward_with_weights(x)[0], out, rtol=0, atol=1e-12)
+    assert seen == [2.0]  # the weights' route computes the scores itself
+    uncapped = Attention(12, 4, num_kv_heads=2, causal=True, rng=np.random.default_rng(10), dtype=np.float64)
+    uncapped.in_proj_weight.data[...] = layer.in_proj_weight.data
+    uncapped.out_proj.weight.data[...] = layer.out_proj.weight.data
+    assert np.abs(uncapped(x) - out).max() > 1e-3  # the cap changes the output
+
+
+def test_attention_fn_without_softcap_serves_uncapped_layers_only():
+    from attnlab.core import scaled_dot_product_attention
+
+    def plain(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *, rng=None):
+        return scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng=rng)
+
+    x = np.random.default_rng(11).standard_normal((1, 5, 8))
+    Attention(8, 2, causal=True, attention_fn=plain, rng=np.random.default_rng(0))(x.astype(np.float32))
+    capped = Attention(8, 2, causal=True, softcap=3.0, attention_fn=plain, rng=np.random.default_rng(0))
+    with pytest.raises(TypeError, match=r"this layer soft-caps its scores \(softcap=3.0\), but its attention_fn "
+                                        r"plain takes no softcap= keyword"):
+        capped(x.astype(np.float32))
+
+
 def test_trace_output_is_the_attention_output_before_the_post_norm(pair):
     _, ours, case = pair
     ids = prompt(np.random.default_rng(3), 1, 6)[0]

@@ -16,7 +16,10 @@ Boolean masks are True where a query may attend to a key.
 from attnlab._memory import freed_memory_kept, keep_freed_memory
 from attnlab._threads import get_num_threads, set_num_threads
 from attnlab.core import (
+    apply_attention_weights,
+    apply_attention_weights_backward,
     attention_scores,
+    attention_scores_backward,
     attention_weights,
     blockwise_attention,
     blockwise_attention_backward,
@@ -53,7 +56,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     # functional core
+    "apply_attention_weights",
+    "apply_attention_weights_backward",
     "attention_scores",
+    "attention_scores_backward",
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_backward",

@@ -75,6 +75,19 @@ def probability(value: object, name: str) -> float:
     return value
 
 
+def positive_float(value: object, name: str) -> float | None:
+    """``value`` as a positive finite float, or None for None; else ``TypeError`` (not a
+    number) or ``ValueError`` (zero, negative, inf or NaN)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise TypeError(f"{name} must be a positive finite float or None, got {type(value).__name__}")
+    value = float(value)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite float or None, got {value!r}")
+    return value
+
+
 def generator(rng: object, name: str = "rng") -> np.random.Generator:
     """``rng`` if it is a ``np.random.Generator``; ``None`` gives a fresh, unseeded one."""
     if rng is None:

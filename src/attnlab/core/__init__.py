@@ -18,7 +18,10 @@ from attnlab.core.blockwise import (
     blockwise_attention_forward,
 )
 from attnlab.core.dispatch import (
+    apply_attention_weights,
+    apply_attention_weights_backward,
     attention_scores,
+    attention_scores_backward,
     attention_weights,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
@@ -28,7 +31,10 @@ from attnlab.core.masks import causal_mask, convert_mha_mask, mask_to_bias, padd
 from attnlab.core.softmax import softmax, softmax_backward
 
 __all__ = [
+    "apply_attention_weights",
+    "apply_attention_weights_backward",
     "attention_scores",
+    "attention_scores_backward",
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_backward",

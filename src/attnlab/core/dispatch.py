@@ -3,9 +3,15 @@
 :func:`scaled_dot_product_attention` and its backward run the naive kernel
 (:mod:`attnlab.core.naive`), the rows kernel (:mod:`attnlab.core.rows`: float32 with numba,
 up to a few thousand keys) or the blockwise one (:mod:`attnlab.core.blockwise`), whichever
-is faster for the problem's size; all give the same numbers (to float32 rounding). :func:`attention_weights` and
+is faster for the problem's size; all give the same numbers (to float32 rounding); soft-capped
+scores (``softcap``) take the naive kernel. :func:`attention_weights` and
 :func:`attention_scores` return the intermediate arrays that the layers, the trace and the
 pictures show: they are the naive kernel's own, so what is shown is what is computed.
+:func:`apply_attention_weights` is the last step, ``weights @ value`` (grouped-query heads
+too); with :func:`attention_scores_backward` and
+:func:`~attnlab.core.softmax.softmax_backward` it takes a gradient back through a layer that
+holds its own weights (to hook or read them) the way
+:func:`scaled_dot_product_attention_backward` takes it through the whole.
 Axis legend: see :mod:`attnlab.core.spec`.
 """
 
@@ -19,11 +25,22 @@ import numpy as np
 from attnlab._cpu import cpu_info
 from attnlab._validation import as_float_array
 from attnlab.core import blockwise, blockwise_xp, naive, rows
-from attnlab.core._namespace import as_dtype, is_numpy
-from attnlab.core.spec import AttentionSpec, check_attention_args, check_grad_out, check_keys_args
+from attnlab.core._namespace import as_dtype, is_numpy, mT
+from attnlab.core.spec import (
+    AttentionSpec,
+    check_attention_args,
+    check_grad,
+    check_grad_out,
+    check_keys_args,
+    check_weights_args,
+    reduce_to,
+)
 
 __all__ = [
+    "apply_attention_weights",
+    "apply_attention_weights_backward",
     "attention_scores",
+    "attention_scores_backward",
     "attention_weights",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_backward",
@@ -42,12 +59,14 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     rng: np.random.Generator | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """Attention as ``torch.nn.functional.scaled_dot_product_attention`` computes it.
 
     Equivalent to::
 
         scores = query @ key.swapaxes(-1, -2) * scale     # (..., Hq, L, S)
+        scores = softcap * tanh(scores / softcap)          # only if softcap is given
         scores[~attn_mask] = -inf  or  scores += attn_mask # bool or float mask
         weights = softmax(scores, axis=-1)                 # rows sum to 1
         weights = dropout(weights, dropout_p, rng)         # only if dropout_p > 0
@@ -72,21 +91,31 @@ def scaled_dot_product_attention(
             ``Hq // H`` consecutive query heads (``repeat_interleave``, as in torch).
         rng: the ``np.random.Generator`` that draws the dropout mask; ``None`` takes a
             fresh unseeded one.
+        softcap: soft-capping of the scores (Gemma 2's attention-logit soft-cap; the name
+            is flash-attn's): the scaled scores ``s`` become ``softcap * tanh(s / softcap)``,
+            so ``|s| < softcap``, before the mask and the softmax, in the order
+            ``transformers``' Gemma 2 computes them. ``None``: off. Not in torch's function.
 
     Returns:
         ``(..., Hq, L, Ev)``, the dtype of ``query``.
 
     Raises:
-        TypeError: non-float or mixed dtypes, a mask that is neither bool nor float.
+        TypeError: non-float or mixed dtypes, a mask that is neither bool nor float, a
+            ``softcap`` that is not a number.
         ValueError: shapes that do not fit (the message names the argument and both
-            shapes), both ``attn_mask`` and ``is_causal``, ``dropout_p`` outside ``[0, 1)``.
+            shapes), both ``attn_mask`` and ``is_causal``, ``dropout_p`` outside ``[0, 1)``,
+            ``softcap`` not positive and finite.
 
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = rng.standard_normal((3, 2, 4, 8))  # each (H=2, L=S=4, E=8)
     >>> scaled_dot_product_attention(q, k, v, is_causal=True).shape
     (2, 4, 8)
+    >>> capped = scaled_dot_product_attention(q, k, v, is_causal=True, softcap=0.5)
+    >>> bool(np.allclose(capped, attention_weights(q, k, is_causal=True, softcap=0.5) @ v))
+    True
     """
-    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                softcap=softcap)
     if not is_numpy(query, key, value, attn_mask):  # another array library: the Array API kernels
         return _other_library(spec, "forward", rng=rng)
     work = widened(spec)
@@ -103,14 +132,18 @@ def scaled_dot_product_attention(
 def kernel_for(spec: AttentionSpec, *, backward: bool = False, why: list | None = None) -> str:
     """The kernel the dispatcher runs for ``spec`` (NumPy arrays, widened to the compute
     dtype by :func:`widened`): ``"rows"`` (:mod:`attnlab.core.rows`), ``"blockwise"`` or
-    ``"naive"``. The one place the choice is made, so a benchmark can name it; ``why``: a
-    list that gets the reasons, in words (:func:`explain`).
+    ``"naive"`` (always for soft-capped scores). The one place the choice is made, so a
+    benchmark can name it; ``why``: a list that gets the reasons, in words (:func:`explain`).
 
     >>> from attnlab.core.spec import check_attention_args
     >>> q = np.zeros((1, 2, 4, 8), dtype=np.float32)
     >>> kernel_for(check_attention_args(q, q, q))   # tiny problems keep the reference kernel
     'naive'
     """
+    if spec.softcap is not None:
+        if why is not None:
+            why.append("soft-capped scores: the naive path (the rows and blockwise kernels have no soft-cap)")
+        return "naive"
     if rows.planned(spec, backward=backward, why=why):
         return "rows"
     return "blockwise" if use_blockwise(spec, why=why) else "naive"
@@ -214,19 +247,25 @@ def attention_scores(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """The masked, scaled scores ``query @ key^T * scale + mask``: ``(..., Hq, L, S)``.
 
     What :func:`attention_weights` feeds its softmax: a bool mask's False entries (and, with
-    ``is_causal``, the future keys) are ``-inf``, a float mask is added. The same arguments
-    as :func:`scaled_dot_product_attention` without value and dropout.
+    ``is_causal``, the future keys) are ``-inf``, a float mask is added; with ``softcap``
+    the scaled scores are soft-capped first (``softcap * tanh(s / softcap)``). The same
+    arguments as :func:`scaled_dot_product_attention` without value and dropout.
 
     >>> q = k = np.eye(2)
     >>> attention_scores(q, k, is_causal=True, scale=1.0)
     array([[ 1., -inf],
            [ 0.,  1.]])
+    >>> attention_scores(q, k, scale=4.0, softcap=2.0).round(3)  # 2 tanh(4 / 2), 2 tanh(0)
+    array([[1.928, 0.   ],
+           [0.   , 1.928]])
     """
-    spec = check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    spec = check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa, softcap=softcap)
     if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
         return _other_library(spec, "scores")
     return naive.scores(widened(spec)).astype(spec.query.dtype, copy=False)
@@ -242,6 +281,7 @@ def attention_weights(
     enable_gqa: bool = False,
     *,
     rng: np.random.Generator | None = None,
+    softcap: float | None = None,
 ) -> np.ndarray:
     """The attention weights ``dropout(softmax(query @ key^T * scale + mask))``: ``(..., Hq, L, S)``.
 
@@ -258,7 +298,7 @@ def attention_weights(
            [0.36, 0.64, 0.  ],
            [0.26, 0.26, 0.47]])
     """
-    spec = check_keys_args(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    spec = check_keys_args(query, key, attn_mask, dropout_p, is_causal, scale, enable_gqa, softcap=softcap)
     if not is_numpy(query, key, attn_mask):  # another array library: computed in its namespace
         return _other_library(spec, "weights", rng=rng)
     return naive.weights(widened(spec), rng=rng).astype(spec.query.dtype, copy=False)
@@ -276,6 +316,7 @@ def scaled_dot_product_attention_backward(
     enable_gqa: bool = False,
     *,
     rng: np.random.Generator | None = None,
+    softcap: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Gradients of a loss through :func:`scaled_dot_product_attention`.
 
@@ -285,8 +326,8 @@ def scaled_dot_product_attention_backward(
 
     Args:
         grad_out: dLoss/doutput, ``(..., Hq, L, Ev)``.
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng: as
-            given to the forward pass.
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, rng, softcap:
+            as given to the forward pass.
 
     Returns:
         ``(grad_query, grad_key, grad_value)`` with the shapes of ``query``, ``key`` and
@@ -298,7 +339,8 @@ def scaled_dot_product_attention_backward(
     >>> dq.shape, dk.shape, dv.shape
     ((4, 8), (4, 8), (4, 8))
     """
-    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    spec = check_attention_args(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                softcap=softcap)
     grad_out = check_grad_out(spec, grad_out)
     if not is_numpy(grad_out, query, key, value, attn_mask):  # another array library: the Array API kernels
         return _other_library(spec, "backward", grad_out=grad_out, rng=rng)
@@ -312,6 +354,106 @@ def scaled_dot_product_attention_backward(
     else:
         grads = naive.backward(work, grad_out, rng=rng)
     return tuple(g.astype(spec.query.dtype, copy=False) for g in grads)
+
+
+def attention_scores_backward(
+    grad_scores: np.ndarray,
+    query: np.ndarray,
+    key: np.ndarray,
+    attn_mask: np.ndarray | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    softcap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gradients of a loss through :func:`attention_scores`.
+
+    The scores' gradient goes back through the soft-cap (``1 - tanh^2``, recomputed) and
+    the product ``query @ key^T * scale``. Entries that a bool mask or ``is_causal`` set to
+    ``-inf`` are constants and take no gradient; a float mask passes it on.
+
+    Args:
+        grad_scores: dLoss/dscores, ``(..., Hq, L, S)``.
+        query, key, attn_mask, is_causal, scale, enable_gqa, softcap: as given to
+            :func:`attention_scores`.
+
+    Returns:
+        ``(grad_query, grad_key)`` with the shapes of ``query`` and ``key`` (grouped-query
+        and broadcast dims summed back).
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k = rng.standard_normal((2, 3, 4))
+    >>> dq, dk = attention_scores_backward(np.ones((3, 3)), q, k, scale=1.0)
+    >>> bool(np.allclose(dq, np.ones((3, 3)) @ k)), bool(np.allclose(dk, np.ones((3, 3)).T @ q))
+    (True, True)
+    """
+    spec = check_keys_args(query, key, attn_mask, 0.0, is_causal, scale, enable_gqa, softcap=softcap)
+    grad_scores = check_grad_out(spec, grad_scores, name="grad_scores", scores=True)
+    if not is_numpy(grad_scores, query, key, attn_mask):  # another array library: in its namespace
+        return _other_library(spec, "scores_backward", grad_out=grad_scores)
+    work = widened(spec)
+    grads = naive.scores_backward(work, grad_scores.astype(work.query.dtype, copy=False))
+    return tuple(g.astype(spec.query.dtype, copy=False) for g in grads)
+
+
+def apply_attention_weights(weights: np.ndarray, value: np.ndarray, *, enable_gqa: bool = False) -> np.ndarray:
+    """The last step of attention, ``weights @ value``: ``(..., Hq, L, Ev)``.
+
+    With ``enable_gqa`` each of the ``H`` value heads serves ``Hq // H`` consecutive query
+    heads (as in :func:`scaled_dot_product_attention`), without copying the values.
+    ``scaled_dot_product_attention(q, k, v, ...)`` equals
+    ``apply_attention_weights(attention_weights(q, k, ...), v)``.
+
+    Args:
+        weights: ``(..., Hq, L, S)``, e.g. from :func:`attention_weights`.
+        value: ``(..., H, S, Ev)``; ``H == Hq`` unless ``enable_gqa``.
+        enable_gqa: grouped-query heads.
+
+    Returns:
+        ``(..., Hq, L, Ev)``, the dtype of ``weights``.
+
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = rng.standard_normal((3, 4, 5, 8))            # each (H=4, L=S=5, E=8)
+    >>> w = attention_weights(q, k[:2], enable_gqa=True)      # two key/value heads
+    >>> out = apply_attention_weights(w, v[:2], enable_gqa=True)
+    >>> bool(np.allclose(out, scaled_dot_product_attention(q, k[:2], v[:2], enable_gqa=True)))
+    True
+    """
+    w, v, groups, _, xp = check_weights_args(weights, value, enable_gqa)
+    if xp is not np:
+        return naive.grouped_matmul(w, v, groups)
+    dtype = blockwise.compute_dtype(w.dtype)
+    return naive.grouped_matmul(w.astype(dtype, copy=False), v.astype(dtype, copy=False), groups).astype(
+        w.dtype, copy=False)
+
+
+def apply_attention_weights_backward(
+    grad_out: np.ndarray, weights: np.ndarray, value: np.ndarray, *, enable_gqa: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Gradients of a loss through :func:`apply_attention_weights`.
+
+    Args:
+        grad_out: dLoss/doutput, ``(..., Hq, L, Ev)``.
+        weights, value, enable_gqa: as given to the forward pass.
+
+    Returns:
+        ``(grad_weights, grad_value)`` with the shapes of ``weights`` and ``value``
+        (grouped-query and broadcast dims summed back).
+
+    >>> w, v = np.full((2, 3), 0.5), np.ones((3, 4))
+    >>> dw, dv = apply_attention_weights_backward(np.ones((2, 4)), w, v)
+    >>> dw.tolist(), dv.shape
+    ([[4.0, 4.0, 4.0], [4.0, 4.0, 4.0]], (3, 4))
+    """
+    w, v, groups, batch, xp = check_weights_args(weights, value, enable_gqa)
+    g = check_grad(grad_out, "grad_out", (*batch, w.shape[-2], v.shape[-1]), "the output's shape", xp, weights=w)
+    if xp is np:
+        dtype = blockwise.compute_dtype(w.dtype)
+        g, w, v = (a.astype(dtype, copy=False) for a in (g, w, v))
+    grad_w = reduce_to(naive.grouped_matmul(g, mT(v), groups), tuple(weights.shape), 1)
+    grad_v = reduce_to(mT(w) @ g, tuple(value.shape), groups)
+    return as_dtype(grad_w, weights.dtype), as_dtype(grad_v, weights.dtype)
 
 
 # ---- arrays of other libraries (torch, CuPy, JAX, ...) -------------------------------------------
@@ -328,11 +470,14 @@ def kernel_for_other_library(spec: AttentionSpec) -> str:
     ...     check_attention_args(q[:, :, :64, :], q, q))
     ('blockwise', 'naive')
     """
+    if spec.softcap is not None:  # the blockwise kernel has no soft-cap
+        return "naive"
     return "blockwise" if blockwise_xp.use_blockwise(spec) else "naive"
 
 
 def _other_library(spec: AttentionSpec, what: str, *, grad_out=None, rng=None):
-    """``what`` (forward, backward, weights, scores) for another library's arrays: computed in
+    """``what`` (forward, backward, weights, scores, scores_backward) for another library's
+    arrays: computed in
     float32 for narrower inputs (:func:`attnlab.core.blockwise_xp.widened`), JAX's matmuls at
     full precision (:func:`attnlab.core.blockwise_xp.matmul_precision`), results in the
     inputs' dtype."""
@@ -343,6 +488,9 @@ def _other_library(spec: AttentionSpec, what: str, *, grad_out=None, rng=None):
             return as_dtype(naive.scores(work), dtype)
         if what == "weights":
             return as_dtype(naive.weights(work, rng=rng), dtype)
+        if what == "scores_backward":
+            grads = naive.scores_backward(work, as_dtype(grad_out, work.query.dtype))
+            return tuple(as_dtype(g, dtype) for g in grads)
         blocks = kernel_for_other_library(work) == "blockwise"
         if what == "forward":
             out = blockwise_xp.forward(work) if blocks else naive.forward(work, rng=rng)

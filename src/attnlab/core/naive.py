@@ -5,8 +5,8 @@ and backward, written once against the arrays' namespace ``spec.xp``: NumPy (wit
 updates where NumPy allows them) or any other Array API library, whose arrays stay in that
 library and on their device. It is what the dispatcher runs for small problems, for dropout,
 for every non-NumPy array, and whenever the weights themselves are wanted
-(:func:`~attnlab.attention_weights`, the trace, the layers' ``need_weights=True``). Axis
-legend: see :mod:`attnlab.core.spec`.
+(:func:`~attnlab.attention_weights`, the trace, the layers' ``need_weights=True``) or the
+scores are soft-capped (``spec.softcap``). Axis legend: see :mod:`attnlab.core.spec`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,17 @@ from __future__ import annotations
 import numpy as np
 
 from attnlab._validation import generator
-from attnlab.core._namespace import add_, as_dtype, fill_forbidden, from_host, is_bool, mT, mul_
+from attnlab.core._namespace import (
+    add_,
+    as_dtype,
+    fill_forbidden,
+    from_host,
+    is_bool,
+    mT,
+    mul_,
+    namespace,
+    where_scalar,
+)
 from attnlab.core._reduce import row_sum
 from attnlab.core.masks import causal_mask
 from attnlab.core.softmax import softmax_
@@ -35,30 +45,56 @@ def _grouped(spec: AttentionSpec) -> bool:
             and spec.key.shape[-3] * G == spec.query.shape[-3])
 
 
-def _by_group(a: np.ndarray, G: int) -> np.ndarray:
-    """``(..., Hq, N, D) -> (..., Hq / G, G, N, D)``."""
-    return a.reshape(*a.shape[:-3], a.shape[-3] // G, G, *a.shape[-2:])
+def _reshape(x, shape: tuple):
+    return x.reshape(shape) if isinstance(x, np.ndarray) else namespace(x).reshape(x, shape)
+
+
+def grouped_matmul(a, kv, groups: int):
+    """``a (..., Hq, L, X) @ kv (..., H, X, Y)`` with ``Hq = groups * H``: query head ``h``
+    meets key/value head ``h // groups`` (torch's ``enable_gqa``), each ``kv`` head serving
+    its group by broadcasting, never repeated: ``(..., Hq, L, Y)``. Any namespace; leading
+    dims broadcast."""
+    if groups == 1:
+        return a @ kv
+    *lead, Hq, L, X = a.shape
+    kv = kv[..., None, :, :] if isinstance(kv, np.ndarray) else namespace(kv).expand_dims(kv, axis=-3)
+    out = _reshape(a, (*lead, Hq // groups, groups, L, X)) @ kv  # (..., H, G, L, Y)
+    return _reshape(out, (*out.shape[:-4], Hq, L, out.shape[-1]))
 
 
 def _matmul_kv(spec: AttentionSpec, a, kv):
     """``a (..., Hq, L, X) @ kv`` for ``kv (..., H, X, Y)``, the caller's key/value heads
     (transposed as needed), each serving its group of query heads: ``(..., Hq, L, Y)``, or
     None where the heads must be repeated instead (:func:`_grouped`)."""
-    if not _grouped(spec):
-        return None
-    out = np.matmul(_by_group(a, spec.gqa_groups), kv[..., :, None, :, :])  # (..., H, G, L, Y)
-    *lead, H, G, L, Y = out.shape
-    return out.reshape(*lead, H * G, L, Y)
+    return grouped_matmul(a, kv, spec.gqa_groups) if _grouped(spec) else None
 
 
-def scores(spec: AttentionSpec):
-    """Masked, scaled scores ``(..., Hq, L, S)``; forbidden entries are ``-inf``."""
+def _raw_scores(spec: AttentionSpec):
+    """The scaled scores ``q k^T * scale``, ``(..., Hq, L, S)``: no cap, no mask; fresh."""
     # The scale goes on the (L, E) queries, not on the (L, S) scores: one pass fewer.
     q = scaled(spec.query, spec.scale)
     s = _matmul_kv(spec, q, mT(spec.key))
-    if s is None:
-        s = spec.xp.matmul(q, mT(spec.full_key))
-    # Masks in place for NumPy (the mask broadcasts to the scores' shape; validated).
+    return spec.xp.matmul(q, mT(spec.full_key)) if s is None else s
+
+
+def _capped(spec: AttentionSpec, s):
+    """``(softcap * tanh(s / softcap), tanh(s / softcap))`` for fresh scaled scores ``s``
+    (overwritten for NumPy), as ``transformers``' Gemma 2 computes them; ``(s, None)`` when
+    ``spec.softcap`` is None."""
+    cap = spec.softcap
+    if cap is None:
+        return s, None
+    if isinstance(s, np.ndarray):
+        t = np.tanh(np.divide(s, cap, out=s), out=s)
+        return scaled(t, cap), t
+    t = spec.xp.tanh(s / cap)
+    return t * cap, t
+
+
+def _masked(spec: AttentionSpec, s):
+    """The mask on fresh scores ``s``, in place for NumPy (the mask broadcasts to the
+    scores' shape; validated): ``-inf`` where a bool mask is False or a key lies in the
+    causal future, a float mask added."""
     if spec.is_causal:
         return fill_forbidden(s, causal_mask(spec.L, spec.S, like=s))
     if spec.attn_mask is None:
@@ -66,6 +102,42 @@ def scores(spec: AttentionSpec):
     if is_bool(spec.attn_mask):
         return fill_forbidden(s, spec.attn_mask)
     return add_(s, spec.attn_mask)
+
+
+def scores(spec: AttentionSpec):
+    """Masked, scaled (and soft-capped) scores ``(..., Hq, L, S)``; forbidden entries are
+    ``-inf``."""
+    return _masked(spec, _capped(spec, _raw_scores(spec))[0])
+
+
+def scores_backward(spec: AttentionSpec, grad_s, tanh=None, *, through_mask: bool = True):
+    """``(grad_query, grad_key)`` from ``grad_s (..., Hq, L, S)``, the gradient of
+    :func:`scores`; the caller's shapes (grouped-query and broadcast dims summed back).
+
+    The soft-cap's derivative ``1 - tanh^2`` uses ``tanh`` (the forward pass's
+    ``tanh(s / softcap)``; None: recomputed). ``through_mask``: entries that a bool mask or
+    the causal future set to ``-inf`` take no gradient (a float mask passes it on); off
+    where ``grad_s`` is already zero there (the softmax's backward)."""
+    xp = spec.xp
+    if through_mask:
+        forbidden = None
+        if spec.is_causal:
+            forbidden = ~causal_mask(spec.L, spec.S, like=grad_s)
+        elif spec.attn_mask is not None and is_bool(spec.attn_mask):
+            forbidden = ~spec.attn_mask
+        if forbidden is not None:
+            grad_s = where_scalar(forbidden, 0.0, grad_s)
+    if spec.softcap is not None:
+        if tanh is None:
+            tanh = _capped(spec, _raw_scores(spec))[1]
+        slope = tanh * tanh  # fresh: 1 - tanh^2 in place, then times grad_s
+        slope = (np.subtract(1.0, slope, out=slope) if isinstance(slope, np.ndarray) else 1.0 - slope)
+        grad_s = mul_(slope, grad_s)
+    # scores = (q * scale) @ k^T: the scale lands on the (L, E) and (S, E) sides.
+    grad_q = _matmul_kv(spec, grad_s, spec.key)
+    grad_q = scaled(xp.matmul(grad_s, spec.full_key) if grad_q is None else grad_q, spec.scale)  # (..., Hq, L, E)
+    grad_k = xp.matmul(mT(grad_s), scaled(spec.query, spec.scale))  # (..., Hq, S, E)
+    return reduce_to(grad_q, spec.query.shape, 1), reduce_to(grad_k, spec.key_shape, spec.gqa_groups)
 
 
 def dropout_keep(spec: AttentionSpec, shape: tuple, rng):
@@ -106,7 +178,8 @@ def backward(spec: AttentionSpec, grad_out, *, rng=None):
     dims are summed back to the caller's shapes. Plain array math (no autograd), so it runs
     in every namespace."""
     xp = spec.xp
-    probs = softmax_(scores(spec))  # (..., Hq, L, S), fresh: in place
+    s, tanh = _capped(spec, _raw_scores(spec))
+    probs = softmax_(_masked(spec, s))  # (..., Hq, L, S), fresh: in place
     keep = dropout_keep(spec, probs.shape, rng)
     dropped = probs if keep is None else probs * keep
     grad_v = xp.matmul(mT(dropped), grad_out)  # (..., Hq, S, Ev)
@@ -115,13 +188,6 @@ def backward(spec: AttentionSpec, grad_out, *, rng=None):
         grad_p = xp.matmul(grad_out, mT(spec.full_value))
     if keep is not None:
         grad_p = mul_(grad_p, keep)
-    grad_s = probs * (grad_p - row_sum(grad_p * probs))
-    # scores = (q * scale) @ k^T: the scale lands on the (L, E) and (S, E) sides.
-    grad_q = _matmul_kv(spec, grad_s, spec.key)
-    grad_q = scaled(xp.matmul(grad_s, spec.full_key) if grad_q is None else grad_q, spec.scale)  # (..., Hq, L, E)
-    grad_k = xp.matmul(mT(grad_s), scaled(spec.query, spec.scale))  # (..., Hq, S, E)
-    return (
-        reduce_to(grad_q, spec.query.shape, 1),
-        reduce_to(grad_k, spec.key_shape, spec.gqa_groups),
-        reduce_to(grad_v, spec.value_shape, spec.gqa_groups),
-    )
+    grad_s = probs * (grad_p - row_sum(grad_p * probs))  # zero where probs are (masked keys)
+    grad_q, grad_k = scores_backward(spec, grad_s, tanh, through_mask=False)
+    return grad_q, grad_k, reduce_to(grad_v, spec.value_shape, spec.gqa_groups)

@@ -27,27 +27,19 @@ points) is :class:`~attnlab.models.llama.Llama`'s. Shapes: ``B`` sequences, ``T`
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator
 from attnlab.core._namespace import namespace
 from attnlab.core.rotary import RopeConfig
 from attnlab.io.checks import check_decoder_config
 from attnlab.io.files import CheckpointError
-from attnlab.models.llama import _ACTIVATIONS, Llama, LlamaConfig, check_family
+from attnlab.models.llama import Llama, LlamaConfig, check_family
 from attnlab.models.registry import FAMILIES as _REGISTRY
-from attnlab.nn import init
-from attnlab.nn.attention import Attention
-from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
-from attnlab.nn.hooks import HookPoint
-from attnlab.nn.layers import Embedding, RMSNorm, RotaryEmbedding
-from attnlab.nn.linear import Linear
-from attnlab.nn.module import Module
+from attnlab.nn.layers import RMSNorm, RotaryEmbedding
 
 __all__ = ["FAMILIES", "Gemma", "GemmaConfig", "gemma_name_map"]
 
@@ -259,46 +251,28 @@ class Gemma(Llama):
     config_class = GemmaConfig
     name_map = staticmethod(gemma_name_map)
 
-    def __init__(self, config: GemmaConfig, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
-                 chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
-                 name: str | None = None, attention_fn=None) -> None:
-        c = self._start(config, tokenizer, chat_template, name)
-        dtype = float_dtype(dtype)
-        # transformers keeps sqrt(D) in a float32 buffer and casts it to the embedding's dtype
-        object.__setattr__(self, "embed_scale", np.float32(math.sqrt(c.hidden_size)).astype(dtype))
-        rng = generator(rng)
-        D, H, Hkv, Dh = c.hidden_size, c.num_attention_heads, c.kv_heads, c.head_size
-        eps = c.rms_norm_eps
-        act = _ACTIVATIONS[c.hidden_act]
+    def _norm(self, d: int, dtype) -> RMSNorm:
+        """Gemma's RMSNorm, whose weight is an offset from 1 (``x * (1 + w)``)."""
+        return RMSNorm(d, self.config.rms_norm_eps, add_unit_offset=True, dtype=dtype)
 
-        def norm(d: int = D) -> RMSNorm:
-            return RMSNorm(d, eps, add_unit_offset=True, dtype=dtype)
+    def _attention_options(self, i: int) -> dict:
+        """The local or global rotary slot of block ``i``, the score scale and soft-cap."""
+        c = self.config
+        return {"rotary": RotaryEmbedding(c.rope_for(i)), "scale": c.attn_scale, "softcap": c.attn_logit_softcapping}
 
-        with init.empty_weights() if weights is not None else contextlib.nullcontext():
-            self.tok_emb = Embedding(c.vocab_size, D, dtype=dtype, rng=rng)
-            self.tok_emb.weight.data[...] = init.normal(rng, self.tok_emb.weight.shape, dtype, std=0.02)
-            self.hook_embed = HookPoint()
-            self.blocks = Module()
-            for i in range(c.num_hidden_layers):
-                attn = Attention(
-                    D, H, num_kv_heads=Hkv, head_dim=Dh, bias=c.qkv_bias, out_bias=c.out_bias,
-                    qk_norm=norm if c.qk_norm else None, rotary=RotaryEmbedding(c.rope_for(i)),
-                    scale=c.attn_scale, softcap=c.attn_logit_softcapping, causal=True, sliding_window=c.window(i),
-                    rng=rng, dtype=dtype, attention_fn=attention_fn,
-                )
-                block = TransformerBlock(
-                    D, H, c.intermediate_size, causal=True, norm_first=True, attn=attn,
-                    mlp=GatedFeedForward(D, c.intermediate_size, activation=act, bias=c.mlp_bias, rng=rng,
-                                         dtype=dtype),
-                    ln_1=norm(), ln_2=norm(), post_attn_norm=norm(), post_mlp_norm=norm(), rng=rng, dtype=dtype,
-                )
-                setattr(self.blocks, str(i), block)
-            self.ln_f = norm()
-            if not c.tie_word_embeddings:
-                self.lm_head = Linear(D, c.vocab_size, bias=False, rng=rng, dtype=dtype)
-        if weights is not None:
-            self.load_state_dict(self._mapped(weights, "weights", dtype), assign=True)
-        self.eval()
+    def _block_norms(self, dtype) -> dict:
+        """The sandwich: a norm before and after each sublayer."""
+        D = self.config.hidden_size
+        return {"ln_1": self._norm(D, dtype), "ln_2": self._norm(D, dtype), "post_attn_norm": self._norm(D, dtype),
+                "post_mlp_norm": self._norm(D, dtype)}
+
+    @property
+    def embed_scale(self):
+        """The embeddings' factor ``sqrt(D)``, as ``transformers`` keeps it: a float32
+        buffer cast to the embedding's dtype."""
+        scale = np.float32(math.sqrt(self.config.hidden_size))
+        dtype = self.tok_emb.weight.dtype
+        return scale.astype(dtype) if isinstance(dtype, np.dtype) else scale
 
     def _embed(self, ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
         e = self.tok_emb(ids)  # another library's arrays take the factor as a Python number (the same value)

@@ -360,35 +360,54 @@ class Llama(CausalLM):
         c = self._start(config, tokenizer, chat_template, name)
         dtype = float_dtype(dtype)
         rng = generator(rng)
-        D, H, Hkv, Dh = c.hidden_size, c.num_attention_heads, c.kv_heads, c.head_size
-        rope = c.rope
-        eps = c.rms_norm_eps
-        act = _ACTIVATIONS[c.hidden_act]
+        D = c.hidden_size
         with init.empty_weights() if weights is not None else contextlib.nullcontext():
             self.tok_emb = Embedding(c.vocab_size, D, dtype=dtype, rng=rng)
             self.tok_emb.weight.data[...] = init.normal(rng, self.tok_emb.weight.shape, dtype, std=0.02)
             self.hook_embed = HookPoint()
             self.blocks = Module()
             for i in range(c.num_hidden_layers):
-                attn = Attention(
-                    D, H, num_kv_heads=Hkv, head_dim=Dh, bias=c.qkv_bias, out_bias=c.out_bias,
-                    qk_norm=(lambda d: RMSNorm(d, eps, dtype=dtype)) if c.qk_norm else None,
-                    rotary=RotaryEmbedding(rope), causal=True, sliding_window=c.window(i), rng=rng, dtype=dtype,
-                    attention_fn=attention_fn,
-                )
-                block = TransformerBlock(
-                    D, H, c.intermediate_size, causal=True, norm_first=True, attn=attn,
-                    mlp=GatedFeedForward(D, c.intermediate_size, activation=act, bias=c.mlp_bias, rng=rng,
-                                         dtype=dtype),
-                    ln_1=RMSNorm(D, eps, dtype=dtype), ln_2=RMSNorm(D, eps, dtype=dtype), rng=rng, dtype=dtype,
-                )
-                setattr(self.blocks, str(i), block)
-            self.ln_f = RMSNorm(D, eps, dtype=dtype)
+                setattr(self.blocks, str(i), self._block(i, rng=rng, dtype=dtype, attention_fn=attention_fn))
+            self.ln_f = self._norm(D, dtype)
             if not c.tie_word_embeddings:
                 self.lm_head = Linear(D, c.vocab_size, bias=False, rng=rng, dtype=dtype)
         if weights is not None:
             self.load_state_dict(self._mapped(weights, "weights", dtype), assign=True)
         self.eval()
+
+    # ------------------------------------------------------------------ the arrangement
+    # A family arranged like Llama overrides the slots below (Gemma, OLMo-2): the block
+    # itself, its attention and its MLP are built here, once, for every family.
+
+    def _block(self, i: int, *, rng: np.random.Generator, dtype, attention_fn=None) -> TransformerBlock:
+        """Block ``i`` (0-based) from the config: grouped-query attention with rotary
+        positions, QK-norm (``qk_norm``) and the block's sliding window, a gated MLP, and
+        the norms of :meth:`_block_norms`; the family's options from
+        :meth:`_attention_options`. The weights are drawn from ``rng`` in this order:
+        attention, MLP."""
+        c = self.config
+        D, H, F = c.hidden_size, c.num_attention_heads, c.intermediate_size
+        attn = Attention(
+            D, H, num_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.qkv_bias, out_bias=c.out_bias,
+            qk_norm=(lambda d: self._norm(d, dtype)) if c.qk_norm else None, causal=True,
+            sliding_window=c.window(i), rng=rng, dtype=dtype, attention_fn=attention_fn, **self._attention_options(i),
+        )
+        mlp = GatedFeedForward(D, F, activation=_ACTIVATIONS[c.hidden_act], bias=c.mlp_bias, rng=rng, dtype=dtype)
+        return TransformerBlock(D, H, F, causal=True, norm_first=True, attn=attn, mlp=mlp, rng=rng, dtype=dtype,
+                                **self._block_norms(dtype))
+
+    def _norm(self, d: int, dtype) -> Module:
+        """The family's norm over ``d`` features: the blocks', the QK-norm's and the final one."""
+        return RMSNorm(d, self.config.rms_norm_eps, dtype=dtype)
+
+    def _attention_options(self, i: int) -> dict:
+        """Block ``i``'s attention options beyond the shared ones: its rotary slot."""
+        return {"rotary": RotaryEmbedding(self.config.rope)}
+
+    def _block_norms(self, dtype) -> dict:
+        """A block's norm slots: one before each sublayer."""
+        D = self.config.hidden_size
+        return {"ln_1": self._norm(D, dtype), "ln_2": self._norm(D, dtype)}
 
     def __repr__(self) -> str:
         c = self.config

@@ -23,21 +23,13 @@ sequences, ``T`` tokens, ``D`` model width, ``H`` query heads, ``H_kv`` key/valu
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from attnlab._validation import float_dtype, generator
-from attnlab.models.llama import _ACTIVATIONS, Llama, LlamaConfig, check_family, llama_name_map
+from attnlab.models.llama import Llama, LlamaConfig, check_family, llama_name_map
 from attnlab.models.registry import FAMILIES as _REGISTRY
-from attnlab.nn import init
-from attnlab.nn.attention import Attention
-from attnlab.nn.blocks import GatedFeedForward, TransformerBlock
-from attnlab.nn.hooks import HookPoint
-from attnlab.nn.layers import Embedding, RMSNorm, RotaryEmbedding
-from attnlab.nn.linear import Linear
 from attnlab.nn.module import Module
 
 __all__ = ["FAMILIES", "NoNorm", "Olmo2", "Olmo2Config", "olmo2_name_map"]
@@ -143,38 +135,12 @@ class Olmo2(Llama):
     config_class = Olmo2Config
     name_map = staticmethod(olmo2_name_map)
 
-    def __init__(self, config: Olmo2Config, weights: Mapping[str, np.ndarray] | None = None, tokenizer=None, *,
-                 chat_template: str | None = None, rng: np.random.Generator | None = None, dtype=np.float32,
-                 name: str | None = None, attention_fn=None) -> None:
-        c = self._start(config, tokenizer, chat_template, name)
-        dtype = float_dtype(dtype)
-        rng = generator(rng)
-        D, F = c.hidden_size, c.intermediate_size
+    def _attention_options(self, i: int) -> dict:
+        """Llama's rotary slot, and the QK-norm over the whole q and k projections."""
+        return {**super()._attention_options(i), "qk_norm_per_head": False}
 
-        def norm(d: int = D) -> RMSNorm:
-            return RMSNorm(d, c.rms_norm_eps, dtype=dtype)
-
-        with init.empty_weights() if weights is not None else contextlib.nullcontext():
-            self.tok_emb = Embedding(c.vocab_size, D, dtype=dtype, rng=rng)
-            self.tok_emb.weight.data[...] = init.normal(rng, self.tok_emb.weight.shape, dtype, std=0.02)
-            self.hook_embed = HookPoint()
-            self.blocks = Module()
-            for i in range(c.num_hidden_layers):
-                attn = Attention(
-                    D, c.num_attention_heads, num_kv_heads=c.kv_heads, head_dim=c.head_size, bias=c.qkv_bias,
-                    out_bias=c.out_bias, qk_norm=norm if c.qk_norm else None, qk_norm_per_head=False,
-                    rotary=RotaryEmbedding(c.rope), causal=True, sliding_window=c.window(i), rng=rng, dtype=dtype,
-                    attention_fn=attention_fn,
-                )
-                mlp = GatedFeedForward(D, F, activation=_ACTIVATIONS[c.hidden_act], bias=c.mlp_bias, rng=rng,
-                                       dtype=dtype)
-                setattr(self.blocks, str(i), TransformerBlock(
-                    D, c.num_attention_heads, F, causal=True, norm_first=True, attn=attn, mlp=mlp, ln_1=NoNorm(),
-                    ln_2=NoNorm(), post_attn_norm=norm(), post_mlp_norm=norm(), rng=rng, dtype=dtype))
-            self.ln_f = norm()
-            if not c.tie_word_embeddings:
-                self.lm_head = Linear(D, c.vocab_size, bias=False, rng=rng, dtype=dtype)
-        if weights is not None:
-            self.load_state_dict(self._mapped(weights, "weights", dtype), assign=True)
-        self.eval()
-
+    def _block_norms(self, dtype) -> dict:
+        """No norm before the sublayers; one after each, before the residual adds it."""
+        D = self.config.hidden_size
+        return {"ln_1": NoNorm(), "ln_2": NoNorm(), "post_attn_norm": self._norm(D, dtype),
+                "post_mlp_norm": self._norm(D, dtype)}

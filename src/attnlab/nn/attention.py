@@ -25,30 +25,33 @@ from attnlab._validation import (
     float_dtype,
     fmt_shape,
     generator,
+    positive_float,
     positive_int,
     probability,
     shape_error,
 )
 from attnlab.core import (
+    apply_attention_weights,
+    apply_attention_weights_backward,
     attention_scores,
+    attention_scores_backward,
     attention_weights,
     causal_mask,
     mask_to_bias,
     rows,
     scaled_dot_product_attention,
     scaled_dot_product_attention_backward,
+    softmax_backward,
 )
 from attnlab.core._namespace import (
-    add_,
     as_dtype,
     device,
-    fill_forbidden,
     is_bool,
     is_floating,
     namespace,
     writeable,
 )
-from attnlab.core._reduce import col_sum, row_sum
+from attnlab.core._reduce import col_sum
 from attnlab.core.masks import sliding_window_mask
 from attnlab.core.naive import dropout_mask
 from attnlab.core.softmax import softmax_
@@ -275,73 +278,32 @@ class KVCache:
             self._key, self._value = grown
 
 
-def _weights_times_values(weights, value):
-    """``weights (N, Hq, L, S) @ value (N, H, S, Ev)`` with ``Hq = G * H`` (grouped-query
-    heads: query head ``h`` reads key/value head ``h // G``, as torch's ``enable_gqa``)."""
-    Hq, H = weights.shape[-3], value.shape[-3]
-    xp = namespace(weights)
-    if Hq == H:
-        return xp.matmul(weights, value)
-    *lead, _, L, S = weights.shape
-    G = Hq // H
-    w = _reshape(weights, (*lead, H, G, L, S))
-    out = xp.matmul(w, _reshape(value, (*value.shape[:-2], 1, *value.shape[-2:])))
-    return _reshape(out, (*lead, Hq, L, value.shape[-1]))
-
-
-def _capped_scores(qh, kh, mask, causal: bool, scale, gqa: bool, cap: float):
-    """Soft-capped, masked scores ``(N, H, L, S)`` and ``tanh(scores / cap)``: the raw
-    scaled scores ``s = q k^T * scale`` become ``cap * tanh(s / cap)`` (Gemma 2's attention
-    logit soft-capping), then the mask gives ``-inf`` (bool False, the causal future) or is
-    added (float), as ``transformers``' eager attention orders them."""
-    raw = attention_scores(qh, kh, None, False, scale, gqa)  # fresh (N, H, L, S)
-    t = namespace(raw).tanh(raw / cap)
-    s = t * cap
-    if causal:
-        mask = causal_mask(s.shape[-2], s.shape[-1], like=s)
-    if mask is not None:
-        s = fill_forbidden(s, mask) if is_bool(mask) else add_(s, mask)
-    return s, t
-
-
-def _explicit_backward(grad_z, qh, kh, vh, saved: _Explicit, scale: float, pattern_hook, scores_hook):
+def _explicit_backward(grad_z, a: AttentionInputs, saved: _Explicit, scale: float | None, softcap: float | None,
+                       pattern_hook, scores_hook):
     """``(grad_q, grad_k, grad_v)`` through the explicit path ``z = drop(hook_pattern(
-    softmax(hook_attn_scores(cap(q k^T * scale) + mask)))) @ v`` (NumPy; grouped-query heads
-    summed back; query head ``h`` reads key/value head ``h // G``), from the weights the
-    forward pass kept: the products' gradients, then the hook points' backward passes (their
-    backward hooks), the softmax's, the soft-cap's ``1 - tanh^2``."""
-    N, H, L, Dv = grad_z.shape
-    Hkv, S = kh.shape[1], kh.shape[2]
-    G = H // Hkv
-    gz = grad_z.reshape(N, Hkv, G, L, Dv)
-    used = saved.weights.reshape(N, Hkv, G, L, S)
-    grad_v = np.matmul(used.swapaxes(-1, -2), gz).sum(axis=2)  # (N, Hkv, S, Dv)
-    grad_w = np.matmul(gz, vh[:, :, None].swapaxes(-1, -2)).reshape(N, H, L, S)
+    softmax(hook_attn_scores(attention_scores(q, k, ...))))) @ v`` (NumPy), from the weights
+    the forward pass kept: the core's backward passes of each step
+    (:func:`attnlab.apply_attention_weights_backward`, :func:`attnlab.softmax_backward`,
+    :func:`attnlab.attention_scores_backward`, grouped-query heads and the soft-cap
+    included), with the hook points' backward passes (their backward hooks) between them."""
+    gqa = a.kh.shape[1] != a.qh.shape[1]
+    grad_w, grad_v = apply_attention_weights_backward(grad_z, saved.weights, a.vh, enable_gqa=gqa)
     if saved.drop is not None:
         grad_w *= saved.drop
-    grad_p = pattern_hook.backward(grad_w)
-    probs = saved.probs
-    grad_s = scores_hook.backward(probs * (grad_p - row_sum(grad_p * probs)))
-    if saved.tanh is not None:
-        grad_s = grad_s * (1.0 - saved.tanh * saved.tanh)
-    gs = grad_s.reshape(N, Hkv, G, L, S)
-    grad_q = np.matmul(gs, kh[:, :, None]).reshape(N, H, L, -1) * scale
-    grad_k = np.matmul(gs.swapaxes(-1, -2), qh.reshape(N, Hkv, G, L, -1)).sum(axis=2) * scale
-    dtype = qh.dtype
-    return grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False), grad_v.astype(dtype, copy=False)
+    grad_s = scores_hook.backward(softmax_backward(pattern_hook.backward(grad_w), saved.probs))
+    grad_q, grad_k = attention_scores_backward(grad_s, a.qh, a.kh, a.mask, a.causal, scale, gqa, softcap=softcap)
+    return grad_q, grad_k, grad_v
 
 
 @dataclass
 class _Explicit:
     """What the explicit path's backward reads: the softmax's output ``probs`` (before
     ``hook_pattern``), the ``weights`` that multiplied the values (after the hook and the
-    dropout), the dropout's scaled keep-mask and the soft-cap's ``tanh``, all
-    ``(N, H, L, S)`` (None: no dropout, no cap)."""
+    dropout) and the dropout's scaled keep-mask, all ``(N, H, L, S)`` (None: no dropout)."""
 
     probs: np.ndarray
     weights: np.ndarray
     drop: np.ndarray | None
-    tanh: np.ndarray | None
 
 
 @dataclass
@@ -398,9 +360,9 @@ class Attention(Module):
         scale: the score scale (None: ``1 / sqrt(D)``; Gemma's ``query_pre_attn_scalar ** -0.5``).
         softcap: soft-capping of the scores (Gemma 2): the scaled scores ``s`` become
             ``softcap * tanh(s / softcap)`` before the mask and the softmax (None: off).
-            The core's attention functions have no soft-cap, so with it the layer always
-            takes the explicit path (the scores computed, then ``weights @ V``) and
-            ``attention_fn`` is not called; the backward pass goes through the tanh.
+            Passed on as ``attention_fn(..., softcap=softcap)`` (and to the core's scores
+            and backward passes), so an ``attention_fn`` of a soft-capped layer must take
+            that keyword; the backward pass goes through the tanh.
         dropout: dropout on the attention weights (training mode only).
         causal: attend only to earlier positions unless a call says otherwise.
         sliding_window: with ``causal``, each query sees only the ``sliding_window`` most
@@ -453,10 +415,7 @@ class Attention(Module):
         qk_norm_per_head: bool = True,
     ):
         super().__init__()
-        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, int | float)
-                                    or not (np.isfinite(softcap) and softcap > 0)):
-            raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
-        self.softcap = None if softcap is None else float(softcap)
+        self.softcap = positive_float(softcap, "softcap")
         E = self.embed_dim = positive_int(embed_dim, "embed_dim")
         H = self.num_heads = positive_int(num_heads, "num_heads")
         Hkv = self.num_kv_heads = H if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads")
@@ -648,29 +607,33 @@ class Attention(Module):
     def _attend(self, qh, kh, vh, mask, causal: bool, need_weights: bool):
         """The attention of the heads: ``(z (N, H, L, D), weights (N, H, L, S) or None,
         dropout rng state, what the explicit path's backward reads or None)``. The weights
-        are computed once when wanted, hooked or soft-capped (the explicit path); otherwise
+        are computed once when wanted or hooked (the explicit path); otherwise
         ``attention_fn`` computes ``z``."""
         p = self.dropout if self.training else 0.0
         rng_state = self._rng.bit_generator.state if p > 0 else None
         gqa = self.num_kv_heads != self.num_heads
-        if self.softcap is None and not (need_weights or self.hook_attn_scores.hooked or self.hook_pattern.hooked):
-            z = self.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal,
-                                  scale=self.scale, enable_gqa=gqa, rng=self._rng)
+        cap = self.softcap
+        if not (need_weights or self.hook_attn_scores.hooked or self.hook_pattern.hooked):
+            options = {} if cap is None else {"softcap": cap}  # an attention_fn without it serves uncapped layers
+            try:
+                z = self.attention_fn(qh, kh, vh, attn_mask=mask, dropout_p=p, is_causal=causal,
+                                      scale=self.scale, enable_gqa=gqa, rng=self._rng, **options)
+            except TypeError as e:
+                if cap is not None and "unexpected keyword argument 'softcap'" in str(e):
+                    raise TypeError(f"this layer soft-caps its scores (softcap={cap}), but its attention_fn "
+                                    f"{getattr(self.attention_fn, '__name__', self.attention_fn)!s} takes no "
+                                    "softcap= keyword") from e
+                raise
             return z, None, rng_state, None
-        t = None
-        if self.softcap is None:
-            scores = attention_scores(qh, kh, mask, causal, self.scale, gqa)
-        else:  # the core has no soft-cap: the explicit path
-            scores, t = _capped_scores(qh, kh, mask, causal, self.scale, gqa, self.softcap)
-        scores = self.hook_attn_scores(scores)
+        scores = self.hook_attn_scores(attention_scores(qh, kh, mask, causal, self.scale, gqa, softcap=cap))
         probs = softmax_(scores)  # fresh scores (a hook's are copies): in place
         keeping = self._keeping()
         weights = self.hook_pattern(probs.copy() if keeping and self.hook_pattern.hooked else probs)
         drop = dropout_mask(weights, p, tuple(weights.shape), self._rng) if p > 0 else None
         if drop is not None:  # the keep-mask the core's backward would redraw from the same state
             weights = weights * drop
-        saved = _Explicit(probs, weights, drop, t) if keeping and isinstance(probs, np.ndarray) else None
-        return _weights_times_values(weights, vh), weights, rng_state, saved
+        saved = _Explicit(probs, weights, drop) if keeping and isinstance(probs, np.ndarray) else None
+        return apply_attention_weights(weights, vh, enable_gqa=gqa), weights, rng_state, saved
 
     def _finish(self, z, a: AttentionInputs, weights, rng_state, explicit: _Explicit | None = None):
         """Hook the heads' outputs, project them out and keep what backward needs."""
@@ -954,13 +917,13 @@ class Attention(Module):
         gh = gz4.transpose(0, 2, 1, 3)
         explicit: _Explicit | None = c.get("explicit")
         if explicit is not None:
-            scale = 1.0 / math.sqrt(a.qh.shape[-1]) if self.scale is None else self.scale
-            gqh, gkh, gvh = _explicit_backward(gh, a.qh, a.kh, a.vh, explicit, scale, self.hook_pattern,
+            gqh, gkh, gvh = _explicit_backward(gh, a, explicit, self.scale, self.softcap, self.hook_pattern,
                                                self.hook_attn_scores)
         else:
+            options = {} if self.softcap is None else {"softcap": self.softcap}
             gqh, gkh, gvh = scaled_dot_product_attention_backward(
                 gh, a.qh, a.kh, a.vh, attn_mask=a.mask, dropout_p=c["p"], is_causal=a.causal, scale=self.scale,
-                enable_gqa=Hkv != H, rng=_replay(self._rng, c["rng_state"]),
+                enable_gqa=Hkv != H, rng=_replay(self._rng, c["rng_state"]), **options,
             )
         if self.add_zero_attn:
             gkh, gvh = gkh[:, :, :-1], gvh[:, :, :-1]

@@ -293,7 +293,7 @@ class TransformerBlock(Module):
                 or type(cache) is not KVCache or not cache.length:
             return None
         plan = self.__dict__.get("_decode_plan")
-        if plan is None or not plan.current(self):
+        if plan is None or not plan.current():
             plan = _DecodePlan(self)
             object.__setattr__(self, "_decode_plan", plan)
         N, _, D = x.shape
@@ -416,14 +416,14 @@ class TransformerBlock(Module):
 
 class _DecodePlan:
     """A block's record for the compiled decoding step, the hook points the step passes by,
-    its scratch widths ``(D, qkv, z, D, F, F)`` and what it was made from (the structure
-    version and every parameter's array: a replaced weight or module makes a new plan)."""
+    its scratch widths ``(D, qkv, z, D, F, F)`` and the structure version it was made at (a
+    replaced weight, parameter or module anywhere makes a new plan:
+    :func:`attnlab.nn.module.structure_version`)."""
 
-    __slots__ = ("datas", "points", "record", "version", "widths")
+    __slots__ = ("points", "record", "version", "widths")
 
     def __init__(self, block: TransformerBlock) -> None:
         self.version = structure_version()
-        self.datas = tuple((p, p.data) for p in block.parameters())
         self.record = block.decode_record()
         self.points = tuple(m for _, m in block.named_modules() if isinstance(m, HookPoint))
         self.widths = (0,) * 6
@@ -432,11 +432,14 @@ class _DecodePlan:
             D, F = block.attn.embed_dim, mlp[0][0].shape[0]
             self.widths = (D, attn[0][0].shape[0], attn[4] * attn[6], D, F, F)
 
-    def current(self, block: TransformerBlock) -> bool:
-        return self.version == structure_version() and all(p.data is d for p, d in self.datas)
+    def current(self) -> bool:
+        return self.version == structure_version()
 
 
 _SCRATCH = threading.local()  # the compiled step's scratch arrays, per thread, by (rows, widths)
+
+
+_DECODE_KERNELS: list = []  # attnlab._decode_kernels, once imported
 
 
 def _step_kernels():
@@ -444,9 +447,11 @@ def _step_kernels():
     where the compiled kernels are not there or turned off (:func:`attnlab.quant._kernels`)."""
     if _kernels() is None:
         return None
-    from attnlab import _decode_kernels
+    if not _DECODE_KERNELS:
+        from attnlab import _decode_kernels
 
-    return _decode_kernels
+        _DECODE_KERNELS.append(_decode_kernels)
+    return _DECODE_KERNELS[0]
 
 
 def _leaves(record):

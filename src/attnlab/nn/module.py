@@ -30,15 +30,17 @@ from attnlab.quant import is_quantized
 
 # Gradients of one parameter may be added by two threads' backward passes at once.
 _GRAD_LOCK = threading.Lock()
-# Counts the changes of any module's children or parameters (assigned, replaced, removed):
-# what a plan gathered from a model's modules compares to know it is still current.
+# Counts the changes of any module's children or parameters (assigned, replaced, removed) and
+# of any parameter's array (``param.data = ...``): what a plan gathered from a model's modules
+# compares to know it is still current.
 _structure = [0]
 
 
 def structure_version() -> int:
     """A number that changes whenever a module anywhere gains, loses or replaces a child
-    module or a parameter (adapters added, a layer swapped): plans built from a model's
-    modules (the compiled decoding step's) are rebuilt when it moved."""
+    module or a parameter (adapters added, a layer swapped), or a parameter's array is
+    replaced (``param.data = ...``; changes in place keep the array): plans built from a
+    model's modules (the compiled decoding step's) are rebuilt when it moved."""
     return _structure[0]
 _hooks_now = _context.current_hooks
 
@@ -58,6 +60,11 @@ class Parameter:
     """
 
     __slots__ = ("data", "grad", "requires_grad")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "data":  # a new array: plans that read the old one are out of date
+            _structure[0] += 1
+        object.__setattr__(self, name, value)
 
     def __init__(self, data: np.ndarray, requires_grad: bool = True):
         self.data = np.asarray(data)
