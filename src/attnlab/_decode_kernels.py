@@ -195,6 +195,36 @@ def _weighted_sum(p, values, j0, n, out):
         j += 1
 
 
+@nb.njit(**_JIT)
+def _merge_runs(tops, sums, parts, runs, n_kv, z):
+    """``z (N, Hq Dh)`` from the runs' partial softmaxes of :func:`_attend` (``tops``/``sums
+    (T, G)``, ``parts (T, G, Dh)``, ``T = N Hkv runs``): each run rescaled to the row's
+    maximum, summed and divided by the summed weights. Not in the parallel function: there
+    numba turns each array expression into a parallel loop of its own (a thread wake-up
+    each, 20-30 us a call)."""
+    T, G, Dh = parts.shape
+    N = T // (n_kv * runs)
+    for n in range(N):
+        for g in range(n_kv):
+            t0 = (n * n_kv + g) * runs
+            for i in range(G):
+                top = tops[t0, i]
+                for c in range(1, runs):
+                    top = max(top, tops[t0 + c, i])
+                total = 0.0
+                col = (g * G + i) * Dh
+                for d in range(Dh):
+                    z[n, col + d] = _F(0.0)
+                for c in range(runs):
+                    f = np.exp(np.float64(tops[t0 + c, i]) - np.float64(top))
+                    total += sums[t0 + c, i] * f
+                    for d in range(Dh):
+                        z[n, col + d] += _F(f) * parts[t0 + c, i, d]
+                inv = _F(1.0 / total)
+                for d in range(Dh):
+                    z[n, col + d] *= inv
+
+
 @nb.njit(parallel=True, **_JIT)
 def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, softcap, z):
     """Each row's one query per head over its keys ``start .. stop - 1`` (those ``key_mask``
@@ -217,7 +247,7 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
     T = N * n_kv * runs
     tops = np.empty((T, G), np.float32)
     sums = np.empty((T, G), np.float64)
-    parts = np.zeros((T, G, Dh), np.float32)
+    parts = np.empty((T, G, Dh), np.float32)
     for t in nb.prange(T):
         n, g, c = t // (n_kv * runs), (t // runs) % n_kv, t % runs
         j0 = start + c * size
@@ -225,6 +255,8 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
         p = np.empty(size, dtype=np.float32)
         mask = key_mask[n] if key_mask.shape[0] > 0 else key_mask.ravel()
         for i in range(G):
+            for d in range(Dh):
+                parts[t, i, d] = _F(0.0)
             q = qkv[n, (g * G + i) * Dh:(g * G + i + 1) * Dh]
             top = _scores(q, keys[n, g], j0, m, scale, softcap, mask, p)
             tops[t, i] = top
@@ -233,21 +265,7 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
                 continue
             sums[t, i] = _exp_sub(p, top, m)
             _weighted_sum(p, values[n, g], j0, m, parts[t, i])
-    for n in range(N):
-        for g in range(n_kv):
-            t0 = (n * n_kv + g) * runs
-            for i in range(G):
-                top = tops[t0, i]
-                for c in range(1, runs):
-                    top = max(top, tops[t0 + c, i])
-                total = 0.0
-                out = np.zeros(Dh, np.float32)
-                for c in range(runs):
-                    f = np.exp(np.float64(tops[t0 + c, i]) - np.float64(top))
-                    total += sums[t0 + c, i] * f
-                    out += _F(f) * parts[t0 + c, i]
-                out *= _F(1.0 / total)
-                z[n, (g * G + i) * Dh:(g * G + i + 1) * Dh] = out
+    _merge_runs(tops, sums, parts, runs, n_kv, z)
 
 
 @nb.njit(**_JIT)
