@@ -591,8 +591,9 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
     threads, except many tokens through a thin side (:func:`_skinny`: a LoRA adapter's
     products, on one BLAS thread; on BLAS's threads their spin made the rest of a SmolLM2
-    forward pass 1.8 times slower); a few rows times a weight's transpose (a short prompt's projection) take it
-    weight first, ``(b.T @ a.T).T``, which OpenBLAS runs faster (see :func:`_weight_first`).
+    forward pass 1.8 times slower); a few rows times a weight's transpose (a short
+    prompt's projection) take it weight first, ``(b.T @ a.T).T``, which OpenBLAS runs
+    faster (see :func:`_weight_first`).
 
     ``tokens``: the length of the token axis of the product (None: its rows, ``M``, as in
     a projection; a weight gradient ``grad^T @ x`` passes its inner dimension).
