@@ -99,6 +99,69 @@ def test_kv_cache_grows_and_keeps_what_it_holds():
     assert "length=66" in repr(cache)
 
 
+def test_a_float16_cache_stores_half_and_hands_back_the_keys_dtype():
+    """``KVCache(dtype="float16")``: storage in float16 (rounded as NumPy's astype rounds),
+    every key and value handed back in the dtype it came in, through growth."""
+    cache = KVCache(dtype="float16")
+    rng = np.random.default_rng(0)
+    chunks = [rng.standard_normal((1, 2, n, 3)).astype(np.float32) for n in (5, 20, 1, 40)]
+    for c in chunks:
+        k, v = cache.append(c, 3 * c)
+    everything = np.concatenate(chunks, axis=2)
+    assert k.dtype == v.dtype == np.float32 and cache._key.dtype == cache._value.dtype == np.float16
+    assert np.array_equal(k, everything.astype(np.float16).astype(np.float32))
+    assert np.array_equal(v, (3 * everything).astype(np.float16).astype(np.float32))
+    assert not np.array_equal(k, everything)  # rounded: float16 keeps 11 bits
+    assert cache._key.nbytes == cache._key.size * 2
+    assert repr(cache) == "KVCache(length=66, key shape=(1, 2, 66, 3), dtype=float16)"
+    cache.reset()
+    assert len(cache) == 0 and cache.dtype == np.float16
+    k, _ = cache.append(everything.astype(np.float64), everything.astype(np.float64))  # a new dtype after reset
+    assert k.dtype == np.float64 and np.array_equal(k, everything.astype(np.float16).astype(np.float64))
+    same = KVCache(dtype="float32")  # the keys' own dtype: views, no copies
+    k, _ = same.append(chunks[0], chunks[0])
+    assert np.shares_memory(k, same._key)
+
+
+def test_cache_dtype_errors_leave_the_cache_as_it_was():
+    for bad in ("int8", "bfloat16", object, "float8"):
+        with pytest.raises(ValueError, match=r"cache dtype must be one of float16, float32, float64 \(or None: "
+                                             r"the keys' own\), got"):
+            KVCache(dtype=bad)
+    cache = KVCache(dtype="float16")
+    x = np.ones((1, 2, 3, 4), np.float32)
+    cache.append(x, x)
+    big = x.copy()
+    big[0, 1, 2, 3] = 7e4  # beyond float16's 65504
+    with pytest.raises(ValueError, match=r"beyond float16's range \(the largest finite float16 is 65504\): "
+                                         "keep this cache in float32"):
+        cache.append(x, big)
+    assert len(cache) == 3
+    k, v = cache.append(x[:, :, :1], x[:, :, :1])  # the failed tokens were never cached
+    assert k.shape == (1, 2, 4, 4) and np.isfinite(v).all()
+    with pytest.raises(ValueError, match=r"key has shape \(1, 2, 1, 4\), but should be \(1, 2, S_new, 4\) "
+                                         r"\(float32\) like the cached keys"):
+        cache.append(x[:, :, :1].astype(np.float64), x[:, :, :1].astype(np.float64))
+    torch = pytest.importorskip("torch")
+    t = torch.ones((1, 2, 3, 4))
+    with pytest.raises(TypeError, match=r"KVCache\(dtype=float16\) stores floating NumPy arrays, got "
+                                        "torch.Tensor keys of dtype torch.float32"):
+        KVCache(dtype="float16").append(t, t)
+    with pytest.raises(TypeError, match="stores floating NumPy arrays, got numpy.ndarray keys of dtype int64"):
+        KVCache(dtype="float16").append(np.ones((1, 1, 1, 2), np.int64), np.ones((1, 1, 1, 2), np.int64))
+
+
+def test_generation_with_a_float16_cache():
+    """``generate(..., cache_dtype="float16")``: the same greedy tokens as the float32 cache
+    here, a float16 cache in every block, and a bad dtype refused before any token."""
+    model = _tiny()
+    ids = np.array([[1, 2, 3]])
+    assert np.array_equal(model.generate(ids, 6, cache_dtype="float16"), model.generate(ids, 6))
+    assert all(c.dtype == np.float16 for c in model.new_cache(dtype=np.float16))
+    with pytest.raises(ValueError, match="cache dtype must be one of"):
+        model.stream(ids, 3, cache_dtype="int4")
+
+
 def test_tiny_state_dict_names_are_unchanged():
     names = list(_tiny().state_dict())
     block = ["ln_1.weight", "ln_1.bias", "attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.weight",

@@ -91,6 +91,54 @@ def test_steps_give_the_modules_logits_and_cache(kind, config, calls):
         np.testing.assert_allclose(v_a, b._value[:, :, :13], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_steps_read_and_write_a_float16_cache(config, calls):
+    """With ``KVCache(dtype="float16")`` the compiled step reads the float16 keys and values
+    and writes the new ones rounded as NumPy rounds: the modules' logits (which widen the
+    same cache to float32), and the same cache to within one float16 step where the two
+    paths' float32 keys round to either side of a float16 midpoint."""
+    model = quantized_llama("Q4_1", **CONFIGS[config])
+    ids = np.array([[5, 9, 77, 3, 20, 8]])
+    fast, slow = model.new_cache(dtype="float16"), model.new_cache(dtype="float16")
+    ref = model.new_cache()
+    logits = model(ids, cache=fast)
+    model(ids, cache=slow)
+    model(ids, cache=ref)
+    nxt = logits[:, -1:].argmax(-1)
+    worst = 0.0
+    for step in range(7):
+        got = model(nxt, cache=fast)
+        with modules_only(model):
+            want = model(nxt, cache=slow)
+        exact = model(nxt, cache=ref)  # a float32 cache: float16's rounding moves the logits a little
+        assert _close(got, want), (step, float(np.abs(got - want).max()))
+        worst = max(worst, float(np.abs(got - exact).max() / np.abs(exact).max()))
+        nxt = want[:, -1:].argmax(-1)
+    assert len(calls) == 2 * 7 * 2  # the float16 cache's steps and the float32 cache's, compiled
+    assert 1e-6 < worst < 5e-3  # float16's rounding shows, and stays small
+    for a, b in zip(fast, slow, strict=True):
+        assert a._key.dtype == b._key.dtype == np.float16 and len(a) == len(b) == 13
+        for x, y in ((a._key, b._key), (a._value, b._value)):
+            x, y = x[:, :, :13].astype(np.float32), y[:, :, :13].astype(np.float32)
+            np.testing.assert_allclose(x, y, rtol=2.0**-10, atol=1e-5)  # atol: as the float32 cache's test
+
+
+def test_a_value_beyond_a_float16_cache_raises_and_is_not_cached(calls):
+    model = quantized_llama("Q8_0")
+    cache = model.new_cache(dtype="float16")
+    model(np.array([[5, 9, 77]]), cache=cache)
+    v = model.layers[1].attn.in_proj_weight.data  # the value rows of block 1 made huge
+    dense = v.dequantize()
+    dense[-32:] *= 1e6
+    model.layers[1].attn.in_proj_weight.data = QuantizedTensor.quantize(dense, "Q8_0")
+    with pytest.raises(ValueError, match=r"beyond float16's range \(the largest finite float16 is 65504\): "
+                                         "keep this cache in float32"):
+        model(np.array([[4]]), cache=cache)
+    assert len(calls) == 2 and [len(c) for c in cache] == [4, 3]  # block 0 cached the token, block 1 did not
+    with modules_only(model), pytest.raises(ValueError, match="beyond float16's range"):
+        model(np.array([[4]]), cache=model.new_cache(dtype="float16"))
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("config", [
     dict(sliding_windows=(3, None), attn_logit_softcapping=4.0, query_pre_attn_scalar=24),  # Gemma 2
@@ -287,11 +335,12 @@ def _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 
     (1, 4, 2, 5, 0, False, 0.0),      # a short cache: one run
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, threads):
+@pytest.mark.parametrize("half", [False, True])
+def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, threads, half):
     """The compiled step's attention over a cache (:func:`attnlab._decode_kernels._attend`:
     runs of keys per task, partial softmaxes merged, a polynomial exp) gives float64
     NumPy's attention within float32 round-off, on one thread or two, with masks, a window's
-    start and soft-capping."""
+    start and soft-capping; a float16 cache (its bits, uint16) as its float16 values."""
     import numba
 
     Dh, C = 64, 1024
@@ -305,10 +354,14 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
         key_mask[:, stop - 1] = True  # the new token takes part
         key_mask[0, :stop - 1] = False  # a row that sees only its new token
     z = np.full((N, Hq * Dh), np.nan, np.float32)
+    stored = keys, values
+    if half:
+        stored = keys.astype(np.float16).view(np.uint16), values.astype(np.float16).view(np.uint16)
+        keys, values = (a.view(np.float16).astype(np.float32) for a in stored)
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
-        _decode_kernels._attend(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, np.float32(0.125),
+        _decode_kernels._attend(qkv, *stored, start, stop, key_mask, Hq, Hkv, Dh, np.float32(0.125),
                                 np.float32(softcap), z)
     finally:
         numba.set_num_threads(before)
@@ -326,3 +379,27 @@ def test_exp_of_the_compiled_softmax_is_within_float32_round_off():
     assert np.abs(p[:-3] - exact).max() <= 1.5e-7 * 1.0 and (np.abs(p[:-3] - exact) / exact).max() <= 1.5e-7
     assert p[-3:].tolist() == [0.0, 0.0, 0.0]
     assert total == pytest.approx(float(np.sum(p, dtype=np.float64)), rel=1e-12)
+
+
+def test_a_float16_cache_is_written_and_read_as_numpy_rounds():
+    """The step's float16 conversions (:func:`attnlab._decode_kernels._store` and the reads
+    of :func:`~attnlab._decode_kernels._scores`): bit for bit NumPy's ``astype(float16)``
+    (round to nearest even: ties, subnormals, signed zeros, infinities) and back, and a
+    count of the finite values that became infinite."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([
+        rng.standard_normal(4000) * 10.0 ** rng.integers(-9, 5, 4000),  # normals and subnormals of float16
+        np.arange(2049, 2200, dtype=np.float64),  # integers past 2048: every other one a tie
+        [0.0, -0.0, 65504.0, 65519.99, 65520.0, -1e6, np.inf, -np.inf, 2.0**-25, 3 * 2.0**-26],
+    ]).astype(np.float32)
+    bits = np.zeros(x.shape, np.uint16)
+    lost = _decode_kernels._store(bits, x)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16)
+    assert np.array_equal(bits, want.view(np.uint16))
+    assert lost == 2  # 65520 and -1e6 (65519.99 rounds down to 65504; the infinities were infinite)
+    q = np.ones(1, np.float32)
+    p = np.empty(x.shape[0], np.float32)
+    _decode_kernels._scores(q, bits[:, None], 0, x.shape[0], np.float32(1.0), np.float32(0.0),
+                            np.zeros(0, np.bool_), p)
+    assert np.array_equal(p, want.astype(np.float32))

@@ -283,6 +283,31 @@ def test_smollm2_quantized_greedy_answers_match_float32(smollm2_quantized, smoll
     assert same >= 9, f"{same} of {len(PROMPTS)} answers equal"
 
 
+def test_smollm2_quantized_answers_with_a_float16_cache(smollm2_quantized, one_thread):
+    """A float16 cache (the compiled step reading and writing float16) keeps the quantized
+    model's greedy answers and moves its logits by float16's rounding only."""
+    q = smollm2_quantized
+    seqs = [q.encode(q.chat_prompt(p))[0] for p in PROMPTS[:5]]
+    T = max(len(s) for s in seqs)
+    ids = np.zeros((len(seqs), T), dtype=np.int64)
+    mask = np.zeros((len(seqs), T), dtype=np.int64)
+    for i, s in enumerate(seqs):
+        ids[i, T - len(s):], mask[i, T - len(s):] = s, 1
+    a = q.generate(ids, 12, attention_mask=mask, cache_dtype="float16")
+    b = q.generate(ids, 12, attention_mask=mask)
+    same = int(np.sum(np.all(a == b, axis=1)))
+    assert same >= 4, f"{same} of 5 answers equal"
+    c16, c32 = q.new_cache(dtype="float16"), q.new_cache()
+    one = ids[:1, T - len(seqs[0]):]
+    q(one, cache=c16)
+    l32 = q(one, cache=c32)
+    nxt = l32[:, -1:].argmax(-1)
+    d16, d32 = q(nxt, cache=c16), q(nxt, cache=c32)
+    err = float(np.abs(d16 - d32).max() / np.abs(d32).max())
+    print(f"float16 cache: {same} of 5 answers equal; one step's logits within {err:.2e} of the largest")
+    assert c16[0]._key.dtype == np.float16 and 1e-6 < err < 2e-3, err
+
+
 def test_cli_generate_quantized(tmp_path, capsys):
     pytest.importorskip("gguf")
     pytest.importorskip("tokenizers")
@@ -299,6 +324,15 @@ def test_cli_generate_quantized(tmp_path, capsys):
     assert "quantized weights" in quant
     generated = [[line for line in out.splitlines() if line.startswith("generated")] for out in (plain, quant)]
     assert len(generated[0]) == 1 and generated[0] == generated[1]  # the same greedy tokens
+    assert main([*args, "--quantized", "--cache-dtype", "float16"]) == 0
+    half = capsys.readouterr().out
+    assert "with a float16 key/value cache, quantized weights" in half
+    assert [line for line in half.splitlines() if line.startswith("generated")] == generated[0]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--cache-dtype", "int8"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.count("\n") == 1 and "argument --cache-dtype: invalid choice: 'int8'" in err
     (tmp_path / "folder").mkdir()
     assert main(["generate", "--checkpoint", str(tmp_path / "folder"), "--quantized", "hi"]) == 2
     assert "--quantized needs a .gguf file" in capsys.readouterr().err

@@ -26,7 +26,8 @@ the fields in order):
 - the block (:meth:`attnlab.nn.TransformerBlock.decode_record`): ``(ln_1, attention,
   ln_1_post, ln_2, feed_forward, ln_2_post)``, the sandwich norms None for none;
 - the rows of one call (:meth:`attnlab.nn.Attention.decode_rows`): ``(cos, sin, keys,
-  values, slot, start, key_mask)``.
+  values, slot, start, key_mask)``, ``keys``/``values`` the cache's storage: float32, or a
+  float16 cache's bits as uint16 (read and written through :func:`_widen`/:func:`_narrow`).
 
 Axes: ``N`` rows (sequences), ``D`` model width, ``Hq``/``Hkv`` query and key/value heads,
 ``Dh`` head width, ``R`` rotated dims (``<= Dh``), ``C`` the cache's capacity, ``S`` keys,
@@ -43,6 +44,9 @@ import math
 
 import numba as nb
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
 
 from attnlab._quant_kernels import _F, q4_matvec, q8_0_matvec
 
@@ -50,6 +54,69 @@ from attnlab._quant_kernels import _F, q4_matvec, q8_0_matvec
 # overflows to inf for x << 0, and x / inf must stay -0); reassociation lets sums vectorise.
 _JIT = {"nogil": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "cache": True,
         "error_model": "numpy", "boundscheck": False}
+
+# A float16 cache (KVCache(dtype="float16")) reaches the kernels as its bits, uint16 arrays
+# (numba has no float16 type): _widen reads a cached value as float32 and _narrow writes
+# one, both as the CPU's own conversions (F16C's vcvtph2ps/vcvtps2ph, which LLVM
+# vectorises; round to nearest even, as NumPy's astype). A float32 cache passes through.
+@intrinsic
+def _half_to_float(typingctx, h):
+    if h != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def _float_to_half(typingctx, f):
+    if f != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(f), codegen
+
+
+def _widen(x):
+    """A cached value (float32, or float16 bits as uint16) as float32."""
+
+
+@overload(_widen, jit_options=_JIT)
+def _widen_impl(x):
+    if x == types.uint16:
+        return lambda x: _half_to_float(x)
+    if x == types.float32:
+        return lambda x: x
+    return None
+
+
+def _narrow(x, like):
+    """The float32 ``x`` in the cache's type, that of ``like`` (uint16: float16 bits)."""
+
+
+@overload(_narrow, jit_options=_JIT)
+def _narrow_impl(x, like):
+    if like == types.uint16:
+        return lambda x, like: _float_to_half(x)
+    if like == types.float32:
+        return lambda x, like: x
+    return None
+
+
+@nb.njit(**_JIT)
+def _store(row, x):
+    """``row (Dh,) = x (Dh,)`` in the cache's type; returns how many finite values became
+    infinite there (beyond float16's range)."""
+    lost = 0
+    for d in range(x.shape[0]):
+        row[d] = _narrow(x[d], row[d])
+        lost += np.isinf(_widen(row[d])) and not np.isinf(x[d])
+    return lost
+
 
 @nb.njit(**_JIT)
 def _product(weight, x, out):
@@ -150,17 +217,17 @@ def _scores(q, keys, j0, n, scale, softcap, mask, p):
         a2 = _F(0.0)
         a3 = _F(0.0)
         for d in range(Dh):
-            a0 += q[d] * k0[d]
-            a1 += q[d] * k1[d]
-            a2 += q[d] * k2[d]
-            a3 += q[d] * k3[d]
+            a0 += q[d] * _widen(k0[d])
+            a1 += q[d] * _widen(k1[d])
+            a2 += q[d] * _widen(k2[d])
+            a3 += q[d] * _widen(k3[d])
         p[j], p[j + 1], p[j + 2], p[j + 3] = a0, a1, a2, a3
         j += 4
     while j < n:
         kr = keys[j0 + j]
         a0 = _F(0.0)
         for d in range(Dh):
-            a0 += q[d] * kr[d]
+            a0 += q[d] * _widen(kr[d])
         p[j] = a0
         j += 1
     top = _F(-3.4e38)
@@ -185,13 +252,13 @@ def _weighted_sum(p, values, j0, n, out):
         w0, w1, w2, w3 = p[j], p[j + 1], p[j + 2], p[j + 3]
         v0, v1, v2, v3 = values[j0 + j], values[j0 + j + 1], values[j0 + j + 2], values[j0 + j + 3]
         for d in range(Dh):
-            out[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+            out[d] += w0 * _widen(v0[d]) + w1 * _widen(v1[d]) + w2 * _widen(v2[d]) + w3 * _widen(v3[d])
         j += 4
     while j < n:
         w = p[j]
         vr = values[j0 + j]
         for d in range(Dh):
-            out[d] += w * vr[d]
+            out[d] += w * _widen(vr[d])
         j += 1
 
 
@@ -288,12 +355,14 @@ def _activate(gate, up, activation):
 @nb.njit(**_JIT)
 def _attention(x, attn, rows, qkv, z, out):
     """The attention of one new token per row: ``out (N, D)`` from its input ``x (N, D)``
-    (already normed), the new key and value written at the rows' ``slot``."""
+    (already normed), the new key and value written at the rows' ``slot``; returns how
+    many of their values the cache's type could not hold (:func:`_store`)."""
     w_qkv, w_out, q_norm, k_norm, n_heads, n_kv, Dh, scale, softcap = attn
     cos, sin, keys, values, slot, start, key_mask = rows
     _product(w_qkv, x, qkv)
     Dq = n_heads * Dh
     Dkv = n_kv * Dh
+    lost = 0
     for n in range(x.shape[0]):
         for hh in range(n_heads):
             q = qkv[n:n + 1, hh * Dh: (hh + 1) * Dh]
@@ -303,10 +372,11 @@ def _attention(x, attn, rows, qkv, z, out):
             k = qkv[n:n + 1, Dq + g * Dh: Dq + (g + 1) * Dh]
             _norm_in_place(k, k_norm)
             _rotate(k[0], cos[n], sin[n])
-            keys[n, g, slot] = k[0]
-            values[n, g, slot] = qkv[n, Dq + Dkv + g * Dh: Dq + Dkv + (g + 1) * Dh]
+            lost += _store(keys[n, g, slot], k[0])
+            lost += _store(values[n, g, slot], qkv[n, Dq + Dkv + g * Dh: Dq + Dkv + (g + 1) * Dh])
     _attend(qkv, keys, values, start, slot + 1, key_mask, n_heads, n_kv, Dh, scale, softcap, z)
     _product(w_out, z, out)
+    return lost
 
 
 @nb.njit(**_JIT)
@@ -333,14 +403,18 @@ def decode_layer(h, block, rows, scratch):
     value (the rotated key) are written at ``slot`` of ``keys``/``values (N, Hkv, C, Dh)``
     and the query attends to the keys ``start .. slot`` that ``key_mask (N, S)`` allows
     (``(0, 0)``: all); ``cos``/``sin (N, R)`` are the rotation of each row's position.
-    ``scratch`` is ``(xn (N, D), qkv (N, (Hq + 2 Hkv) Dh), z (N, Hq Dh), o (N, D), gate
-    (N, F), up (N, F))``.
+    ``keys``/``values`` are float32, or a float16 cache's bits (uint16). ``scratch`` is
+    ``(xn (N, D), qkv (N, (Hq + 2 Hkv) Dh), z (N, Hq Dh), o (N, D), gate (N, F), up (N,
+    F))``.
+
+    Returns how many of the new key's and value's finite values the cache's type could not
+    hold (beyond float16's range: stored as infinities; 0 for a float32 cache).
     """
     ln_1, attn, ln_1_post, ln_2, mlp, ln_2_post = block
     w_gate, w_up, w_down, activation = mlp
     xn, qkv, z, o, gate, up = scratch
     _rms_norm(h, ln_1, xn)
-    _attention(xn, attn, rows, qkv, z, o)
+    lost = _attention(xn, attn, rows, qkv, z, o)
     _add_normed(h, o, ln_1_post)
     _rms_norm(h, ln_2, xn)
     _product(w_gate, xn, gate)
@@ -348,3 +422,4 @@ def decode_layer(h, block, rows, scratch):
     _activate(gate, up, activation)
     _product(w_down, gate, o)
     _add_normed(h, o, ln_2_post)
+    return lost

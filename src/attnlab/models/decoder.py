@@ -93,10 +93,11 @@ class CausalLM(Module):
         """The final norm (hook name ``ln_final``)."""
         return self.ln_f
 
-    def new_cache(self) -> list[KVCache]:
+    def new_cache(self, *, dtype=None) -> list[KVCache]:
         """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
-        :meth:`forward` ``(..., cache=...)``."""
-        return [KVCache() for _ in self.layers]
+        :meth:`forward` ``(..., cache=...)``; ``dtype`` is its storage dtype (None: the
+        keys' own; ``"float16"``: half the memory, see :class:`~attnlab.nn.KVCache`)."""
+        return [KVCache(dtype=dtype) for _ in self.layers]
 
     def unembed(self, h: np.ndarray) -> np.ndarray:
         """The output layer: ``(..., D) -> (..., V)`` logits of a normalized residual (after
@@ -231,6 +232,7 @@ class CausalLM(Module):
         top_k: int | None = None,
         rng: np.random.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        cache_dtype=None,
     ) -> np.ndarray:
         """The prompts followed by up to ``max_new_tokens`` new tokens: ``(B, T + n)``.
 
@@ -242,17 +244,20 @@ class CausalLM(Module):
         prompts of different lengths is left-padded, with ``attention_mask`` (1 = real
         token). With ``eos_token_id`` a finished row continues with it and generation stops
         when every row has finished. Hooks attached with ``model.hooks(...)`` run once per
-        step. See :func:`attnlab.models.generate.generate`.
+        step. ``cache_dtype`` stores the cache in another dtype (``"float16"``: half the
+        memory, and faster long generations with weights kept quantized; see
+        :class:`~attnlab.nn.KVCache`). See :func:`attnlab.models.generate.generate`.
 
         Raises:
             ValueError: token ids outside the vocabulary, the prompt plus
                 ``max_new_tokens`` longer than the context, a mask that is not 0/1 or not
-                left-padded, a negative temperature, ``top_k`` without sampling.
+                left-padded, a negative temperature, ``top_k`` without sampling, a
+                ``cache_dtype`` that is not a floating type.
         """
         return generate(
             self, input_ids, max_new_tokens, vocab_size=self.config.vocab_size, n_positions=self.max_positions,
             positions_name=self._positions_name, attention_mask=attention_mask, temperature=temperature,
-            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype,
         )
 
     def stream(
@@ -265,6 +270,7 @@ class CausalLM(Module):
         top_k: int | None = None,
         rng: np.random.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        cache_dtype=None,
     ) -> Iterator:
         """:meth:`generate`'s new tokens one at a time, each as soon as it is chosen: ``(B,)``
         int64 per step, or an ``int`` for one prompt ``(T,)``. The arguments are checked
@@ -272,7 +278,7 @@ class CausalLM(Module):
         return generate_stream(
             self, input_ids, max_new_tokens, vocab_size=self.config.vocab_size, n_positions=self.max_positions,
             positions_name=self._positions_name, attention_mask=attention_mask, temperature=temperature,
-            top_k=top_k, rng=rng, eos_token_id=eos_token_id,
+            top_k=top_k, rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype,
         )
 
     def stream_text(
@@ -286,6 +292,7 @@ class CausalLM(Module):
         top_k: int | None = None,
         rng: np.random.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        cache_dtype=None,
     ) -> Iterator[str]:
         """The continuation of one text, as pieces of text as soon as they are decoded.
 
@@ -305,7 +312,7 @@ class CausalLM(Module):
         if eos_token_id is None:
             eos_token_id = self.config.eos_token_id
         tokens = self.stream(ids, max_new_tokens, temperature=temperature, top_k=top_k, rng=rng,
-                             eos_token_id=eos_token_id)
+                             eos_token_id=eos_token_id, cache_dtype=cache_dtype)
         return decode_stream(self._tokenizer(), tokens, context=[] if chat else ids[-8:].tolist(),
                              eos_token_id=eos_token_id, skip_special_tokens=chat)
 

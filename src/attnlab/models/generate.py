@@ -32,6 +32,7 @@ from attnlab.core._namespace import from_host, is_numpy, namespace, to_host
 from attnlab.core.blockwise_xp import matmul_precision
 from attnlab.nn import _context
 from attnlab.nn.attention import KVCache
+from attnlab.nn.attention import cache_dtype as cache_dtype_of
 
 __all__ = ["check_attention_mask", "check_token_ids", "decoder_backward", "decoder_forward", "embed_tokens",
            "embed_tokens_backward", "generate", "generate_stream", "next_token", "position_ids"]
@@ -358,6 +359,7 @@ def generate(
     top_k: int | None = None,
     rng: np.random.Generator | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    cache_dtype=None,
 ) -> np.ndarray:
     """Continue ``input_ids`` by ``max_new_tokens`` tokens with a key/value cache: the tokens
     of :func:`generate_stream`, collected.
@@ -378,6 +380,9 @@ def generate(
         attention_mask: ``(B, T)`` (``(T,)``) 1 for real tokens, 0 for the left padding.
         temperature, top_k, rng: see :func:`next_token`.
         eos_token_id: the token (or tokens) that ends a sequence; None: never stop early.
+        cache_dtype: the cache's storage dtype, ``model.new_cache(dtype=cache_dtype)``
+            (None: ``model.new_cache()``, the keys' own dtype; ``"float16"``: half the
+            memory, see :class:`attnlab.nn.KVCache`).
 
     Returns:
         ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=
@@ -387,7 +392,7 @@ def generate(
     """
     run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
                       positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
-                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype)
     rows, T = run.rows, run.rows.shape[1]
     out = np.empty((len(rows), T + run.max_new_tokens), dtype=np.int64)
     out[:, :T] = rows
@@ -413,6 +418,7 @@ def generate_stream(
     top_k: int | None = None,
     rng: np.random.Generator | None = None,
     eos_token_id: int | Sequence[int] | None = None,
+    cache_dtype=None,
 ) -> Iterator:
     """:func:`generate`, one step at a time: an iterator over the new tokens, each given as
     soon as it is chosen (the first right after the prompt's forward pass).
@@ -433,7 +439,7 @@ def generate_stream(
     """
     run = _Generation(input_ids, max_new_tokens, vocab_size=vocab_size, n_positions=n_positions,
                       positions_name=positions_name, attention_mask=attention_mask, temperature=temperature,
-                      top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+                      top_k=top_k, rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype)
     steps = run.steps(model)
     return (int(t[0]) for t in steps) if run.single else steps
 
@@ -442,11 +448,12 @@ class _Generation:
     """The checked arguments of one generation and its loop (:meth:`steps`)."""
 
     def __init__(self, input_ids, max_new_tokens, *, vocab_size, n_positions, positions_name, attention_mask,
-                 temperature, top_k, rng, eos_token_id):
+                 temperature, top_k, rng, eos_token_id, cache_dtype=None):
         ids = check_token_ids(input_ids, vocab_size)
         self.max_new_tokens = positive_int(max_new_tokens, "max_new_tokens", allow_zero=True)
         self.temperature, self.top_k = _check_sampling(temperature, top_k)
         self.eos = _eos_ids(eos_token_id)
+        self.cache_dtype = cache_dtype_of(cache_dtype)
         self.rng = generator(rng) if self.temperature > 0 else rng
         T = ids.shape[-1]
         if T + self.max_new_tokens > n_positions:
@@ -464,7 +471,7 @@ class _Generation:
         if self.max_new_tokens == 0:
             return
         B = len(self.rows)
-        cache = model.new_cache()
+        cache = model.new_cache() if self.cache_dtype is None else model.new_cache(dtype=self.cache_dtype)
         finished = np.zeros(B, dtype=bool)
         step_ids, mask = self.rows, self.mask
         for n in range(self.max_new_tokens):

@@ -395,6 +395,7 @@ class GPT2(CausalLM):
         top_k: int | None = None,
         rng: np.random.Generator | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        cache_dtype=None,
     ) -> str | list[str]:
         """Text in, text out: each prompt and its continuation (up to an ``eos_token_id``,
         which is left out), decoded by the tokenizer. Several prompts run as one
@@ -411,7 +412,7 @@ class GPT2(CausalLM):
         for i, e in enumerate(encoded):
             ids[i, T - len(e) :], mask[i, T - len(e) :] = e, True
         out = self.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature,
-                            top_k=top_k, rng=rng, eos_token_id=eos_token_id)
+                            top_k=top_k, rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype)
         stop = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         texts = []
         for row, e in zip(out, encoded, strict=True):

@@ -582,7 +582,7 @@ class Llama(CausalLM):
     def generate_text(self, prompt: str | Sequence[str], max_new_tokens: int, *, chat: bool | None = None,
                       system: str | None = None, temperature: float = 0.0, top_k: int | None = None,
                       rng: np.random.Generator | None = None,
-                      eos_token_id: int | Sequence[int] | None = None) -> str | list[str]:
+                      eos_token_id: int | Sequence[int] | None = None, cache_dtype=None) -> str | list[str]:
         """Text in, text out. With ``chat`` (the default when the model has a chat
         template) each prompt is a user message put through the chat template and the
         result is the assistant's answer alone; without, the prompt and its continuation.
@@ -604,7 +604,7 @@ class Llama(CausalLM):
         if eos_token_id is None:
             eos_token_id = self.config.eos_token_id
         out = self.generate(ids, max_new_tokens, attention_mask=mask, temperature=temperature, top_k=top_k,
-                            rng=rng, eos_token_id=eos_token_id)
+                            rng=rng, eos_token_id=eos_token_id, cache_dtype=cache_dtype)
         stop = set(np.atleast_1d(eos_token_id).tolist()) if eos_token_id is not None else set()
         texts = []
         for row, e in zip(out, encoded, strict=True):

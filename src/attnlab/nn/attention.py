@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -199,6 +200,31 @@ class SelfAttention(Module):
         return f"d_in={self.d_in}, d_out={self.d_out}, qkv_bias={self.W_q.bias is not None}"
 
 
+_STEP_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # what the compiled decoding step reads
+
+#: The storage dtypes a :class:`KVCache` takes (``dtype=``): NumPy's floating types.
+CACHE_DTYPES = ("float16", "float32", "float64")
+
+
+def cache_dtype(dtype) -> np.dtype | None:
+    """``dtype`` checked as a :class:`KVCache` storage dtype (None: the keys' own), as a
+    NumPy dtype.
+
+    >>> cache_dtype("float16"), cache_dtype(None)
+    (dtype('float16'), None)
+    """
+    if dtype is None:
+        return None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.name not in CACHE_DTYPES:
+        raise ValueError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)} (or None: the keys' own), "
+                         f"got {dtype!r}")
+    return dt
+
+
 class KVCache:
     """The keys and values one attention layer has seen, for incremental decoding.
 
@@ -208,19 +234,34 @@ class KVCache:
     come after the ``S - L`` cached keys). Storage grows by doubling, so appending one
     token at a time costs amortised ``O(1)`` copies per token.
 
+    With ``dtype`` (``"float16"``, ``"float32"`` or ``"float64"``; NumPy arrays only) the
+    keys and values are stored in that dtype, rounded to nearest as NumPy's ``astype``
+    rounds, and handed back in the dtype they came in (a copy when the two differ). A
+    ``float16`` cache takes half a float32 cache's memory, and the compiled decoding step
+    (:mod:`attnlab._decode_kernels`) reads it as it is: half the bytes a token reads from
+    a long cache (llama.cpp's default cache type). Its keys and values carry float16's
+    relative error (at most ``2^-11``, about ``4.9e-4``) and must lie within ``±65504``.
+
     Attributes:
         length: the number of cached tokens ``S``.
+        dtype: the storage dtype given (None: the keys' own).
 
     >>> cache = KVCache()
     >>> k, v = cache.append(np.ones((1, 2, 3, 4)), np.ones((1, 2, 3, 4)))
     >>> k, v = cache.append(np.ones((1, 2, 1, 4)), np.ones((1, 2, 1, 4)))
     >>> len(cache), k.shape
     (4, (1, 2, 4, 4))
+    >>> half = KVCache(dtype="float16")
+    >>> k, v = half.append(np.full((1, 2, 3, 4), 0.1), np.ones((1, 2, 3, 4)))
+    >>> k.dtype, float(k[0, 0, 0, 0])  # the stored float16 value, handed back as float64
+    (dtype('float64'), 0.0999755859375)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, dtype=None) -> None:
+        self.dtype = cache_dtype(dtype)
         self._key: np.ndarray | None = None
         self._value: np.ndarray | None = None
+        self._given: np.dtype | None = None  # the dtype the keys come in (set by the first append)
         self.length = 0
 
     def __len__(self) -> int:
@@ -228,28 +269,35 @@ class KVCache:
 
     def __repr__(self) -> str:
         shape = None if self._key is None else fmt_shape((*self._key.shape[:-2], self.length, self._key.shape[-1]))
-        return f"KVCache(length={self.length}, key shape={shape})"
+        stored = "" if self.dtype is None else f", dtype={self.dtype.name}"
+        return f"KVCache(length={self.length}, key shape={shape}{stored})"
 
     def reset(self) -> None:
-        """Forget every cached token."""
-        self._key = self._value = None
+        """Forget every cached token (the storage dtype stays)."""
+        self._key = self._value = self._given = None
         self.length = 0
 
     def append(self, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add ``key (N, H, S_new, E)`` and ``value (N, H, S_new, Ev)``; return every cached
-        key and value, ``(N, H, S, E)`` and ``(N, H, S, Ev)`` (views of the storage)."""
+        key and value, ``(N, H, S, E)`` and ``(N, H, S, Ev)`` (views of the storage; copies
+        in the keys' dtype when the storage dtype differs)."""
         if namespace(key, value, names=("key", "value")) is np:
             key, value = np.asarray(key), np.asarray(value)
         if key.ndim != 4 or value.shape[:-1] != key.shape[:-1] or value.dtype != key.dtype:
             raise shape_error("value", value.shape, f"(N, H, S_new, Ev) with N, H, S_new of key "
                               f"{fmt_shape(key.shape)} and its dtype")
+        converted = self.dtype is not None and key.dtype != self.dtype
+        if converted and (type(key) is not np.ndarray or not np.issubdtype(key.dtype, np.floating)):
+            raise TypeError(f"KVCache(dtype={self.dtype.name}) stores floating NumPy arrays, got "
+                            f"{type(key).__module__}.{type(key).__name__} keys of dtype {key.dtype}")
         n = key.shape[2]
         if self._key is not None:
             have = self._key
-            if key.shape[:2] != have.shape[:2] or key.shape[3] != have.shape[3] or key.dtype != have.dtype \
+            if key.shape[:2] != have.shape[:2] or key.shape[3] != have.shape[3] or key.dtype != self._given \
                     or value.shape[3] != self._value.shape[3]:
                 need = fmt_shape((*have.shape[:2], "S_new", have.shape[3]))
-                raise shape_error("key", key.shape, f"{need} ({have.dtype}) like the cached keys")
+                raise shape_error("key", key.shape, f"{need} ({self._given}) like the cached keys")
+        self._given = key.dtype
         if type(key) is not np.ndarray and not writeable(key):  # immutable arrays (JAX): grown by concatenation
             xp = namespace(key)
             if self._key is not None:
@@ -257,21 +305,30 @@ class KVCache:
             self._key, self._value, self.length = key, value, self.length + n
             return key, value
         self._reserve(n, key, value)
-        self._key[:, :, self.length : self.length + n, :] = key
-        self._value[:, :, self.length : self.length + n, :] = value
+        with np.errstate(over="raise") if converted else nullcontext():
+            try:
+                self._key[:, :, self.length : self.length + n, :] = key
+                self._value[:, :, self.length : self.length + n, :] = value
+            except FloatingPointError:
+                raise ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite "
+                                 f"{self.dtype.name} is {float(np.finfo(self.dtype).max):g}): keep this cache "
+                                 "in float32") from None
         self.length += n
-        return self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
+        k, v = self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
+        return (k.astype(key.dtype), v.astype(key.dtype)) if converted else (k, v)
 
     def _reserve(self, n: int, key_like, value_like) -> None:
         """Room for ``n`` more tokens (the storage doubles when full; new storage takes the
-        layout, dtype and library of ``key_like``/``value_like (N, H, *, E)``). The storage
-        past ``length`` is never read, so it is left unfilled (filling a 512-token prompt's
-        1024-token storage with zeros took 2% of GPT-2 small's prefill)."""
+        layout and library of ``key_like``/``value_like (N, H, *, E)``, and their dtype or
+        :attr:`dtype`). The storage past ``length`` is never read, so it is left unfilled
+        (filling a 512-token prompt's 1024-token storage with zeros took 2% of GPT-2
+        small's prefill)."""
         if self._key is None or self.length + n > self._key.shape[2]:
             capacity = max(16, 2 * (self.length + n))
             grown = []
             for old, new in ((self._key, key_like), (self._value, value_like)):
-                buf = _empty((*new.shape[:2], capacity, new.shape[3]), new)  # in new's library
+                shape = (*new.shape[:2], capacity, new.shape[3])
+                buf = _empty(shape, new) if self.dtype is None else np.empty(shape, self.dtype)  # in new's library
                 if old is not None:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
@@ -850,17 +907,18 @@ class Attention(Module):
     def decode_rows(self, n: int, key_padding_mask, cache, positions) -> tuple | None:
         """The rows of one compiled decoding step (:mod:`attnlab._decode_kernels`): ``(cos,
         sin, keys, values, slot, start, key_mask)`` for one new token in each of ``n``
-        rows after the ``cache`` (a non-empty float32 NumPy :class:`KVCache`), with room
-        made for it (``slot``, counted in ``cache``); ``start`` is the first key the sliding
-        window keeps. None (the cache untouched) where the step does not apply: an empty
-        or foreign cache, a ``key_padding_mask`` that is not a bool ``(n, S + 1)`` array
-        allowing every new token, positions the rotary slot does not take (None: after the
-        cached ones)."""
+        rows after the ``cache`` (a non-empty NumPy :class:`KVCache` of float32 keys,
+        stored as float32 or float16: then ``keys``/``values`` are its bits, uint16), with
+        room made for it (``slot``, counted in ``cache``); ``start`` is the first key the
+        sliding window keeps. None (the cache untouched) where the step does not apply: an
+        empty or foreign cache, a ``key_padding_mask`` that is not a bool ``(n, S + 1)``
+        array allowing every new token, positions the rotary slot does not take (None:
+        after the cached ones)."""
         k, v, past = cache._key, cache._value, cache.length
         if type(cache) is not KVCache or not past or type(k) is not np.ndarray or type(v) is not np.ndarray \
-                or k.dtype != np.float32 or v.dtype != np.float32 or k.shape[0] != n \
-                or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim or k.shape != v.shape \
-                or not (k.flags.c_contiguous and v.flags.c_contiguous):
+                or cache._given != np.float32 or k.dtype not in _STEP_CACHE_DTYPES or v.dtype != k.dtype \
+                or k.shape[0] != n or k.shape[1] != self.num_kv_heads or k.shape[3] != self.head_dim \
+                or k.shape != v.shape or not (k.flags.c_contiguous and v.flags.c_contiguous):
             return None
         if key_padding_mask is None:
             key_mask = _NO_KEY_MASK
@@ -876,7 +934,10 @@ class Attention(Module):
         slot = cache.length
         cache.length += 1
         start = 0 if self.sliding_window is None else max(0, slot + 1 - self.sliding_window)
-        return (*rotation, cache._key, cache._value, slot, start, key_mask)
+        keys, values = cache._key, cache._value
+        if keys.dtype == np.float16:  # numba has no float16: the kernel reads the bits
+            keys, values = keys.view(np.uint16), values.view(np.uint16)
+        return (*rotation, keys, values, slot, start, key_mask)
 
     def backward(self, grad_output: np.ndarray):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);
