@@ -9,11 +9,13 @@ an older commit) for a before/after. The busy loops are stopped at the end, what
 Workloads:
 
 - ``decode``: SmolLM2-135M with its Q4_1 weights kept quantized, greedy, one sequence:
-  tokens/s over the first ``--tokens`` new tokens, and over each window of 100;
+  tokens/s over the first ``--tokens`` new tokens, and over each window of 100 (the cache
+  stored as ``--cache-dtype``, e.g. float16);
 - ``train``: a TinyTransformer training step (d_model 96, batch 32 x 40, AdamW): ms a step,
   median of 30.
 
     python benchmarks/busy.py [--load 3] [--tokens 200] [--work decode,train] [--other-src PATH]
+                              [--cache-dtype float16]
 
 Every rate comes with the load average seen while it ran. Not a test: nothing here asserts a
 timing.
@@ -48,7 +50,7 @@ try:
 except ImportError:  # an older checkout: its generate() has no step chooser
     import contextlib
     step = contextlib.nullcontext
-cache = m.new_cache()
+cache = m.new_cache() if sys.argv[2] == "default" else m.new_cache(dtype=sys.argv[2])
 tok = m(ids, cache=cache)[:, -1].argmax(-1)[:, None]
 stamps.append(time.perf_counter())
 for _ in range(new):
@@ -109,6 +111,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="decode,train", help="workloads: decode,train (default both)")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each configuration once a round (default 2)")
     p.add_argument("--other-src", type=Path, default=None, help="another checkout's src/ for a before/after")
+    p.add_argument("--cache-dtype", default="default",
+                   help="the decode workload's cache storage, e.g. float16 (default: the model's own, float32)")
     args = p.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
     loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
         print(f"CPU: {cpu_info().describe()}; usable CPUs {cpus}; {args.load} busy loop(s) started; "
               f"load average {os.getloadavg()[0]:.2f}")
         for work in [w.strip() for w in args.work.split(",") if w.strip()]:
-            code, wargs = (_DECODE, [str(args.tokens)]) if work == "decode" else (_TRAIN, [])
+            code, wargs = (_DECODE, [str(args.tokens), args.cache_dtype]) if work == "decode" else (_TRAIN, [])
             for r in range(args.rounds):
                 for name, src in srcs.items():
                     for pin in (None, cpus[-1]):

@@ -403,3 +403,17 @@ def test_a_float16_cache_is_written_and_read_as_numpy_rounds():
     _decode_kernels._scores(q, bits[:, None], 0, x.shape[0], np.float32(1.0), np.float32(0.0),
                             np.zeros(0, np.bool_), p)
     assert np.array_equal(p, want.astype(np.float32))
+
+
+def test_a_float16_cache_takes_the_modules_where_the_cpu_cannot_convert(calls, monkeypatch):
+    """On an x86 CPU without F16C the step cannot read a float16 cache: the modules run it,
+    with the same cache and the same tokens as the step on a CPU that can."""
+    model = quantized_llama("Q4_1")
+    ids = np.array([[5, 9, 77, 3]])
+    want = model.generate(ids, 4, cache_dtype="float16")
+    assert len(calls) == 3 * 2
+    monkeypatch.setattr(_decode_kernels, "HALF_CONVERSIONS", False)
+    assert np.array_equal(model.generate(ids, 4, cache_dtype="float16"), want)
+    assert len(calls) == 3 * 2  # none more
+    model.generate(ids, 4)  # a float32 cache still takes the step
+    assert len(calls) == 2 * 3 * 2

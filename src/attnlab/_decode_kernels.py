@@ -59,6 +59,25 @@ _JIT = {"nogil": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "cach
 # (numba has no float16 type): _widen reads a cached value as float32 and _narrow writes
 # one, both as the CPU's own conversions (F16C's vcvtph2ps/vcvtps2ph, which LLVM
 # vectorises; round to nearest even, as NumPy's astype). A float32 cache passes through.
+# An x86 CPU without F16C (none since 2013) would need a library call that numba does not
+# link: there a float16 cache takes the modules' path (HALF_CONVERSIONS).
+def _half_conversions() -> bool:
+    import platform
+
+    from llvmlite import binding
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+        return True  # AArch64 and the like convert half precision in their base instruction set
+    try:
+        return bool(binding.get_host_cpu_features().get("f16c"))
+    except RuntimeError:  # features unknown
+        return False
+
+
+#: Whether the step can read and write a float16 cache on this CPU (see above).
+HALF_CONVERSIONS = _half_conversions()
+
+
 @intrinsic
 def _half_to_float(typingctx, h):
     if h != types.uint16:

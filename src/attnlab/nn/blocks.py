@@ -283,7 +283,8 @@ class TransformerBlock(Module):
         """The block on one new token per row, ``x (N, 1, D)`` after a non-empty ``cache``,
         in one compiled call (:func:`attnlab._decode_kernels.decode_layer`), or None where
         the module path runs. The choice goes by what the inputs are: float32 NumPy ``x``
-        and cache (:meth:`~attnlab.nn.Attention.decode_rows`), the block's record
+        and cache, stored as float32 or float16 (:meth:`~attnlab.nn.Attention.decode_rows`;
+        float16 where the CPU converts it, :data:`attnlab._decode_kernels.HALF_CONVERSIONS`), the block's record
         (:meth:`decode_record`: quantized projections, the block's slots), numba there
         and not turned off, and a call that may take a fused kernel
         (:func:`attnlab.nn._context.may_fuse`: eval mode, no tape, no hook on the block's
@@ -299,7 +300,7 @@ class TransformerBlock(Module):
         N, _, D = x.shape
         kernels = None if plan.record is None or D != plan.widths[0] or not may_fuse(self.training, plan.points) \
             else _step_kernels()
-        if kernels is None:
+        if kernels is None or (cache.dtype == np.float16 and not kernels.HALF_CONVERSIONS):
             return None
         rows = self.attn.decode_rows(N, key_padding_mask, cache, positions)
         if rows is None:
