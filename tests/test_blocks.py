@@ -144,6 +144,8 @@ def test_cache_dtype_errors_leave_the_cache_as_it_was():
         cache.append(x[:, :, :1].astype(np.float64), x[:, :, :1].astype(np.float64))
     torch = pytest.importorskip("torch")
     t = torch.ones((1, 2, 3, 4))
+    k, _ = KVCache(dtype="float32").append(t, t)  # the keys' own dtype: stored in their library
+    assert isinstance(k, torch.Tensor) and k.shape == (1, 2, 3, 4)
     with pytest.raises(TypeError, match=r"KVCache\(dtype=float16\) stores floating NumPy arrays, got "
                                         "torch.Tensor keys of dtype torch.float32"):
         KVCache(dtype="float16").append(t, t)

@@ -286,7 +286,7 @@ class KVCache:
         if key.ndim != 4 or value.shape[:-1] != key.shape[:-1] or value.dtype != key.dtype:
             raise shape_error("value", value.shape, f"(N, H, S_new, Ev) with N, H, S_new of key "
                               f"{fmt_shape(key.shape)} and its dtype")
-        converted = self.dtype is not None and key.dtype != self.dtype
+        converted = self.dtype is not None and str(key.dtype).rpartition(".")[2] != self.dtype.name
         if converted and (type(key) is not np.ndarray or not np.issubdtype(key.dtype, np.floating)):
             raise TypeError(f"KVCache(dtype={self.dtype.name}) stores floating NumPy arrays, got "
                             f"{type(key).__module__}.{type(key).__name__} keys of dtype {key.dtype}")
@@ -328,7 +328,8 @@ class KVCache:
             grown = []
             for old, new in ((self._key, key_like), (self._value, value_like)):
                 shape = (*new.shape[:2], capacity, new.shape[3])
-                buf = _empty(shape, new) if self.dtype is None else np.empty(shape, self.dtype)  # in new's library
+                converted = self.dtype is not None and str(new.dtype).rpartition(".")[2] != self.dtype.name
+                buf = np.empty(shape, self.dtype) if converted else _empty(shape, new)  # else in new's library
                 if old is not None:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
