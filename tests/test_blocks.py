@@ -153,6 +153,45 @@ def test_cache_dtype_errors_leave_the_cache_as_it_was():
         KVCache(dtype="float16").append(np.ones((1, 1, 1, 2), np.int64), np.ones((1, 1, 1, 2), np.int64))
 
 
+def test_a_forward_pass_that_raises_leaves_every_layer_cache_as_it_was():
+    """A hook that raises in the last block: no layer keeps the new tokens (the first blocks
+    had cached them), and decoding goes on as if the call had not been made."""
+    model = _tiny()
+    cache = model.new_cache()
+    model(np.array([[1, 2, 3]]), cache=cache)
+
+    def boom(x, name):
+        raise RuntimeError("a hook that fails")
+
+    with model.hooks([("blocks.2.hook_attn_out", boom)]), pytest.raises(RuntimeError, match="a hook that fails"):
+        model(np.array([[4, 5]]), cache=cache)
+    assert [len(c) for c in cache] == [3, 3, 3]
+    got = model(np.array([[4, 5]]), cache=cache)
+    np.testing.assert_allclose(got, model(np.array([[1, 2, 3, 4, 5]]))[:, 3:], rtol=1e-5, atol=1e-6)
+
+
+def test_kv_cache_crop():
+    cache = KVCache()
+    x = np.arange(2 * 6 * 2, dtype=np.float32).reshape(1, 2, 6, 2)
+    cache.append(x, x)
+    cache.crop(10)
+    assert len(cache) == 6
+    cache.crop(-2)
+    assert len(cache) == 4
+    k, _ = cache.append(x[:, :, :1], x[:, :, :1])
+    assert np.array_equal(k, np.concatenate([x[:, :, :4], x[:, :, :1]], axis=2))
+    cache.crop(-10)
+    assert len(cache) == 0
+    with pytest.raises(TypeError, match="length must be an int, got float"):
+        cache.crop(1.5)
+    jnp = pytest.importorskip("jax.numpy")
+    frozen = KVCache()  # immutable arrays: the storage itself is cut
+    frozen.append(jnp.asarray(x), jnp.asarray(x))
+    frozen.crop(-2)
+    k, _ = frozen.append(jnp.asarray(x[:, :, :1]), jnp.asarray(x[:, :, :1]))
+    assert k.shape == (1, 2, 5, 2) and np.array_equal(np.asarray(k)[:, :, 4], x[:, :, 0])
+
+
 def test_generation_with_a_float16_cache():
     """``generate(..., cache_dtype="float16")``: the same greedy tokens as the float32 cache
     here, a float16 cache in every block, and a bad dtype refused before any token."""

@@ -205,7 +205,7 @@ def decoder_forward(
         mask = from_host(mask, x)
     if checkpoint is not None:
         checkpoint.update(mask=mask, positions=positions, inputs=[])
-    with full_precision(x):
+    with full_precision(x), _all_or_nothing(cache, past):
         for i, block in enumerate(blocks):
             layer_cache = None if cache is None else cache[i]
             if checkpoint is not None:
@@ -218,6 +218,20 @@ def decoder_forward(
         if logits_to_keep is not None:
             x = x[..., T - logits_to_keep :, :]
         return head(x)
+
+
+@contextlib.contextmanager
+def _all_or_nothing(cache, past: int):
+    """A forward pass that raises part-way (a value beyond a float16 cache's range, a hook
+    that raises, Ctrl-C) leaves every layer's cache as it was (:meth:`KVCache.crop` to the
+    ``past`` tokens it held), not the first blocks with the new tokens and the others
+    without."""
+    try:
+        yield
+    except BaseException:
+        for c in cache or ():
+            c.crop(past)
+        raise
 
 
 def full_precision(x):

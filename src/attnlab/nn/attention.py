@@ -277,6 +277,26 @@ class KVCache:
         self._key = self._value = self._given = None
         self.length = 0
 
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` cached tokens (a negative ``length``: drop that many
+        from the end), as ``transformers``' ``DynamicCache.crop``; a ``length`` at or past
+        the cached length keeps them all.
+
+        >>> cache = KVCache()
+        >>> _ = cache.append(np.ones((1, 1, 5, 2)), np.ones((1, 1, 5, 2)))
+        >>> cache.crop(3); len(cache)
+        3
+        >>> cache.crop(-1); len(cache)
+        2
+        """
+        if not isinstance(length, int | np.integer) or isinstance(length, bool):
+            raise TypeError(f"length must be an int, got {type(length).__name__}")
+        length = int(length)
+        keep = max(0, self.length + length) if length < 0 else min(length, self.length)
+        if self._key is not None and type(self._key) is not np.ndarray and not writeable(self._key):
+            self._key, self._value = self._key[:, :, :keep], self._value[:, :, :keep]  # immutable: sliced
+        self.length = keep
+
     def append(self, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Add ``key (N, H, S_new, E)`` and ``value (N, H, S_new, Ev)``; return every cached
         key and value, ``(N, H, S, E)`` and ``(N, H, S, Ev)`` (views of the storage; copies
@@ -312,7 +332,7 @@ class KVCache:
             except FloatingPointError:
                 raise ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite "
                                  f"{self.dtype.name} is {float(np.finfo(self.dtype).max):g}): keep this cache "
-                                 "in float32") from None
+                                 f"in {key.dtype}") from None
         self.length += n
         k, v = self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
         return (k.astype(key.dtype), v.astype(key.dtype)) if converted else (k, v)
