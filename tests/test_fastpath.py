@@ -688,20 +688,34 @@ _TWO_CPUS = pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sc
 
 @pytest.fixture
 def pinning(monkeypatch):
-    """The pool pins its threads, as with ATTNLAB_PIN_THREADS=1 (off by default)."""
+    """The pool keeps its threads apart (the default; ATTNLAB_PIN_THREADS=0 turns it off)."""
     monkeypatch.setattr(threads_mod, "_PIN", [True])
 
 
+def test_pool_keeps_its_threads_apart_unless_told_not_to(monkeypatch):
+    for value, want in ((None, True), ("1", True), ("0", False), (" 0 ", False)):
+        monkeypatch.setattr(threads_mod, "_PIN", [])
+        if value is None:
+            monkeypatch.delenv("ATTNLAB_PIN_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("ATTNLAB_PIN_THREADS", value)
+        assert threads_mod._pinning() is want, value
+
+
 @_TWO_CPUS
-def test_pool_pins_nothing_by_default(monkeypatch):
-    """Unless asked, no thread of the pool is held on a CPU: the caller and the workers keep
-    the whole mask (several processes then never hold their threads on one core)."""
+def test_pool_pins_nothing_when_told_not_to(monkeypatch):
+    """With ATTNLAB_PIN_THREADS=0 no thread of the pool is held on a CPU: the caller and
+    the workers keep the whole mask."""
     import threading
     import time
 
     monkeypatch.setattr(threads_mod, "_PIN", [])
-    monkeypatch.delenv("ATTNLAB_PIN_THREADS", raising=False)
+    monkeypatch.setenv("ATTNLAB_PIN_THREADS", "0")
     before = frozenset(os.sched_getaffinity(0))
+    for tid in threads_mod._WORKER_TIDS:  # as in a process started so: earlier tests' calls kept workers apart
+        with contextlib.suppress(OSError):  # a worker of an earlier pool, gone
+            os.sched_setaffinity(tid, before)
+    monkeypatch.setattr(threads_mod, "_WORKERS_OFF", [None])
     seen, unit = _affinity_recorder()
     with threads_mod_threads(2):
         for _ in range(2):

@@ -27,10 +27,13 @@ And three keep a busy machine from stalling it (other processes on the cores):
   one thread takes alone, plus the unit a descheduled worker holds.
 - **Idle threads sleep**, on a lock or a queue: they never spin on a core that another
   process could use (BLAS's own threads spin after each call; see :func:`matmul`).
-- **No thread is pinned to a CPU** unless asked (``ATTNLAB_PIN_THREADS=1``, read at the
-  first pool call): several attnlab processes on one machine then never hold their
-  threads on the same core. The pool's size is the CPUs this process may use
-  (``os.sched_getaffinity``), so ``taskset`` and container limits are honoured.
+- **No thread stays pinned to a CPU.** A pool call that starts after the machine idled
+  holds its caller on its CPU for that call alone, and the workers off it (Linux wakes a
+  worker on its waker's CPU, and the two then share it for milliseconds); while the
+  machine is busy (:func:`watch_the_machine`) there is no pool call, so nothing is held.
+  ``ATTNLAB_PIN_THREADS=0`` (read at the first pool call) turns the holding off. The
+  pool's size is the CPUs this process may use (``os.sched_getaffinity``), so
+  ``taskset`` and container limits are honoured.
 """
 
 from __future__ import annotations
@@ -51,14 +54,14 @@ from attnlab._validation import positive_int
 
 _num_threads: int | None = None
 _local = threading.local()  # .in_pool: this thread runs units of a pool
-_PIN: list = []  # [whether the pool pins its threads (ATTNLAB_PIN_THREADS)], read at first use
+_PIN: list = []  # [whether pool calls keep their threads apart (ATTNLAB_PIN_THREADS)], read at first use
 
 
 def _pinning() -> bool:
     """Whether pool calls keep the caller and the workers on different CPUs (see
-    :func:`_caller_and_workers_apart`): only where ``ATTNLAB_PIN_THREADS`` is ``1``."""
+    :func:`_caller_and_workers_apart`): unless ``ATTNLAB_PIN_THREADS`` is ``0``."""
     if not _PIN:
-        _PIN.append(os.environ.get("ATTNLAB_PIN_THREADS", "").strip() == "1")
+        _PIN.append(os.environ.get("ATTNLAB_PIN_THREADS", "").strip() != "0")
     return _PIN[0]
 
 
@@ -272,9 +275,17 @@ def _executor(workers: int) -> ThreadPoolExecutor:
         return _EXECUTOR
 
 
-# Where the workers may run (only with ATTNLAB_PIN_THREADS=1: on a machine that other
-# processes keep busy, or with several attnlab processes, a thread held on one CPU waits
-# for that CPU while another one idles). When a call starts after the machine has been idle, Linux
+# Where the workers may run (unless ATTNLAB_PIN_THREADS=0). It was opt-in while nothing kept
+# pool calls off a busy machine: there, or with several attnlab processes, a thread held on
+# one CPU waited for that CPU while another one idled (two processes ran some steps 10 to
+# 20 times slower than one alone). Since the busy-machine watch (watch_the_machine) runs a
+# busy machine's pool calls on their caller alone, nothing is held there, and on a quiet
+# 2-core Zen 4 VM holding brought, settled calls (20 ms apart), SmolLM2-like causal
+# attention (9/3 heads, L=512): 3.0 ms against 5.1-5.4 unheld (2.7 back to back either
+# way); two such processes side by side 3.3 against 5.4 ms each (back to back 2.7-3.7
+# against 5.2); busy.py's three busy loops: decode 41.7 against 39.8 tokens/s, training
+# step 54.8 against 63.2 ms; two training processes side by side 28.2-28.7 against
+# 26.8-28.4 ms a step. When a call starts after the machine has been idle, Linux
 # wakes a worker on the CPU of the thread that woke it (the caller's), and the two share
 # that CPU until the load balancer moves one, milliseconds later: measured on a 2-core
 # virtual machine, a causal attention call (8 heads, L=1024) took 16-20 ms after a 0.1 s
