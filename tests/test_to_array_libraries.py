@@ -258,6 +258,13 @@ JAX_RUN = textwrap.dedent("""
         if family != "bert":
             tokens = model.generate(jnp.asarray(ids), 3, attention_mask=jnp.asarray(mask))
             r["generate"] = [isinstance(tokens, jax.Array), np.asarray(tokens).tolist() == want_tokens.tolist()]
+    from attnlab.nn import KVCache
+    x = np.arange(24, dtype=np.float32).reshape(1, 2, 6, 2)
+    frozen = KVCache()  # immutable arrays: a crop cuts the storage itself
+    frozen.append(jnp.asarray(x), jnp.asarray(x))
+    frozen.crop(-2)
+    k, _ = frozen.append(jnp.asarray(x[:, :, :1]), jnp.asarray(x[:, :, :1]))
+    out["crop"] = [list(k.shape), np.array_equal(np.asarray(k)[:, :, 4], x[:, :, 0]), len(frozen)]
     print(json.dumps(out))
 """)
 
@@ -269,6 +276,10 @@ def jax_results():
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_crop_cuts_a_cache_of_immutable_jax_arrays(jax_results):
+    assert jax_results["crop"] == [[1, 2, 5, 2], True, 5]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
