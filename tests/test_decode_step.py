@@ -341,6 +341,9 @@ def _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 
     (2, 4, 2, 700, 37, True, 0.0),    # a left-padded batch after a sliding window's start
     (3, 4, 4, 600, 0, True, 50.0),    # soft-capped scores, one query head per group
     (1, 4, 2, 5, 0, False, 0.0),      # a short cache: one run
+    (1, 8, 2, 400, 0, True, 0.0),     # four query heads a group: one pass
+    (1, 7, 1, 300, 0, False, 0.0),    # seven: passes of four and three
+    (2, 10, 2, 260, 0, True, 30.0),   # five: passes of four and one, masked and capped
 ])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
@@ -392,7 +395,7 @@ def test_exp_of_the_compiled_softmax_is_within_float32_round_off():
 @needs_half
 def test_a_float16_cache_is_written_and_read_as_numpy_rounds():
     """The step's float16 conversions (:func:`attnlab._decode_kernels._store` and the reads
-    of :func:`~attnlab._decode_kernels._scores`): bit for bit NumPy's ``astype(float16)``
+    of :func:`~attnlab._decode_kernels._dots`): bit for bit NumPy's ``astype(float16)``
     (round to nearest even: ties, subnormals, signed zeros, infinities) and back, and a
     count of the finite values that became infinite."""
     rng = np.random.default_rng(3)
@@ -407,11 +410,10 @@ def test_a_float16_cache_is_written_and_read_as_numpy_rounds():
         want = x.astype(np.float16)
     assert np.array_equal(bits, want.view(np.uint16))
     assert lost == 2  # 65520 and -1e6 (65519.99 rounds down to 65504; the infinities were infinite)
-    q = np.ones(1, np.float32)
-    p = np.empty(x.shape[0], np.float32)
-    _decode_kernels._scores(q, bits[:, None], 0, x.shape[0], np.float32(1.0), np.float32(0.0),
-                            np.zeros(0, np.bool_), p)
-    assert np.array_equal(p, want.astype(np.float32))
+    q = np.ones((1, 1), np.float32)
+    p = np.empty((1, x.shape[0]), np.float32)
+    _decode_kernels._dots(q, 1, bits[:, None], 0, x.shape[0], p)
+    assert np.array_equal(p[0], want.astype(np.float32))
 
 
 @needs_half
