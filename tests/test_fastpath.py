@@ -715,7 +715,7 @@ def test_pool_pins_nothing_when_told_not_to(monkeypatch):
     for tid in threads_mod._WORKER_TIDS:  # as in a process started so: earlier tests' calls kept workers apart
         with contextlib.suppress(OSError):  # a worker of an earlier pool, gone
             os.sched_setaffinity(tid, before)
-    monkeypatch.setattr(threads_mod, "_WORKERS_OFF", [None])
+    threads_mod._WORKERS_OFF[0] = None  # and said so, for the calls of later tests (not restored: it is true)
     seen, unit = _affinity_recorder()
     with threads_mod_threads(2):
         for _ in range(2):
