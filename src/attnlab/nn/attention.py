@@ -306,7 +306,7 @@ class KVCache:
         if key.ndim != 4 or value.shape[:-1] != key.shape[:-1] or value.dtype != key.dtype:
             raise shape_error("value", value.shape, f"(N, H, S_new, Ev) with N, H, S_new of key "
                               f"{fmt_shape(key.shape)} and its dtype")
-        converted = self.dtype is not None and str(key.dtype).rpartition(".")[2] != self.dtype.name
+        converted = self._converts(key)
         if converted and (type(key) is not np.ndarray or not np.issubdtype(key.dtype, np.floating)):
             raise TypeError(f"KVCache(dtype={self.dtype.name}) stores floating NumPy arrays, got "
                             f"{type(key).__module__}.{type(key).__name__} keys of dtype {key.dtype}")
@@ -330,12 +330,23 @@ class KVCache:
                 self._key[:, :, self.length : self.length + n, :] = key
                 self._value[:, :, self.length : self.length + n, :] = value
             except FloatingPointError:
-                raise ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite "
-                                 f"{self.dtype.name} is {float(np.finfo(self.dtype).max):g}): keep this cache "
-                                 f"in {key.dtype}") from None
+                raise self.range_error(key.dtype) from None
         self.length += n
         k, v = self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
         return (k.astype(key.dtype), v.astype(key.dtype)) if converted else (k, v)
+
+    def _converts(self, a) -> bool:
+        """Whether storing ``a`` (an array of any library) changes its dtype: a storage
+        :attr:`dtype` given and another than ``a``'s (compared by name: ``torch.float32``
+        is ``float32``)."""
+        return self.dtype is not None and str(a.dtype).rpartition(".")[2] != self.dtype.name
+
+    def range_error(self, given) -> ValueError:
+        """The error for a key or value of dtype ``given`` beyond the storage dtype's range
+        (raised by :meth:`append`, and by the compiled decoding step, which writes the
+        storage itself)."""
+        return ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite {self.dtype.name} "
+                          f"is {float(np.finfo(self.dtype).max):g}): keep this cache in {np.dtype(given).name}")
 
     def _reserve(self, n: int, key_like, value_like) -> None:
         """Room for ``n`` more tokens (the storage doubles when full; new storage takes the
@@ -348,8 +359,7 @@ class KVCache:
             grown = []
             for old, new in ((self._key, key_like), (self._value, value_like)):
                 shape = (*new.shape[:2], capacity, new.shape[3])
-                converted = self.dtype is not None and str(new.dtype).rpartition(".")[2] != self.dtype.name
-                buf = np.empty(shape, self.dtype) if converted else _empty(shape, new)  # else in new's library
+                buf = np.empty(shape, self.dtype) if self._converts(new) else _empty(shape, new)
                 if old is not None:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)

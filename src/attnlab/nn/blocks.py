@@ -313,9 +313,8 @@ class TransformerBlock(Module):
             _SCRATCH.__dict__[key] = scratch
         _set_threads()
         if kernels.decode_layer(h, plan.record, rows, scratch):  # a value beyond a float16 cache's range
-            cache.length -= 1  # the token is not cached: the call raises as KVCache.append does
-            raise ValueError(f"a key or value beyond {cache.dtype.name}'s range (the largest finite "
-                             f"{cache.dtype.name} is {float(np.finfo(cache.dtype).max):g}): keep this cache in float32")
+            cache.crop(-1)  # the token is not cached, as KVCache.append leaves it
+            raise cache.range_error(np.float32)
         return h.reshape(N, 1, D)
 
     def forward_with_weights(
