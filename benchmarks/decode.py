@@ -10,13 +10,19 @@ buffer 8x the last-level cache (at least 256 MiB), best of 5 (see
 :func:`attnlab.decode_bench.memory_bandwidth`). Weight bytes per token: every block's
 weights, the final norm, the unembedding and one embedding row
 (:func:`attnlab.decode_bench.decode_weight_bytes`; for llama.cpp the file's own block
-bytes, its float16 scales included).
+bytes, its float16 scales included), plus the key/value cache a step reads at the mean
+context, ``prompt + new / 2`` tokens (:func:`attnlab.decode_bench.decode_cache_bytes`:
+attnlab's cache in ``--cache-dtype``, transformers' in float32, llama.cpp's in float16, its
+default). A long prompt (``--prompt 3000``) shows what a long context costs each library.
 
-Each library generates ``1`` and ``new + 1`` greedy tokens after the prompt, in turns
-(attnlab float32, attnlab quantized, transformers, llama.cpp, attnlab float32, ...);
-the median difference is ``new`` decode steps. Ratios come from the same run.
+Each library generates ``new + 1`` greedy tokens after the prompt, in turns (attnlab float32,
+attnlab quantized, transformers, llama.cpp, attnlab float32, ...), each new token stamped as
+it comes (attnlab's ``stream``, a transformers streamer, llama.cpp's generator): from the
+first new token to the last is ``new`` decode steps, the prompt's prefill left out. Rates
+are medians over the rounds; ratios come from the same run.
 
     python benchmarks/decode.py [--threads 2] [--repeat 3] [--prompt 64] [--new 64]
+                                [--cache-dtype float16]
 
 Not a test: nothing here asserts a timing.
 """
@@ -36,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed rounds, taking turns (default 3)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--new", type=int, default=64, help="new tokens timed (default 64)")
+    p.add_argument("--cache-dtype", choices=("float32", "float16"), default=None,
+                   help="attnlab's key/value cache storage (default: the model's own, float32)")
     p.add_argument("--no-torch", action="store_true", help="leave transformers out")
     return p.parse_args(argv)
 
@@ -49,8 +57,7 @@ def main(argv=None) -> int:
 
     import attnlab
     from attnlab._cpu import cpu_info
-    from attnlab.benchmark import interleaved_medians
-    from attnlab.decode_bench import bandwidth_share, decode_weight_bytes, memory_bandwidth
+    from attnlab.decode_bench import bandwidth_share, decode_cache_bytes, decode_weight_bytes, memory_bandwidth
     from attnlab.models.llama import load_smollm2, smollm2_path
 
     attnlab.set_num_threads(threads)
@@ -62,21 +69,26 @@ def main(argv=None) -> int:
     t2 = time.perf_counter()
     path = smollm2_path()
     text = ("The history of the printing press begins with movable type, and it changed how people learned, "
-            "argued and remembered. ") * 20
+            "argued and remembered. ") * max(20, args.prompt // 10)
     ids = f32.encode(text)[0][: args.prompt][None]
     n = args.new
-    out: dict = {}
-    runs: dict = {}
-    weight_bytes: dict = {"attnlab float32": decode_weight_bytes(f32), "attnlab quantized": decode_weight_bytes(q)}
+    context = ids.shape[1] + n // 2  # the mean number of cached tokens a timed step reads
+    runs: dict = {}  # label: a function generating n + 1 tokens, returning (times, tokens) of each new one
+    ours = decode_cache_bytes(f32, context, dtype=args.cache_dtype)
+    weight_bytes: dict = {"attnlab float32": decode_weight_bytes(f32) + ours,
+                          "attnlab quantized": decode_weight_bytes(q) + ours}
 
-    def gen(model, key, k):
-        def run():
-            out[key] = model.generate(ids, k)
-        return run
+    def stamped(tokens) -> tuple[list, list]:
+        times, chosen = [], []
+        for tok in tokens:
+            times.append(time.perf_counter())
+            chosen.append(int(np.asarray(tok).reshape(-1)[0]))
+            if len(chosen) == n + 1:
+                break
+        return times, chosen
 
     for label, model in (("attnlab float32", f32), ("attnlab quantized", q)):
-        runs[(label, 1)] = gen(model, (label, 1), 1)
-        runs[(label, n + 1)] = gen(model, (label, n + 1), n + 1)
+        runs[label] = lambda model=model: stamped(model.stream(ids, n + 1, cache_dtype=args.cache_dtype))
 
     if not args.no_torch:
         try:
@@ -93,18 +105,31 @@ def main(argv=None) -> int:
             theirs.generation_config.eos_token_id = None
             theirs.generation_config.pad_token_id = None
             ids_t = torch.from_numpy(ids)
-            weight_bytes["transformers float32"] = weight_bytes["attnlab float32"]
+            weight_bytes["transformers float32"] = decode_weight_bytes(f32) + decode_cache_bytes(f32, context)
 
-            def tgen(k):
-                def run():
-                    with torch.inference_mode(), warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        out[("transformers float32", k)] = theirs.generate(
-                            ids_t, max_new_tokens=k, min_new_tokens=k, do_sample=False).numpy()
-                return run
+            class Streamer:  # transformers' streamer interface: put() the prompt, then each new token
+                def __init__(self):
+                    self.times, self.chosen, self.prompt = [], [], True
 
-            runs[("transformers float32", 1)] = tgen(1)
-            runs[("transformers float32", n + 1)] = tgen(n + 1)
+                def put(self, value):
+                    if self.prompt:
+                        self.prompt = False
+                    else:
+                        self.times.append(time.perf_counter())
+                        self.chosen.append(int(value.reshape(-1)[0]))
+
+                def end(self):
+                    pass
+
+            def tgen():
+                streamer = Streamer()
+                with torch.inference_mode(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    theirs.generate(ids_t, max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False,
+                                    streamer=streamer)
+                return streamer.times, streamer.chosen
+
+            runs["transformers float32"] = tgen
 
     try:
         from llama_cpp import Llama as LlamaCpp
@@ -113,26 +138,23 @@ def main(argv=None) -> int:
     if LlamaCpp is not None:
         llama = LlamaCpp(str(path), n_ctx=args.prompt + n + 8, n_threads=threads, n_batch=args.prompt, verbose=False)
         prompt_list = ids[0].tolist()
-        weight_bytes["llama.cpp Q4_1"] = _gguf_decode_bytes(path)
+        weight_bytes["llama.cpp Q4_1"] = _gguf_decode_bytes(path) + decode_cache_bytes(f32, context, dtype="float16")
 
-        def cgen(k):
-            def run():
-                llama.reset()
-                toks = []
-                for tok in llama.generate(prompt_list, temp=0.0, top_k=1, reset=True):
-                    toks.append(tok)
-                    if len(toks) == k:
-                        break
-                out[("llama.cpp Q4_1", k)] = toks
-            return run
+        def cgen():
+            llama.reset()
+            return stamped(llama.generate(prompt_list, temp=0.0, top_k=1, reset=True))
 
-        runs[("llama.cpp Q4_1", 1)] = cgen(1)
-        runs[("llama.cpp Q4_1", n + 1)] = cgen(n + 1)
+        runs["llama.cpp Q4_1"] = cgen
 
-    times = interleaved_medians(runs, args.repeat, settle=0.05)
-    labels = list(dict.fromkeys(label for label, _ in runs))
-    # a busy machine can make the difference meaningless (<= 0): then no rate
-    rate = {lab: n / d if (d := times[(lab, n + 1)] - times[(lab, 1)]) > 0 else float("nan") for lab in labels}
+    rates: dict = {label: [] for label in runs}
+    out: dict = {}
+    for _ in range(args.repeat):  # in turns, so that a change in the machine's speed touches every library
+        for label, run in runs.items():
+            time.sleep(0.05)
+            times, out[label] = run()
+            rates[label].append(n / (times[n] - times[0]))
+    labels = list(runs)
+    rate = {lab: float(np.median(rates[lab])) for lab in labels}
     base = rate.get("transformers float32")
 
     print(f"SmolLM2-135M-Instruct decode, greedy, {ids.shape[1]}-token prompt + {n} new tokens, batch 1")
@@ -142,6 +164,8 @@ def main(argv=None) -> int:
     print(f"memory bandwidth ({threads} thread(s), max over a {max(256 << 20, 8 * cpu_info().l3) >> 20} MiB int64 "
           f"buffer): {bandwidth / 1e9:.1f} GB/s")
     print(f"attnlab load: float32 {t1 - t0:.1f} s, quantized {t2 - t1:.1f} s")
+    print(f"MB/token: the weights a step reads and the key/value cache at {context} tokens (attnlab "
+          f"{args.cache_dtype or 'float32'}, transformers float32, llama.cpp float16)")
     print(f"median of {args.repeat} rounds, taken in turns:")
     head = f"  {'':<22}{'MB/token':>10}{'limit tok/s':>13}{'tokens/s':>10}{'of limit':>10}"
     print(head + ("   vs transformers" if base else ""))
@@ -154,11 +178,11 @@ def main(argv=None) -> int:
         print(line)
     if "llama.cpp Q4_1" in rate:
         print(f"  attnlab quantized / llama.cpp: {rate['attnlab quantized'] / rate['llama.cpp Q4_1']:.2f}x")
-    a, b = out[("attnlab float32", n + 1)], out[("attnlab quantized", n + 1)]
-    print(f"  quantized and float32 chose the same {n + 1} tokens: {np.array_equal(a, b)}")
-    if ("transformers float32", n + 1) in out:
+    a, b = out["attnlab float32"], out["attnlab quantized"]
+    print(f"  quantized and float32 chose the same {n + 1} tokens: {a == b}")
+    if "transformers float32" in out:
         print(f"  attnlab float32 and transformers chose the same tokens: "
-              f"{np.array_equal(a, out[('transformers float32', n + 1)])}")
+              f"{a == out['transformers float32']}")
     return 0
 
 

@@ -217,6 +217,25 @@ def _tiny_llama():
     return Llama(cfg, rng=np.random.default_rng(0))
 
 
+def test_decode_cache_bytes_count_key_value_heads_windows_and_storage():
+    from attnlab.decode_bench import decode_cache_bytes
+    from attnlab.models import Llama, LlamaConfig
+
+    # 2 layers of 2 key/value heads (of 4 query heads) of width 8; the first sees its last 4 tokens
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      sliding_windows=(4, None))
+    m = Llama(cfg, rng=np.random.default_rng(0))
+    row = 2 * 2 * 8  # a key row and a value row a token, in values
+    assert decode_cache_bytes(m, 10) == (4 + 10) * row * 4
+    assert decode_cache_bytes(m, 3, dtype="float16") == (3 + 3) * row * 2
+    assert decode_cache_bytes(m, 0) == 0
+    with pytest.raises(ValueError, match="cache dtype must be one of"):
+        decode_cache_bytes(m, 10, dtype="int8")
+    with pytest.raises(ValueError, match="context must be a non-negative int, got -1"):
+        decode_cache_bytes(m, -1)
+
+
 def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
     pytest.importorskip("transformers")
     from attnlab.interop import to_torch
