@@ -1082,6 +1082,27 @@ def test_step_threads_keep_all_threads_on_a_quiet_machine(adapting):
     assert 0 < probes <= 6 * threads_mod.StepThreads.PROBE_STEPS  # probes back off: 2, 32, 64, 128, 256, 512
 
 
+def test_step_threads_do_not_count_the_first_step_after_a_pause(adapting):
+    """A generation's first step pays for what came before it (a long prompt's leftovers):
+    slow as it is, it must not make one thread look faster than all."""
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)
+    first = [True]
+
+    def seconds(k):
+        if first[0]:
+            first[0] = False
+            return 0.050
+        return 0.010 if k == 2 else 0.016
+
+    with threads_mod_threads(2):
+        for _ in range(3):  # three generations, a pause before each
+            first[0] = True
+            used = _steps(chooser, clock, 20, seconds)
+            assert not chooser.one_thread and used[-10:] == [2] * 10
+            clock.now += 2 * threads_mod.StepThreads.PAUSE
+
+
 def test_step_threads_go_to_one_thread_when_the_cores_are_taken(adapting):
     """Other processes hold the cores from the start: one thread from the first step, and
     no probe of two threads while that lasts; once they are gone, two threads again."""
