@@ -227,6 +227,32 @@ def test_float32_weights_and_numba_turned_off_take_the_modules(calls):
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_slot_set_after_a_step_is_seen(calls):
+    """An attention function put in a layer's slot after the model has decoded (an
+    exercise's, a user's) runs in the steps that follow: the block's compiled plan is
+    rebuilt, not kept."""
+    from attnlab import scaled_dot_product_attention
+
+    model = quantized_llama("Q4_1")
+    ids = np.array([[1, 2, 3]])
+    model.generate(ids, 3)
+    assert len(calls) == 2 * 2
+    seen = []
+
+    def mine(*args, **kwargs):
+        seen.append(1)
+        return scaled_dot_product_attention(*args, **kwargs)
+
+    calls.clear()
+    model.layers[0].attn.attention_fn = mine
+    model.generate(ids, 3)
+    assert len(seen) == 3 and len(calls) == 2  # block 0 on the modules (prompt + 2 steps), block 1 compiled
+    model.layers[0].attn.attention_fn = scaled_dot_product_attention
+    calls.clear()
+    model.generate(ids, 3)
+    assert len(seen) == 3 and len(calls) == 2 * 2
+
+
 def test_a_replaced_weight_is_seen(calls):
     model = quantized_llama("Q4_1")
     ids = np.array([[4, 5, 6]])

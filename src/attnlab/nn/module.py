@@ -38,10 +38,16 @@ _structure = [0]
 
 def structure_version() -> int:
     """A number that changes whenever a module anywhere gains, loses or replaces a child
-    module or a parameter (adapters added, a layer swapped), or a parameter's array is
-    replaced (``param.data = ...``; changes in place keep the array): plans built from a
-    model's modules (the compiled decoding step's) are rebuilt when it moved."""
+    module or a parameter (adapters added, a layer swapped), a parameter's array is
+    replaced (``param.data = ...``; changes in place keep the array), or a module's public
+    attribute is given another value (a setting or a slot: ``attn.attention_fn = f``): plans
+    built from a model's modules (the compiled decoding step's) are rebuilt when it moved.
+    (Modules keep what a forward pass leaves behind in private attributes, which do not
+    count.)"""
     return _structure[0]
+
+
+_UNSET = object()
 _hooks_now = _context.current_hooks
 
 
@@ -176,8 +182,9 @@ class Module:
         params, modules = self.__dict__.get("_parameters"), self.__dict__.get("_modules")
         if params is None:
             raise RuntimeError(f"call Module.__init__() in {type(self).__name__}.__init__ first")
-        if name in params or name in modules or isinstance(value, Parameter | Module):
-            _structure[0] += 1
+        if name in params or name in modules or isinstance(value, Parameter | Module) \
+                or not name.startswith("_") and self.__dict__.get(name, _UNSET) is not value:
+            _structure[0] += 1  # a public attribute is a setting or a slot (attention_fn): plans read it
         params.pop(name, None)
         modules.pop(name, None)
         if isinstance(value, Parameter):
