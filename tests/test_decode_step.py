@@ -1,7 +1,7 @@
-"""The compiled decoding step of a block with quantized weights (each
+"""The compiled decoding step of a block with quantized or float32 weights (each
 :class:`~attnlab.nn.TransformerBlock` runs :mod:`attnlab._decode_kernels` on one new token):
 it must give the modules' logits, fill the cache as they do, and stand aside whenever
-something (a hook, the float32 weights, numba turned off) needs the modules."""
+something (a hook, float64 weights, numba turned off) needs the modules."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ CONFIGS = {
 
 
 def quantized_llama(kind: str, seed: int = 0, family=Llama, config_class=LlamaConfig, **config) -> Llama:
-    """A 2-block Llama (or ``family``) whose block weights are ``kind``, with norm weights
-    and biases moved away from their start values (so a step that skipped one would be
-    caught)."""
+    """A 2-block Llama (or ``family``) whose block weights are ``kind`` (a quantized type, or
+    ``"float32"``: kept as they are), with norm weights and biases moved away from their
+    start values (so a step that skipped one would be caught)."""
     cfg = config_class(**{**dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
                           **config})
@@ -39,7 +39,8 @@ def quantized_llama(kind: str, seed: int = 0, family=Llama, config_class=LlamaCo
             p.data[...] = rng.uniform(0.5, 1.5, p.data.shape) if "norm" in name or "ln" in name \
                 else rng.normal(0.0, 0.1, p.data.shape)
         elif name.startswith("blocks."):
-            p.data = QuantizedTensor.quantize(rng.normal(0.0, 0.15, p.data.shape).astype(np.float32), kind)
+            w = rng.normal(0.0, 0.15, p.data.shape).astype(np.float32)
+            p.data = w if kind == "float32" else QuantizedTensor.quantize(w, kind)
     return model
 
 
@@ -67,7 +68,7 @@ def _close(a, b):
     return float(np.abs(a - b).max()) <= 1e-4 * max(1.0, float(np.abs(b).max()))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "float32"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_steps_give_the_modules_logits_and_cache(kind, config, calls):
     model = quantized_llama(kind, **CONFIGS[config])
@@ -98,13 +99,14 @@ needs_half = pytest.mark.skipif(not _decode_kernels.HALF_CONVERSIONS,
 
 
 @needs_half
+@pytest.mark.parametrize("kind", ["Q4_1", "float32"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_steps_read_and_write_a_float16_cache(config, calls):
+def test_steps_read_and_write_a_float16_cache(kind, config, calls):
     """With ``KVCache(dtype="float16")`` the compiled step reads the float16 keys and values
     and writes the new ones rounded as NumPy rounds: the modules' logits (which widen the
     same cache to float32), and the same cache to within one float16 step where the two
     paths' float32 keys round to either side of a float16 midpoint."""
-    model = quantized_llama("Q4_1", **CONFIGS[config])
+    model = quantized_llama(kind, **CONFIGS[config])
     ids = np.array([[5, 9, 77, 3, 20, 8]])
     fast, slow = model.new_cache(dtype="float16"), model.new_cache(dtype="float16")
     ref = model.new_cache()
@@ -213,11 +215,14 @@ def test_the_modules_run_when_a_hook_is_attached(calls):
     np.testing.assert_array_equal(embedded, plain)
 
 
-def test_float32_weights_and_numba_turned_off_take_the_modules(calls):
+def test_float64_weights_and_numba_turned_off_take_the_modules(calls):
     cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    Llama(cfg, rng=np.random.default_rng(0)).generate(np.array([[1, 2, 3]]), 4)
+    Llama(cfg, rng=np.random.default_rng(0), dtype=np.float64).generate(np.array([[1, 2, 3]]), 4)
     assert calls == []
+    Llama(cfg, rng=np.random.default_rng(0)).generate(np.array([[1, 2, 3]]), 4)  # float32: the step
+    assert len(calls) == 3 * 2
+    calls.clear()
     model = quantized_llama("Q4_0")
     with tuned(fused=False):
         a = model.generate(np.array([[1, 2, 3]]), 4)

@@ -65,6 +65,44 @@ def test_products_equal_the_dequantized_product(kind, compiled):
             np.testing.assert_allclose(yb[0], y + bias, rtol=1e-6, atol=1e-6)
 
 
+def test_float32_products_of_a_few_rows_take_the_compiled_kernel(monkeypatch):
+    """A few float32 rows (decoding) times a C-contiguous float32 weight: F.linear runs the
+    compiled matrix-vector kernel, with NumPy's numbers to float32 round-off, infinities and
+    NaNs where NumPy has them; more rows, float64, a weight's transposed view, or the
+    kernels turned off: BLAS, as before."""
+    if not fused_available():
+        pytest.skip("numba (the fast extra) is not installed")
+    from attnlab import _quant_kernels
+    from attnlab.nn import functional as F
+    from attnlab.quant import float32_matvec
+
+    ran = []
+    real = _quant_kernels.f32_matvec
+    monkeypatch.setattr(_quant_kernels, "f32_matvec", lambda *a: (ran.append(a[1].shape), real(*a))[1])
+    rng = np.random.default_rng(3)
+    for R, K in [(1, 1), (7, 17), (100, 64), (960, 576)]:
+        w = rng.standard_normal((R, K)).astype(np.float32)
+        bias = rng.standard_normal(R).astype(np.float32)
+        for n in ROWS:
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            ran.clear()
+            y = F.linear(x.reshape(1, n, K), w, bias)[0]
+            assert ran == ([(n, K)] if n <= MATVEC_MAX_ROWS else []), (R, K, n)
+            ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+            scale = np.abs(x).astype(np.float64) @ np.abs(w.T).astype(np.float64) + np.abs(bias)
+            assert y.dtype == np.float32 and np.all(np.abs(y - ref) <= 1e-6 * scale + 1e-7), (R, K, n)
+    w = rng.standard_normal((5, 32)).astype(np.float32)
+    x = rng.standard_normal((2, 32)).astype(np.float32)
+    x[0, 3], x[1, 4] = np.inf, np.nan
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(float32_matvec(x, w), x @ w.T)  # inf, -inf and NaN alike
+    assert float32_matvec(x.astype(np.float64), w) is None
+    assert float32_matvec(x, np.asfortranarray(w)) is None
+    assert float32_matvec(np.ones((MATVEC_MAX_ROWS + 1, 32), np.float32), w) is None
+    with tuned(fused=False):
+        assert float32_matvec(x, w) is None
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 def test_a_prompt_product_runs_its_chunks_on_the_pool(kind, compiled, monkeypatch):
     """Past MATVEC_MAX_ROWS rows, the weight is dequantized and multiplied by chunks of rows

@@ -23,6 +23,10 @@ weight: Q4_1 about 51 us (17 G values/s; 101 us when the nibbles were split with
 operations, which numba widens to int64), Q8_0 about 47 us; loops of 16 or 32 steps per
 block with a sum per block ran 2.5 to 4x slower.
 
+A float32 weight (:func:`f32_matvec`: a float32 model's decoding step) is read the same
+way, a row a dot product: on a 2-core Zen 4 EPYC, 35 GB/s against 21-30 for NumPy's
+matrix-vector product (OpenBLAS) on SmolLM2's weights.
+
 Importing this module imports numba; ``cache=True`` keeps the machine code on disk.
 """
 
@@ -33,6 +37,30 @@ import numpy as np
 
 _JIT = {"nogil": True, "fastmath": True, "cache": True, "error_model": "numpy", "boundscheck": False}
 _F = np.float32
+
+
+# float32 weights: sums reordered (vectorised), but infinities and NaNs kept as IEEE has them
+_JIT_FLOAT32 = {"nogil": True, "fastmath": {"reassoc", "contract", "nsz"}, "cache": True, "error_model": "numpy",
+                "boundscheck": False}
+
+
+@nb.njit(parallel=True, **_JIT_FLOAT32)
+def f32_matvec(weight, x, out):
+    """``out (N, R) = x (N, K) @ weight (R, K).T``, rows in parallel (each thread reads its
+    own run of the weight's rows once, for every row of ``x``); each dot product summed in
+    vector lanes, so not bit for bit BLAS's sum. ``x`` is copied first: a strided view (the step passes slices of its
+    scratch) would keep the compiler from vectorising, at a third of the speed."""
+    R, K = weight.shape
+    N = x.shape[0]
+    xc = np.ascontiguousarray(x)
+    for r in nb.prange(R):
+        w = weight[r]
+        for n in range(N):
+            xn = xc[n]
+            acc = _F(0.0)
+            for k in range(K):
+                acc += w[k] * xn[k]
+            out[n, r] = acc
 
 
 @nb.njit(**_JIT)

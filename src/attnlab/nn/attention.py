@@ -909,7 +909,7 @@ class Attention(Module):
         """This layer's slots for the compiled decoding step (:mod:`attnlab._decode_kernels`):
         ``(qkv, out, q_norm, k_norm, num_heads, num_kv_heads, head_dim, scale, softcap)``,
         or None where the step cannot compute this layer. It computes causal
-        self-attention with one fused in-projection and an out-projection kept quantized
+        self-attention with one fused in-projection and an out-projection, quantized or float32
         (:func:`attnlab.quant.product_record`; biases included), a rotary slot that gives
         its rotation (:meth:`~attnlab.nn.RotaryEmbedding.decode_rows`), QK-norms that give
         their record (:meth:`~attnlab.nn.RMSNorm.decode_record`; None for none), any

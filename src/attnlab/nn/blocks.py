@@ -285,7 +285,7 @@ class TransformerBlock(Module):
         the module path runs. The choice goes by what the inputs are: float32 NumPy ``x``
         and cache, stored as float32 or float16 (:meth:`~attnlab.nn.Attention.decode_rows`;
         float16 where the CPU converts it, :data:`attnlab._decode_kernels.HALF_CONVERSIONS`), the block's record
-        (:meth:`decode_record`: quantized projections, the block's slots), numba there
+        (:meth:`decode_record`: quantized or float32 projections, the block's slots), numba there
         and not turned off, and a call that may take a fused kernel
         (:func:`attnlab.nn._context.may_fuse`: eval mode, no tape, no hook on the block's
         points). The result equals the module path's to float32 round-off; bad input
@@ -514,9 +514,9 @@ class GatedFeedForward(Module):
     def decode_record(self) -> tuple | None:
         """This network's slots for the compiled decoding step
         (:mod:`attnlab._decode_kernels`): ``(gate, up, down, activation)``, the three
-        projections' products (:meth:`~attnlab.nn.Linear.decode_record`: kept quantized)
+        projections' products (:meth:`~attnlab.nn.Linear.decode_record`: quantized or float32)
         and the activation's code (0 SiLU, 1 GELU tanh, 2 GELU erf, 3 ReLU), or None where
-        the step cannot compute it (float weights, adapters, another activation module, a
+        the step cannot compute it (other weights, adapters, another activation module, a
         subclass)."""
         act = self.act_fn
         code = _DECODE_ACTIVATIONS.get((type(act), getattr(act, "approximate", None)))

@@ -14,7 +14,7 @@ from attnlab._threads import matmul, matmuls
 from attnlab.core._namespace import add_, full_scalar, is_numpy, mT, namespace
 from attnlab.core._reduce import col_sum, row_mean
 from attnlab.nn import _context
-from attnlab.quant import QuantizedTensor, quantized_linear
+from attnlab.quant import QuantizedTensor, float32_matvec, quantized_linear
 
 
 def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
@@ -22,11 +22,16 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
 
     Every weight product of the layers and models goes through here: a
     :class:`~attnlab.quant.QuantizedTensor` weight is multiplied without being dequantized
-    (:func:`attnlab.quant.quantized_linear`); an array takes one matrix product."""
+    (:func:`attnlab.quant.quantized_linear`); a few float32 rows (decoding) times a float32
+    weight take the compiled matrix-vector kernel (:func:`attnlab.quant.float32_matvec`);
+    any other array takes one matrix product."""
     if type(weight) is QuantizedTensor:
         return quantized_linear(x, weight, bias)
     if not isinstance(x, np.ndarray):  # another array library: one broadcast matrix product there
         y = namespace(x).matmul(x, mT(weight))
+        return y if bias is None else y + bias
+    y = float32_matvec(x, weight)  # a few float32 rows (decoding): the compiled kernel, where it applies
+    if y is not None:
         return y if bias is None else y + bias
     # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out), split
     # over attnlab's threads when large (attnlab._threads.matmul)

@@ -96,8 +96,9 @@ class Linear(Module):
 
     def decode_record(self) -> tuple | None:
         """This layer's product for the compiled decoding step
-        (:func:`attnlab.quant.product_record`), or None where the step cannot compute it (a
-        float weight, adapters in the slot, a subclass)."""
+        (:func:`attnlab.quant.product_record`: a quantized or a C-contiguous float32 weight),
+        or None where the step cannot compute it (another weight, adapters in the slot, a
+        subclass)."""
         if type(self) is not Linear or self.adapters is not None \
                 or self.weight.data.shape != (self.out_features, self.in_features):
             return None
