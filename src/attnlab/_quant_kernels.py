@@ -48,8 +48,8 @@ _JIT_FLOAT32 = {"nogil": True, "fastmath": {"reassoc", "contract", "nsz"}, "cach
 def f32_matvec(weight, x, out):
     """``out (N, R) = x (N, K) @ weight (R, K).T``, rows in parallel (each thread reads its
     own run of the weight's rows once, for every row of ``x``); each dot product summed in
-    vector lanes, so not bit for bit BLAS's sum. ``x`` is copied first: a strided view (the step passes slices of its
-    scratch) would keep the compiler from vectorising, at a third of the speed."""
+    vector lanes, so not bit for bit BLAS's sum. ``x`` is taken in C order (a copy where it
+    is strided, which would keep the compiler from vectorising)."""
     R, K = weight.shape
     N = x.shape[0]
     xc = np.ascontiguousarray(x)
