@@ -31,11 +31,10 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
         y = namespace(x).matmul(x, mT(weight))
         return y if bias is None else y + bias
     y = float32_matvec(x, weight)  # a few float32 rows (decoding): the compiled kernel, where it applies
-    if y is not None:
-        return y if bias is None else y + bias
-    # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out), split
-    # over attnlab's threads when large (attnlab._threads.matmul)
-    y = matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
+    if y is None:
+        # One GEMM over all batch rows: (..., in) -> (N, in) -> (N, out) -> (..., out), split
+        # over attnlab's threads when large (attnlab._threads.matmul)
+        y = matmul(x.reshape(-1, x.shape[-1]), weight.T).reshape(*x.shape[:-1], weight.shape[0])
     if bias is not None:
         y += bias
     return y
