@@ -194,3 +194,62 @@ def test_jax_float32_is_within_1e5_and_at_full_matmul_precision():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:3] == ["float32 ['highest'] True", "float32 ['highest'] True", "['bfloat16']"], \
         proc.stdout
+
+
+def test_tiles_on_an_accelerator_are_a_share_of_the_scores_not_a_cache_size():
+    """On a GPU each tile step is about 20 launches: CPU-sized tiles (2^18 scores) took an
+    H200 322 ms at L = S = 8192, H = 8. There a tile holds 1/32 of the scores (16 Mi here),
+    never less than on a CPU and never more than 64 Mi."""
+    assert blockwise_xp.tile_sizes(8, 8192, 8192) == (64, 512)
+    assert blockwise_xp.tile_sizes(8, 8192, 8192, accelerator=True) == (4096, 512)
+    assert blockwise_xp.tile_sizes(2, 2048, 2048, accelerator=True) == (256, 512)  # 2^18: the CPU's floor
+    assert blockwise_xp.tile_sizes(2, 2048, 2048) == (256, 512)
+    assert blockwise_xp.tile_sizes(8, 2**15, 2**15, accelerator=True) == (2**14, 512)  # 64 Mi: the cap
+
+
+class _Device:
+    def __init__(self, type_):
+        self.type = type_
+
+
+class _FakeTensor:  # pins what on_accelerator reads of a torch tensor: its module and device.type
+    __module__ = "torch"
+
+    def __init__(self, type_):
+        self.device = _Device(type_)
+
+
+def test_on_accelerator_tells_a_gpu_array_from_a_host_one():
+    from attnlab.core._namespace import on_accelerator
+
+    assert not on_accelerator(np.ones(3))
+    assert not on_accelerator(torch.ones(3))
+    assert not on_accelerator(torch.ones(3, device="meta"))
+    assert on_accelerator(_FakeTensor("cuda")) and on_accelerator(_FakeTensor("mps"))
+    assert not on_accelerator(_FakeTensor("cpu"))
+    xs = pytest.importorskip("array_api_strict")
+    assert not on_accelerator(xs.asarray([1.0], device=xs.Device("device1")))
+    jnp = pytest.importorskip("jax.numpy")
+    assert not on_accelerator(jnp.ones(3))  # CI's JAX computes on the CPU
+
+
+def test_accelerator_sized_tiles_give_the_same_numbers(monkeypatch):
+    """The large tiles an accelerator gets, forced onto CPU tensors: forward and backward
+    still equal torch's (one query tile of all 1,024 rows here, against 8 of 128 rows on a CPU)."""
+    monkeypatch.setattr(blockwise_xp, "MIN_SCORES", 1)
+    monkeypatch.setattr(blockwise_xp, "ACCELERATOR_TILE_SHARE", 2)
+    seen = []
+    real = blockwise_xp.tile_sizes
+    monkeypatch.setattr(blockwise_xp, "on_accelerator", lambda x: True)
+    monkeypatch.setattr(blockwise_xp, "tile_sizes", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 4, 1024, 16, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    out = attnlab.scaled_dot_product_attention(q, k, v, is_causal=True)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    ours = attnlab.scaled_dot_product_attention_backward(grad, q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.backward(grad)
+    assert seen and all(s == (1024, 512) for s in seen)
+    assert rel(out, want) < 1e-13
+    for a, b in zip(ours, (q.grad, k.grad, v.grad), strict=True):
+        assert rel(a, b) < 1e-12

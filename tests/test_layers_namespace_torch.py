@@ -276,3 +276,24 @@ def test_a_layer_without_weights_moves_nowhere_and_layernorm_without_weights_mov
     assert isinstance(y, torch.Tensor) and y.dtype == torch.float64
     with pytest.raises(TypeError, match=r"x is numpy\.ndarray, but the layer's weights are torch\.Tensor"):
         ln(np.ones((2, 4)))
+
+
+def test_rotary_rows_kept_on_the_device_follow_positions_dtype_and_parameters():
+    """A forward pass moves the rotation's rows to the device once and every block reuses
+    them (on a GPU each move waits for the device): new positions of the same shape, another
+    dtype or another base must still get their own rows."""
+    from attnlab.nn.layers import RotaryEmbedding
+
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((1, 2, 4, 8))
+    k = rng.standard_normal((1, 1, 4, 8))
+    calls = [(RotaryEmbedding(8), np.arange(4), np.float32), (RotaryEmbedding(8), np.arange(4, 8), np.float32),
+             (RotaryEmbedding(8), np.arange(4, 8), np.float64), (RotaryEmbedding(8, theta=500.0), np.arange(4, 8),
+                                                                  np.float64),
+             (RotaryEmbedding(8), np.arange(4), np.float32)]
+    for rope, positions, dtype in calls:
+        want_q, want_k = rope(q.astype(dtype), k.astype(dtype), positions)
+        got_q, got_k = rope(torch.from_numpy(q.astype(dtype)), torch.from_numpy(k.astype(dtype)), positions)
+        tol = 1e-6 if dtype == np.float32 else 1e-13
+        assert got_q.dtype == getattr(torch, np.dtype(dtype).name)
+        assert np.abs(got_q.numpy() - want_q).max() < tol and np.abs(got_k.numpy() - want_k).max() < tol

@@ -107,6 +107,33 @@ def device(x: object):
     return array_api_compat.device(x)
 
 
+def on_accelerator(x: object) -> bool:
+    """Whether ``x`` lives on an accelerator (a GPU, ...) rather than the host: torch tensors
+    on a device other than ``cpu`` or ``meta``, CuPy arrays, JAX arrays on a non-CPU
+    platform. NumPy, ``array_api_strict`` and anything else count as the host.
+
+    >>> on_accelerator(np.ones(3))
+    False
+    """
+    if isinstance(x, np.ndarray):
+        return False
+    top = type(x).__module__.partition(".")[0]
+    if top == "cupy":
+        return True
+    dev = getattr(x, "device", None)
+    if top == "torch":
+        return getattr(dev, "type", "cpu") not in ("cpu", "meta")
+    if top in ("jax", "jaxlib"):
+        try:
+            devices = x.devices()
+        except Exception:  # a tracer inside jax.jit has no devices: JAX's default backend then
+            import jax
+
+            return jax.default_backend() != "cpu"
+        return any(getattr(d, "platform", "cpu") != "cpu" for d in devices)
+    return False
+
+
 def float_array(x: object, name: str, xp, *, min_ndim: int = 0, layout: str | None = None):
     """:func:`attnlab._validation.as_float_array` for any namespace: ``x`` unchanged, or an
     error naming ``name``, its dtype and its array type."""
@@ -164,10 +191,11 @@ def where_scalar(cond, value: float, x):
 
 
 def full_scalar(value: float, like):
-    """A 0-D array holding ``value`` in ``like``'s dtype, namespace and device."""
+    """A 0-D array holding ``value`` in ``like``'s dtype, namespace and device (filled there:
+    on a GPU a copy from the host would wait for the device's queue)."""
     if isinstance(like, np.ndarray):
         return like.dtype.type(value)
-    return namespace(like).asarray(value, dtype=like.dtype, device=device(like))
+    return namespace(like).full((), value, dtype=like.dtype, device=device(like))
 
 
 def fill_forbidden(s, allowed):

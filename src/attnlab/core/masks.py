@@ -123,8 +123,8 @@ def mask_to_bias(mask: np.ndarray, dtype=np.float32) -> np.ndarray:
     if xp is np:
         return np.where(mask, 0.0, -np.inf).astype(dtype)
     dtype = _dtype_in(xp, dtype, mask)
-    zero = xp.asarray(0.0, dtype=dtype, device=device(mask))
-    return xp.where(mask, zero, xp.asarray(-np.inf, dtype=dtype, device=device(mask)))
+    zero = xp.full((), 0.0, dtype=dtype, device=device(mask))  # filled there: no copy from the host
+    return xp.where(mask, zero, xp.full((), -np.inf, dtype=dtype, device=device(mask)))
 
 
 def _dtype_in(xp, dtype, like):

@@ -75,16 +75,21 @@ class Embedding(Module):
         """The rows of ``w``, a table of another library (:meth:`Module.to`), for ``ids`` of
         that library or NumPy (moved to the table's device): ``xp.take``, no fancy indexing."""
         xp = namespace(w)
-        if is_numpy(ids):
-            ids = xp.asarray(np.asarray(ids), device=device(w))
+        host = is_numpy(ids)
+        if host:  # checked here, then moved: reading the device's min and max waits for its queue
+            ids = np.asarray(ids)
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise TypeError(f"ids must be an integer array, got dtype {ids.dtype}")
         elif namespace(ids, names=("ids",)) is not xp:
             raise TypeError(f"ids is {array_type(ids)}, but the layer's weights are {array_type(w)}")
-        if not xp.isdtype(ids.dtype, "integral"):
+        elif not xp.isdtype(ids.dtype, "integral"):
             raise TypeError(f"ids must be an integer array, got dtype {ids.dtype} ({array_type(ids)})")
         if math.prod(ids.shape):
-            lo, hi = int(xp.min(ids)), int(xp.max(ids))
+            lo, hi = (int(ids.min()), int(ids.max())) if host else (int(xp.min(ids)), int(xp.max(ids)))
             if lo < 0 or hi >= self.num_embeddings:
                 raise ValueError(f"ids must lie in [0, {self.num_embeddings}), got values in [{lo}, {hi}]")
+        if host:
+            ids = xp.asarray(ids, device=device(w))
         self._save(ids=ids)
         rows = xp.take(w, xp.reshape(ids, (-1,)), axis=0)  # (N, D) -> (..., D)
         return xp.reshape(rows, (*ids.shape, self.embedding_dim))
@@ -439,6 +444,7 @@ class SiLU(Module):
 
 
 _LAST_DECODE_ROWS: list = [None]  # RotaryEmbedding.decode_rows's last (key, config, (cos, sin))
+_LAST_DEVICE_ROWS: list = [None]  # RotaryEmbedding._on_device's last (key, config, (cos, sin))
 
 
 class RotaryEmbedding(Module):
@@ -548,9 +554,24 @@ class RotaryEmbedding(Module):
         if cos.ndim == 3:  # (N, L, R) -> (N, 1, L, R): one rotation for every head
             cos, sin = cos[:, None], sin[:, None]
         if not numpy:  # another library's heads: the rows they need, moved to their device and dtype
-            cos, sin = as_dtype(from_host(cos, q), q.dtype), as_dtype(from_host(sin, q), q.dtype)
+            cos, sin = self._on_device(positions, cos, sin, q)
         self._save(cos=cos, sin=sin)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+    def _on_device(self, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, like):
+        """``(cos, sin)`` moved to ``like``'s library, device and dtype. Every block of a
+        forward pass asks for the same rows: the last move is kept (read only), for the
+        rotary parameters, positions and target it was made for. On a GPU each move from the
+        host waits for the device to finish its queue, so 2 moves a block stalled every block
+        (a 30-block decoder: 60 waits a token)."""
+        key = (positions.tobytes(), positions.shape, cos.dtype.char, str(like.dtype), str(device(like)),
+               array_type(like))
+        last = _LAST_DEVICE_ROWS[0]
+        if last is not None and last[0] == key and (last[1] is self.config or last[1] == self.config):
+            return last[2]
+        rows = as_dtype(from_host(cos, like), like.dtype), as_dtype(from_host(sin, like), like.dtype)
+        _LAST_DEVICE_ROWS[0] = (key, self.config, rows)
+        return rows
 
     def backward(self, grad_q: np.ndarray, grad_k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         c = self._saved()
