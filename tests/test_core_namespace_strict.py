@@ -175,7 +175,11 @@ def test_strict_arrays_on_two_devices_are_refused():
 
 
 def test_without_array_api_compat_the_error_says_what_to_install(monkeypatch):
+    from attnlab.core import _namespace
+
     monkeypatch.setitem(sys.modules, "array_api_compat", None)  # import fails
+    # as in a process that never had it: no namespace found through it is remembered
+    monkeypatch.setattr(_namespace, "_BY_TYPE", {np.ndarray: np})
     q = xs.asarray(np.zeros((2, 3)))
     need = r"array_api_strict.Array arrays through array-api-compat.*attnlab\[arrayapi\]"
     with pytest.raises(ImportError, match=need):

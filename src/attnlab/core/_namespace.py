@@ -32,6 +32,8 @@ REQUIRED = (
     "matmul", "matrix_transpose", "max", "min", "reshape", "sum", "where", "zeros_like",
 )
 _CHECKED: set[int] = set()
+# The namespace of each array type seen (a forward pass asks hundreds of times per token).
+_BY_TYPE: dict[type, object] = {np.ndarray: np}
 
 
 def array_type(x: object) -> str:
@@ -64,11 +66,23 @@ def namespace(*arrays: object, names: tuple[str, ...] | None = None):
         TypeError: arrays of different libraries (or a list beside a tensor), or a
             namespace that lacks an operation attnlab needs; both name the array types.
     """
+    if len(arrays) == 1 and type(arrays[0]) in _BY_TYPE:  # the most common call, on every forward pass
+        return _BY_TYPE[type(arrays[0])]
     for a in arrays:  # is_numpy, inlined: this runs on every NumPy call
         if a is not None and type(a) is not np.ndarray and _foreign(a):
             break
     else:
         return np
+    kind = None  # one array type throughout: its namespace, once found, is kept
+    for a in arrays:
+        if a is not None:
+            if kind is None:
+                kind = type(a)
+            elif type(a) is not kind:
+                kind = None
+                break
+    if kind is not None and kind in _BY_TYPE:
+        return _BY_TYPE[kind]
     names = names or tuple(f"argument {i}" for i in range(1, len(arrays) + 1))
     given = {name: a for name, a in zip(names, arrays, strict=True) if a is not None}
     first = next(a for a in given.values() if _foreign(a))
@@ -95,6 +109,8 @@ def namespace(*arrays: object, names: tuple[str, ...] | None = None):
                 f"{getattr(xp, '__name__', xp)!r} lacks {', '.join(missing)} (Array API standard 2022.12)"
             )
         _CHECKED.add(id(xp))
+    if kind is not None:
+        _BY_TYPE[kind] = xp
     return xp
 
 
@@ -102,6 +118,8 @@ def device(x: object):
     """The device ``x`` lives on (``None`` for NumPy)."""
     if isinstance(x, np.ndarray):
         return None
+    if type(x).__module__ == "torch" and type(x).__name__ == "Tensor":
+        return x.device  # what array_api_compat answers for torch, without its dozen type checks
     import array_api_compat
 
     return array_api_compat.device(x)

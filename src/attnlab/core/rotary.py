@@ -325,7 +325,11 @@ def _rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, sign: float) -> np.
     F = R // 2
     if type(x) is not np.ndarray:  # another library's arrays (cos and sin in its dtype): the same products
         x1, x2 = x[..., :F], x[..., F:R]
-        parts = [x1 * cos[..., :F] - sign * x2 * sin[..., :F], x2 * cos[..., F:] + sign * x1 * sin[..., F:]]
+        c1, c2, s1, s2 = cos[..., :F], cos[..., F:], sin[..., :F], sin[..., F:]
+        if sign > 0:  # without the sign's products: each is a kernel launch on a GPU
+            parts = [x1 * c1 - x2 * s1, x2 * c2 + x1 * s2]
+        else:
+            parts = [x1 * c1 + x2 * s1, x2 * c2 - x1 * s2]
         return namespace(x).concat(parts + [x[..., R:]] if R < D else parts, axis=-1)
     out = _rotate_compiled(x, cos, sin, sign)
     if out is not None:
