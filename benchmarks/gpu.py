@@ -31,6 +31,7 @@ and CuPy rows run where they import. Not a test: nothing here asserts a timing.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import platform
@@ -122,8 +123,9 @@ def sdpa_rows(torch, attnlab, clock, device, args) -> None:
         ref = F.scaled_dot_product_attention(q64, k64, v64, is_causal=causal, enable_gqa=gqa)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
             q, k, v = q64.to(dtype), k64.to(dtype), v64.to(dtype)
-            ours = lambda: attnlab.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa: E731
-            theirs = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)  # noqa: E731
+            ours = functools.partial(attnlab.scaled_dot_product_attention, q, k, v, is_causal=causal,
+                                     enable_gqa=gqa)
+            theirs = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal, enable_gqa=gqa)
             t = clock.turns({"a": ours, "t": theirs}, repeat=args.repeat)
             ea, et = max_err(ours(), ref), max_err(theirs(), ref)
             print(f"| {label} B={b} H={hq}/{hk} L={n} E={e}{' causal' if causal else ''} | "
@@ -268,7 +270,18 @@ def main(argv=None) -> int:
     import attnlab
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - {"sdpa", "memory", "mha", "jax", "cupy", "model"}
+    if unknown:
+        print(f"gpu.py: --skip names no section {sorted(unknown)}: sdpa, memory, mha, jax, cupy, model",
+              file=sys.stderr)
+        return 2
     device = args.device
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        print(f"gpu.py: torch cannot use device {device!r} here ({str(exc).splitlines()[0]}); "
+              "--device cpu checks the script", file=sys.stderr)
+        return 2
     clock = Clock(torch, device)
     print("# attnlab on", device)
     print(f"CPU: {cpu_name()}")

@@ -4,6 +4,7 @@ tests."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -455,3 +456,40 @@ def test_explain_dispatch_bad_shapes(capsys, shape, match):
     assert main(["bench", "--explain-dispatch", shape]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--explain-dispatch: " in err and match in err
+
+
+GPU_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+
+
+def test_the_gpu_benchmark_runs_its_comparisons_on_cpu_tensors():
+    """``benchmarks/gpu.py --device cpu --quick``: every section prints (the GPU-only memory
+    section says it is skipped), attnlab's errors against float64 are torch's order, the
+    decoder agrees with transformers. CI has no GPU; this keeps the script working."""
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, str(GPU_SCRIPT), "--device", "cpu", "--quick", "--repeat", "1",
+                          "--skip", "jax,cupy"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    dtypes = ("| float32 |", "| bfloat16 |", "| float16 |")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and any(d in line for d in dtypes)]
+    assert len(rows) == 12  # 4 shapes x 3 dtypes
+    for row in rows:
+        err_ratio = float(row.rstrip(" |").rsplit("|", 1)[-1])
+        assert err_ratio < 1.6, row  # attnlab's largest error against float64 over torch's
+    assert "(memory: CUDA only, skipped)" in out
+    assert re.search(r"MultiheadAttention\(512, 8\).*largest difference \d\.\de-0[78]", out, re.S)
+    assert re.search(r"logits within \d\.\de-0[67] of the largest", out)
+    assert "first 8 of 8 greedy tokens the same" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "no-such-device"], "torch cannot use device 'no-such-device' here"),
+    (["--device", "cpu", "--skip", "sdpa,flash"], "--skip names no section ['flash']"),
+])
+def test_the_gpu_benchmark_refuses_bad_arguments_in_one_line(args, message):
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, str(GPU_SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr

@@ -32,7 +32,8 @@ import math
 from attnlab.core._namespace import as_dtype, device, mT, on_accelerator
 from attnlab.core.spec import AttentionSpec, reduce_to
 
-__all__ = ["ACCELERATOR_TILE_MAX", "ACCELERATOR_TILE_SHARE", "MIN_SCORES", "backward", "forward", "matmul_precision", "tile_sizes", "use_blockwise", "widened"]
+__all__ = ["ACCELERATOR_TILE_MAX", "ACCELERATOR_TILE_SHARE", "MIN_SCORES", "backward", "forward", "matmul_precision",
+           "tile_sizes", "use_blockwise", "widened"]
 
 #: From this many scores (all heads together) the blockwise kernel runs: below it the naive
 #: kernel's few large operations cost less (each tile is a handful of library calls) and its
