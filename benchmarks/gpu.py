@@ -1,7 +1,8 @@
-"""attnlab on a GPU against torch's own kernels on the same card: scaled dot-product attention
-in float32, bfloat16 and float16 (times, errors against float64, extra memory at L = 8192),
-``MultiheadAttention(512, 8)``, JAX and CuPy arrays, and a SmolLM2-shaped decoder's prefill
-and decode against transformers.
+"""attnlab on a GPU against torch's own kernels and transformers, on the same card.
+
+Scaled dot-product attention in float32, bfloat16 and float16 (times, errors against
+float64, extra memory at L = 8192), ``MultiheadAttention(512, 8)``, JAX and CuPy arrays, and
+a SmolLM2-shaped decoder's prefill and decode against transformers.
 
 attnlab computes on the GPU through the Array API path: its core takes torch (CuPy, JAX)
 arrays and stays on their device, and a model moves there with ``model.to(torch,
@@ -270,6 +271,10 @@ def main(argv=None) -> int:
     import attnlab
 
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    for name, value, least in (("--repeat", args.repeat, 1), ("--prompt", args.prompt, 1), ("--new", args.new, 2)):
+        if value < least:
+            print(f"gpu.py: {name} must be at least {least}, got {value}", file=sys.stderr)
+            return 2
     unknown = skip - {"sdpa", "memory", "mha", "jax", "cupy", "model"}
     if unknown:
         print(f"gpu.py: --skip names no section {sorted(unknown)}: sdpa, memory, mha, jax, cupy, model",

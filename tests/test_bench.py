@@ -486,6 +486,7 @@ def test_the_gpu_benchmark_runs_its_comparisons_on_cpu_tensors():
 @pytest.mark.parametrize("args, message", [
     (["--device", "no-such-device"], "torch cannot use device 'no-such-device' here"),
     (["--device", "cpu", "--skip", "sdpa,flash"], "--skip names no section ['flash']"),
+    (["--device", "cpu", "--new", "1"], "--new must be at least 2, got 1"),
 ])
 def test_the_gpu_benchmark_refuses_bad_arguments_in_one_line(args, message):
     pytest.importorskip("torch")
