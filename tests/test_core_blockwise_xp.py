@@ -164,12 +164,15 @@ JAX_CHECK = textwrap.dedent("""
     q, k, v = (rng.standard_normal((1, 2, 256, 64)) for _ in range(3))
     ref = torch.nn.functional.scaled_dot_product_attention(*(torch.from_numpy(a) for a in (q, k, v)),
                                                            is_causal=True).numpy()
-    seen, real = [], jnp.matmul
-    def spy(*args, **kwargs):
-        seen.append(jax.config.jax_default_matmul_precision)
-        return real(*args, **kwargs)
-    jnp.matmul = spy
+    seen = []
+    def spying(real):
+        def spy(*args, **kwargs):
+            seen.append(jax.config.jax_default_matmul_precision)
+            return real(*args, **kwargs)
+        return spy
     jq, jk, jv = (jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v))
+    jnp.matmul = spying(jnp.matmul)
+    type(jq).__matmul__ = spying(type(jq).__matmul__)  # the standard's operator, a @ b
     for min_scores in (1 << 40, 1):  # the naive kernel, then the blockwise one
         blockwise_xp.MIN_SCORES = min_scores
         seen.clear()

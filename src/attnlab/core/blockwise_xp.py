@@ -147,7 +147,7 @@ class _Tiles:
         """The masked, scaled scores of rows ``i0:i1`` (``qs``: their scaled queries) and keys
         ``j0:j1``: ``(..., i1 - i0, j1 - j0)``."""
         xp, spec = self.xp, self.spec
-        s = xp.matmul(qs, mT(self.k[..., j0:j1, :]))
+        s = qs @ mT(self.k[..., j0:j1, :])
         if spec.is_causal:
             if j1 - 1 > i0:  # some key of the tile lies after some row
                 rows = xp.arange(i0, i1, device=self.device)[:, None]
@@ -188,7 +188,7 @@ def _forward(t: _Tiles):
             p = xp.exp(s - shift)
             alpha = xp.exp(m - shift)  # <= 1; 0 where m was -inf
             l = l * alpha + xp.sum(p, axis=-1, keepdims=True, dtype=t.dtype)
-            acc = acc * alpha + xp.matmul(p, t.v[..., j0:j1, :])
+            acc = acc * alpha + p @ t.v[..., j0:j1, :]
             m = m_new
         seen = l > zero
         outs.append(acc / xp.where(seen, l, one))

@@ -74,7 +74,7 @@ def _raw_scores(spec: AttentionSpec):
     # The scale goes on the (L, E) queries, not on the (L, S) scores: one pass fewer.
     q = scaled(spec.query, spec.scale)
     s = _matmul_kv(spec, q, mT(spec.key))
-    return spec.xp.matmul(q, mT(spec.full_key)) if s is None else s
+    return q @ mT(spec.full_key) if s is None else s
 
 
 def _capped(spec: AttentionSpec, s):
@@ -170,7 +170,7 @@ def forward(spec: AttentionSpec, *, rng=None):
     """``weights @ value``: ``(..., Hq, L, Ev)``."""
     w = weights(spec, rng=rng)
     out = _matmul_kv(spec, w, spec.value)
-    return spec.xp.matmul(w, spec.full_value) if out is None else out
+    return w @ spec.full_value if out is None else out
 
 
 def backward(spec: AttentionSpec, grad_out, *, rng=None):

@@ -28,7 +28,7 @@ def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) ->
     if type(weight) is QuantizedTensor:
         return quantized_linear(x, weight, bias)
     if not isinstance(x, np.ndarray):  # another array library: one broadcast matrix product there
-        y = namespace(x).matmul(x, mT(weight))
+        y = x @ mT(weight)  # the standard's operator: no wrapper around the library's product
         return y if bias is None else y + bias
     y = float32_matvec(x, weight)  # a few float32 rows (decoding): the compiled kernel, where it applies
     if y is None:
