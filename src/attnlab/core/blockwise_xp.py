@@ -45,8 +45,8 @@ TILE_SCORES = 1 << 18
 #: On an accelerator (a GPU) a tile holds ``1 /`` this share of all the scores (at most
 #: :data:`ACCELERATOR_TILE_MAX`): each tile step is about 20 library calls, and on small
 #: tiles their launches cost more than their work. At L = S = 8192, B = 1, H = 8 (float32,
-#: causal) an H200 took 322 ms with CPU-sized tiles and 9.0 ms with these (torch's fused
-#: kernel: 2.6 ms); the few tiles a step holds came to 13% of the score matrix (the naive
+#: causal) an H200 took 322 ms with CPU-sized tiles and 9-11 ms with these (torch's fused
+#: kernel: 2.7 ms); the few tiles a step holds came to 13% of the score matrix (the naive
 #: kernel: 3x it).
 ACCELERATOR_TILE_SHARE = 32
 #: The largest tile on an accelerator: 64 Mi scores (256 MiB in float32).
