@@ -35,7 +35,6 @@ import argparse
 import functools
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -51,22 +50,6 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small shapes: a check that every section runs")
     p.add_argument("--skip", default="", help="comma-separated sections to leave out: sdpa,memory,mha,jax,cupy,model")
     return p.parse_args(argv)
-
-
-def cpu_name() -> str:
-    """The host CPU's model name, core count and the vector extensions that matter here."""
-    name, flags = platform.processor() or "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name in ("", "x86_64", "unknown CPU"):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    vec = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{name}, {len(os.sched_getaffinity(0))} CPUs, {vec}"
 
 
 class Clock:
@@ -289,7 +272,9 @@ def main(argv=None) -> int:
         return 2
     clock = Clock(torch, device)
     print("# attnlab on", device)
-    print(f"CPU: {cpu_name()}")
+    from attnlab._cpu import cpu_info
+
+    print(f"CPU: {cpu_info().describe()}, {len(os.sched_getaffinity(0))} CPUs")
     if torch.device(device).type == "cuda":
         print(f"GPU: {torch.cuda.get_device_name(device)}, "
               f"{torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB")

@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import math
 
-from attnlab.core._namespace import as_dtype, device, mT, on_accelerator
+from attnlab.core._namespace import as_dtype, device, full_scalar, mT, on_accelerator
 from attnlab.core.spec import AttentionSpec, reduce_to
 
 __all__ = ["ACCELERATOR_TILE_MAX", "ACCELERATOR_TILE_SHARE", "MIN_SCORES", "backward", "forward", "matmul_precision",
@@ -132,12 +132,7 @@ class _Tiles:
         bq, bk = tile_sizes(math.prod(spec.batch_shape), self.L, self.S, accelerator=on_accelerator(self.q))
         self.bq, self.bk = block_q or bq, block_k or bk
         self.dtype = self.q.dtype
-        self.neg_inf = self.constant(-math.inf)
-
-    def constant(self, value: float):
-        """A 0-D array of ``value`` in the compute dtype, filled on the device (a copy from the
-        host would wait for a GPU's queue)."""
-        return self.xp.full((), value, dtype=self.dtype, device=self.device)
+        self.neg_inf = full_scalar(-math.inf, self.q)
 
     def key_end(self, i1: int) -> int:
         """One past the last key rows ``< i1`` may see (causal: top-left aligned)."""
@@ -170,7 +165,7 @@ def _forward(t: _Tiles):
     xp = t.xp
     outs, shifts, logls = [], [], []
     lead = tuple(t.spec.batch_shape)
-    neg_inf, zero, one = t.neg_inf, t.constant(0.0), t.constant(1.0)
+    neg_inf, zero, one = t.neg_inf, full_scalar(0.0, t.q), full_scalar(1.0, t.q)
     Ev = t.v.shape[-1]
     for i0 in range(0, t.L, t.bq):
         i1 = min(i0 + t.bq, t.L)
