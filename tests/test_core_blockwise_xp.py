@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -210,28 +211,18 @@ def test_tiles_on_an_accelerator_are_a_share_of_the_scores_not_a_cache_size():
     assert blockwise_xp.tile_sizes(8, 2**15, 2**15, accelerator=True) == (2**14, 512)  # 64 Mi: the cap
 
 
-class _Device:
-    def __init__(self, type_):
-        self.type = type_
-
-
 class _FakeTensor:  # pins what on_accelerator reads of a torch tensor: its module and device.type
     __module__ = "torch"
 
     def __init__(self, type_):
-        self.device = _Device(type_)
-
-
-class _Platform:
-    def __init__(self, platform):
-        self.platform = platform
+        self.device = types.SimpleNamespace(type=type_)
 
 
 class _FakeJaxArray:  # what on_accelerator reads of a JAX array (JAX itself stays out of this process)
     __module__ = "jaxlib._jax"
 
     def __init__(self, platform):
-        self._devices = {_Platform(platform)}
+        self._devices = [types.SimpleNamespace(platform=platform)]
 
     def devices(self):
         return self._devices

@@ -66,13 +66,6 @@ def namespace(*arrays: object, names: tuple[str, ...] | None = None):
         TypeError: arrays of different libraries (or a list beside a tensor), or a
             namespace that lacks an operation attnlab needs; both name the array types.
     """
-    if len(arrays) == 1 and type(arrays[0]) in _BY_TYPE:  # the most common call, on every forward pass
-        return _BY_TYPE[type(arrays[0])]
-    for a in arrays:  # is_numpy, inlined: this runs on every NumPy call
-        if a is not None and type(a) is not np.ndarray and _foreign(a):
-            break
-    else:
-        return np
     kind = None  # one array type throughout: its namespace, once found, is kept
     for a in arrays:
         if a is not None:
@@ -81,8 +74,14 @@ def namespace(*arrays: object, names: tuple[str, ...] | None = None):
             elif type(a) is not kind:
                 kind = None
                 break
-    if kind is not None and kind in _BY_TYPE:
-        return _BY_TYPE[kind]
+    xp = _BY_TYPE.get(kind)
+    if xp is not None:  # the common call, hundreds of times a forward pass
+        return xp
+    for a in arrays:  # is_numpy, inlined: NumPy-like inputs of mixed types (lists, scalars)
+        if a is not None and type(a) is not np.ndarray and _foreign(a):
+            break
+    else:
+        return np
     names = names or tuple(f"argument {i}" for i in range(1, len(arrays) + 1))
     given = {name: a for name, a in zip(names, arrays, strict=True) if a is not None}
     first = next(a for a in given.values() if _foreign(a))
@@ -138,9 +137,8 @@ def on_accelerator(x: object) -> bool:
     top = type(x).__module__.partition(".")[0]
     if top == "cupy":
         return True
-    dev = getattr(x, "device", None)
     if top == "torch":
-        return getattr(dev, "type", "cpu") not in ("cpu", "meta")
+        return getattr(getattr(x, "device", None), "type", "cpu") not in ("cpu", "meta")
     if top in ("jax", "jaxlib"):
         try:
             devices = x.devices()

@@ -548,27 +548,34 @@ class RotaryEmbedding(Module):
                 positions.ndim == 2 and (q.ndim != 4 or positions.shape[0] not in (1, q.shape[0]))):
             need = f"({L},)" if q.ndim == 3 else f"({L},) or ({q.shape[0]}, {L})"
             raise shape_error("positions", positions.shape, need)
-        numpy = isinstance(q, np.ndarray)
-        host = q.dtype if numpy else np.float64 if q.dtype == namespace(q).float64 else np.float32
-        cos, sin = self.cos_sin(positions, host)
-        if cos.ndim == 3:  # (N, L, R) -> (N, 1, L, R): one rotation for every head
-            cos, sin = cos[:, None], sin[:, None]
-        if not numpy:  # another library's heads: the rows they need, moved to their device and dtype
-            cos, sin = self._on_device(positions, cos, sin, q)
+        if isinstance(q, np.ndarray):
+            cos, sin = self._host_rows(positions, q.dtype)
+        else:  # another library's heads: the rows they need, moved to their device and dtype
+            cos, sin = self._on_device(positions, q)
         self._save(cos=cos, sin=sin)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
-    def _on_device(self, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray, like):
-        """``(cos, sin)`` moved to ``like``'s library, device and dtype. Every block of a
-        forward pass asks for the same rows: the last move is kept (read only), for the
-        rotary parameters, positions and target it was made for. On a GPU each move from the
-        host waits for the device to finish its queue, so 2 moves a block stalled every block
-        (a 30-block decoder: 60 waits a token)."""
-        key = (positions.tobytes(), positions.shape, cos.dtype.char, str(like.dtype), str(device(like)),
-               array_type(like))
+    def _host_rows(self, positions: np.ndarray, dtype) -> tuple[np.ndarray, np.ndarray]:
+        """``(cos, sin)`` for ``positions`` in ``dtype``, each ``(L, R)`` or, for positions
+        ``(N, L)``, ``(N, 1, L, R)``: one rotation for every head."""
+        cos, sin = self.cos_sin(positions, dtype)
+        if cos.ndim == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin
+
+    def _on_device(self, positions: np.ndarray, like):
+        """:meth:`_host_rows` moved to ``like``'s library, device and dtype (computed on the
+        host in float32, or float64 for float64 heads). Every block of a forward pass asks for
+        the same rows: the last move is kept (read only), for the rotary parameters,
+        positions and target it was made for. On a GPU each move from the host waits for the
+        device to finish its queue, so 2 moves a block stalled every block (a 30-block
+        decoder: 60 waits a token)."""
+        key = (positions.tobytes(), positions.shape, str(like.dtype), str(device(like)), array_type(like))
         last = _LAST_DEVICE_ROWS[0]
         if last is not None and last[0] == key and (last[1] is self.config or last[1] == self.config):
             return last[2]
+        host = np.float64 if like.dtype == namespace(like).float64 else np.float32
+        cos, sin = self._host_rows(positions, host)
         rows = as_dtype(from_host(cos, like), like.dtype), as_dtype(from_host(sin, like), like.dtype)
         _LAST_DEVICE_ROWS[0] = (key, self.config, rows)
         return rows
