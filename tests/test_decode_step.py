@@ -367,25 +367,27 @@ def _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 
 
 
 @pytest.mark.parametrize("N, Hq, Hkv, stop, start, masked, softcap", [
-    (1, 9, 3, 300, 0, False, 0.0),    # SmolLM2's heads: runs of keys merged
-    (1, 2, 1, 1000, 0, False, 0.0),   # one group, four runs of keys
+    (1, 9, 3, 301, 0, False, 0.0),    # SmolLM2's heads: runs of an odd length merged
+    (1, 2, 1, 1000, 0, False, 0.0),   # one group
     (2, 4, 2, 700, 37, True, 0.0),    # a left-padded batch after a sliding window's start
     (3, 4, 4, 600, 0, True, 50.0),    # soft-capped scores, one query head per group
     (1, 4, 2, 5, 0, False, 0.0),      # a short cache: one run
     (1, 8, 2, 400, 0, True, 0.0),     # four query heads a group: one pass
     (1, 7, 1, 300, 0, False, 0.0),    # seven: passes of four and three
     (2, 10, 2, 260, 0, True, 30.0),   # five: passes of four and one, masked and capped
+    (1, 6, 3, 4501, 0, False, 0.0),   # a long cache: runs cut at their longest, two heads a group
 ])
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3, 16])
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
 def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, threads, half):
     """The compiled step's attention over a cache (:func:`attnlab._decode_kernels._attend`:
     runs of keys per task, partial softmaxes merged, a polynomial exp) gives float64
-    NumPy's attention within float32 round-off, on one thread or two, with masks, a window's
-    start and soft-capping; a float16 cache (its bits, uint16) as its float16 values."""
+    NumPy's attention within float32 round-off, its keys cut for one to 16 threads (numba
+    runs on as many as this machine has), with masks, a window's start and soft-capping; a
+    float16 cache (its bits, uint16) as its float16 values."""
     import numba
 
-    Dh, C = 64, 1024
+    Dh, C = 64, max(1024, stop)
     rng = np.random.default_rng(stop + N)
     qkv = rng.standard_normal((N, (Hq + 2 * Hkv) * Dh)).astype(np.float32)
     keys = (2.0 * rng.standard_normal((N, Hkv, C, Dh))).astype(np.float32)
@@ -404,11 +406,28 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
         _decode_kernels._attend(qkv, *stored, start, stop, key_mask, Hq, Hkv, Dh, np.float32(0.125),
-                                np.float32(softcap), z)
+                                np.float32(softcap), z, threads)
     finally:
         numba.set_num_threads(before)
     want = _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 0.125, softcap)
     np.testing.assert_allclose(z, want, rtol=2e-5, atol=2e-6)
+
+
+def test_attend_cuts_keys_into_the_fewest_runs_that_share_out_evenly():
+    """:func:`attnlab._decode_kernels._runs`: as many runs a key/value head as make the tasks
+    a multiple of the threads, more where a run would pass 2,048 keys, fewer where it would
+    fall under 64 (for the thread counts given, not this machine's)."""
+    runs = _decode_kernels._runs
+    assert runs(3040, 3, 1) == 2    # one thread: two runs, as 3,040 keys pass 2,048
+    assert runs(1500, 3, 1) == 1
+    assert runs(3040, 3, 2) == 2    # 6 tasks, 3 a thread
+    assert runs(3040, 4, 2) == 2    # 8 tasks: 3040 > 2048
+    assert runs(1500, 4, 2) == 1    # 4 rows x heads: 2 tasks a thread
+    assert runs(3040, 3, 16) == 16  # 48 tasks, 3 a thread
+    assert runs(3040, 12, 16) == 4  # 48 tasks
+    assert runs(10000, 1, 2) == 6   # 5 runs for the length, rounded up to a multiple of 2
+    assert runs(140, 3, 16) == 2    # no run under 64 keys
+    assert runs(5, 3, 2) == 1       # a short cache: one run
 
 
 def test_exp_of_the_compiled_softmax_is_within_float32_round_off():

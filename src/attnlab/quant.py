@@ -467,11 +467,14 @@ def quantized_linear(x: np.ndarray, w: QuantizedTensor, bias: np.ndarray | None 
 _numba_threads = threading.local()  # numba's thread count is per calling thread
 
 
-def _set_threads() -> None:
-    """numba's pool to attnlab's thread count (set only when it changes)."""
+def _set_threads() -> int:
+    """numba's pool to attnlab's thread count (set only when it changes); returns the
+    count numba runs on (no more than its pool's threads)."""
     n = get_num_threads()
     if getattr(_numba_threads, "n", None) != n:
         import numba
 
-        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+        _numba_threads.count = max(1, min(n, numba.config.NUMBA_NUM_THREADS))
+        numba.set_num_threads(_numba_threads.count)
         _numba_threads.n = n
+    return _numba_threads.count

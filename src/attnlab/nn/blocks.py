@@ -311,8 +311,8 @@ class TransformerBlock(Module):
         if scratch is None:
             scratch = tuple(np.empty((N, w), np.float32) for w in plan.widths)
             _SCRATCH.__dict__[key] = scratch
-        _set_threads()
-        if kernels.decode_layer(h, plan.record, rows, scratch):  # a value beyond a float16 cache's range
+        threads = _set_threads()
+        if kernels.decode_layer(h, plan.record, rows, scratch, threads):  # a value beyond a float16 cache's range
             cache.crop(-1)  # the token is not cached, as KVCache.append leaves it
             raise cache.range_error(np.float32)
         return h.reshape(N, 1, D)
