@@ -202,15 +202,15 @@ def _rotate(x, cos, sin):
 
 # How :func:`_attend` cuts each row's keys into runs, one task a run (see :func:`_runs`): as
 # few runs as give every thread the same number of tasks (numba's parallel loop hands each
-# thread an equal share of them), no run longer than _MAX_KEYS_PER_RUN (its scores, four
-# heads' worth, 32 KiB, stay in any x86 core's L2 cache while they are softmaxed and
-# weighed) and none shorter than _MIN_KEYS_PER_RUN (a task's own cost, its partial softmax
-# merged, outweighs fewer keys). Few, long runs are what a long cache wants: each task
-# streams its keys, then its values, from memory, and a long stream is one the hardware's
-# prefetchers keep ahead of. SmolLM2 (three key/value heads), 30 layers over 3,040 cached
-# float16 tokens, on the quiet 2-core Zen 4: 3.05 ms on two threads with two runs a head,
-# against 4.41 with the fixed runs of 256 keys this replaced (12 a head, 36 tasks), and
-# 5.8 against 8.6 ms on one thread.
+# thread an equal share of them), no run longer than _MAX_KEYS_PER_RUN (its scores, 8 KiB a
+# query head, stay in any x86 core's L2 cache while they are softmaxed and weighed) and
+# none shorter than _MIN_KEYS_PER_RUN (a task's own cost, its partial softmax merged,
+# outweighs fewer keys). Few, long runs are what a long cache wants: each task streams its
+# keys, then its values, from memory, and a long stream is one the hardware's prefetchers
+# keep ahead of. SmolLM2 (three key/value heads), 30 layers over 3,040 cached float16
+# tokens, on the quiet 2-core Zen 4, three times in turns with the fixed runs of 256 keys
+# this replaced (12 a head): 3.1-3.2 against 4.1-4.5 ms on two threads, 5.8-6.0 against
+# 7.9-8.1 on one (float32 cache: 4.8 against 5.4, 8.7 against 10.3).
 _MAX_KEYS_PER_RUN = 2048
 _MIN_KEYS_PER_RUN = 64
 # Query heads of one group that a pass over a run's keys (and values) serves: each key and
@@ -329,9 +329,10 @@ def _finish_scores(p, j0, n, scale, softcap, mask):
 def _accumulate(p, values, j0, n, out):
     """``out[i] += sum_j p[i, j] values[j0 + j]`` for the ``h <= 4`` rows of ``out (h, Dh)``
     and ``p (h, >= n)``: each value row read once for all of them, and two rows a pass (each
-    output value read and written once for both) where a group has two heads or more; the
-    sums are added in the same order either way (the same numbers, bit for bit). Two rows a
-    pass: 14-23 against 24-37 cycles a row for three heads, alone in L1 on the Zen 4."""
+    output value read and written once for both) where a group has two heads or more (on
+    the Zen 4 the same numbers as a row a pass, bit for bit: LLVM adds them in the same
+    order). Alone in L1 there, three heads took 15-25 cycles a row against 24-41 a row a
+    pass."""
     h, Dh = out.shape
     pairs = n - n % 2
     if h == 4:
