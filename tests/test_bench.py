@@ -494,3 +494,34 @@ def test_the_gpu_benchmark_refuses_bad_arguments_in_one_line(args, message):
                          env={**os.environ, "PYTHONPATH": SRC})
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+ATTENTION_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_attention.py"
+
+
+def test_the_decode_attention_benchmark_compares_with_torch_and_float64():
+    """``benchmarks/decode_attention.py`` on a small float16 cache: attnlab's and torch's rows,
+    each within float32 round-off of the float64 reference, and the memory's limit."""
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, str(ATTENTION_SCRIPT), "--keys", "301", "--layers", "2", "--repeat", "1",
+                          "--threads", "2", "--cache-dtype", "float16"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert "2 layers x 301 cached tokens, 9 query heads over 3 key/value heads of 64, float16 cache: 0.5 MB" in out
+    assert re.search(r"so at best \d+\.\d\d ms a step", out)
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^  (attnlab|torch float32) .* (\d\.\de-\d\d)$", out, re.M)}
+    assert set(rows) == {"attnlab", "torch float32"}, out
+    assert all(diff < 1e-6 for diff in rows.values()), rows
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--keys", "0"], "--keys must be at least 1, got 0"),
+    (["--cache-dtype", "int8"], "--cache-dtype must be float32 or float16, got 'int8'"),
+    (["--layers", "many"], "argument --layers: invalid int value: 'many'"),
+])
+def test_the_decode_attention_benchmark_refuses_bad_arguments_in_one_line(args, message):
+    run = subprocess.run([sys.executable, str(ATTENTION_SCRIPT), *args], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": SRC})
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
