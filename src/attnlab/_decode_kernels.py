@@ -334,7 +334,7 @@ def _accumulate(p, values, j0, n, out):
     order). Alone in L1 there, three heads took 15-25 cycles a row against 24-41 a row a
     pass."""
     h, Dh = out.shape
-    pairs = n - n % 2
+    pairs = n - n % 2 if h > 1 else 0  # one head: a row a pass is as fast
     if h == 4:
         for j in range(0, pairs, 2):
             va, vb = values[j0 + j], values[j0 + j + 1]
@@ -368,8 +368,6 @@ def _accumulate(p, values, j0, n, out):
                 y = _widen(vb[d])
                 out[0, d] += w0 * x + u0 * y
                 out[1, d] += w1 * x + u1 * y
-    else:
-        pairs = 0  # one head: a row a pass is as fast
     for j in range(pairs, n):
         vr = values[j0 + j]
         for i in range(h):
