@@ -385,9 +385,26 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
     NumPy's attention within float32 round-off, its keys cut for one to 16 threads (numba
     runs on as many as this machine has), with masks, a window's start and soft-capping; a
     float16 cache (its bits, uint16) as its float16 values."""
+    _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, Dh=64)
+
+
+@pytest.mark.parametrize("Dh, Hq, Hkv, stop", [
+    (128, 8, 2, 700),   # Llama's head width: the explicit vectors two heads at a time
+    (256, 8, 1, 333),   # Gemma's, eight heads a group: the loops
+    (80, 6, 2, 500),    # another width the vectors do not take
+    (32, 4, 4, 90),     # another
+])
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
+def test_attend_kernel_matches_numpy_at_other_head_widths(Dh, Hq, Hkv, stop, half):
+    """The same at head widths other than 64: one the explicit vectors take
+    (:data:`attnlab._decode_kernels._LANE_HEAD_DIMS`) and three they do not."""
+    _check_attend(1, Hq, Hkv, stop, 0, True, 0.0, 2, half, Dh=Dh)
+
+
+def _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, *, Dh):
     import numba
 
-    Dh, C = 64, max(1024, stop)
+    C = max(1024, stop)
     rng = np.random.default_rng(stop + N)
     qkv = rng.standard_normal((N, (Hq + 2 * Hkv) * Dh)).astype(np.float32)
     keys = (2.0 * rng.standard_normal((N, Hkv, C, Dh))).astype(np.float32)
@@ -411,6 +428,49 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
         numba.set_num_threads(before)
     want = _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 0.125, softcap)
     np.testing.assert_allclose(z, want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("Dh", [64, 128, 256, 48])  # the last two: the loops only
+@pytest.mark.parametrize("h", [1, 2, 3, 4])
+@pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
+def test_dot_products_and_weighted_sums_of_a_run_match_numpy(Dh, h, half):
+    """The two passes of a run of keys (:func:`attnlab._decode_kernels._dots` and
+    :func:`~attnlab._decode_kernels._accumulate`), each key and value row read once for
+    ``h`` query heads: float64 NumPy's products within float32 round-off for runs of 0 to
+    290 keys from an odd offset (whole 16s through the explicit vectors where the width
+    allows, the rest through the loops), from rows apart from each other, and from rows
+    whose values are not contiguous (the loops only); nothing outside the run is written."""
+    rng = np.random.default_rng(Dh * 10 + h)
+    rows = rng.standard_normal((301, 2 * Dh)).astype(np.float16 if half else np.float32)
+    for keys in (rows[:, :Dh].copy(), rows[:, :Dh], rows[:, ::2]):  # contiguous, rows apart, strided rows
+        stored = keys.view(np.uint16) if half else keys
+        exact = keys.astype(np.float64)
+        q = rng.standard_normal((h, Dh)).astype(np.float32)
+        for n in (0, 15, 16, 17, 290):
+            p = np.full((h, 300), np.nan, np.float32)
+            _decode_kernels._dots(q, h, stored, 3, n, p)
+            want = q.astype(np.float64) @ exact[3:3 + n].T
+            np.testing.assert_allclose(p[:, :n], want, rtol=1e-5, atol=1e-5 * np.sqrt(Dh))
+            assert np.isnan(p[:, n:]).all()
+            w = rng.random((h, 300)).astype(np.float32)
+            out = rng.standard_normal((h, Dh)).astype(np.float32)
+            want = out + w[:, :n].astype(np.float64) @ exact[3:3 + n]
+            _decode_kernels._accumulate(w, stored, 3, n, out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(n + 1))
+
+
+def test_explicit_vectors_take_whole_16s_of_contiguous_rows_at_their_widths():
+    """:func:`attnlab._decode_kernels._lanes_done`: the keys the explicit vectors take."""
+    done = _decode_kernels._lanes_done
+    rows = np.zeros((100, 128), np.float32)
+    assert done(rows[:, :64].copy(), 37, 4, 4) == 32
+    assert done(rows, 16, 4) == 16
+    assert done(rows.view(np.uint16)[:, :128].copy(), 47, 4) == 32  # float16 bits
+    assert done(rows[:, :64], 37, 4) == 32  # rows apart from each other are fine...
+    assert done(rows[:, ::2], 37, 4) == 0  # ...but values within a row must be
+    assert done(rows[:, :48].copy(), 37, 4) == 0  # widths they do not take
+    assert done(rows.view(np.uint16)[:, :256].copy(), 37, 4) == 0
+    assert done(rows[:, :64].copy(), 37, 8) == 0  # another array strided
 
 
 def test_attend_cuts_keys_into_the_fewest_runs_that_share_out_evenly():

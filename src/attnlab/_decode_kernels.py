@@ -49,6 +49,7 @@ import numba as nb
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from attnlab._quant_kernels import _F, f32_matvec, q4_matvec, q8_0_matvec
@@ -138,6 +139,178 @@ def _store(row, x):
         row[d] = _narrow(x[d], row[d])
         lost += np.isinf(_widen(row[d])) and not np.isinf(x[d])
     return lost
+
+
+# Explicit vectors for the attention's two passes over a long cache. Written as loops, each
+# key's dot products end in a horizontal sum of 16 lanes per query head (some 8 shuffles and
+# adds each, as many as the multiplications), and the weighted sum of values reads and
+# writes its accumulators in memory at every row. Here, in LLVM's own vectors of 16 floats
+# (AVX-512: one register; AVX2: two; any other target: what LLVM makes of them):
+# - _lane_dots: the dot products of 16 keys at once; each key's 16 partial sums are folded
+#   with those of the others, two vectors into one at each of four steps, so that the last
+#   vector holds the 16 keys' sums (15 folds of two shuffles and an add for 16 keys, where
+#   16 horizontal sums take some 128 operations);
+# - _lane_weigh: the weighted sum of a run's value rows into accumulators held in
+#   registers (at most 16 vectors: the heads taken a few at a time) and written once.
+# Both are intrinsics: numba has no vector type. They take a head width of 64 or 128
+# (_LANE_HEAD_DIMS; a literal, the loops over it unrolled) with every row's values
+# contiguous; other widths take the loops. Each width costs compile time on first use (a
+# cold `attnlab generate --quantized` took 25 s against 20 before them; with 256, Gemma's
+# width, 30). Alone in L1 on the 2-core Zen 4, three heads of 64, in TSC cycles a key: the
+# dot products 14-16 against 22-23, the weighted sum 11-12 against 16-20 (float16 cache;
+# float32: 14-15 against 21-26, 9-10 against 19-23); compiled for Haswell (AVX2) and run
+# there, 15 against 24 and 11-12 against 16-21. Their sums are float32's, in orders of
+# their own (a fused multiply-add a row, in order, for the weighted sum).
+_LANES = 16
+_LANE_HEAD_DIMS = (64, 128)
+_VEC = ir.VectorType(ir.FloatType(), _LANES)
+_I8P = ir.IntType(8).as_pointer()
+
+
+def _lane_mask(lanes):
+    return ir.Constant(ir.VectorType(ir.IntType(32), _LANES), lanes)
+
+
+def _fold_masks(w):
+    """The two shuffles that fold vectors ``a`` and ``b`` (each ``16 / w`` keys of ``w``
+    partial sums, in order) into one of ``w / 2`` sums a key, ``a``'s keys first: the first
+    and the second halves of every key's sums, to be added."""
+    lo, hi = [], []
+    for g in range(2 * _LANES // w):
+        lo += [g * w + t for t in range(w // 2)]
+        hi += [g * w + w // 2 + t for t in range(w // 2)]
+    return _lane_mask(lo), _lane_mask(hi)
+
+
+def _vector_fma(builder, a, b, c):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 3), "llvm.fma.v16f32")
+    return builder.call(fn, [a, b, c])
+
+
+def _load_lanes(builder, row, offset, half):
+    """16 floats at byte ``offset`` of ``row`` (an i8 pointer): float32, or float16 bits widened."""
+    ptr = builder.gep(row, [offset])
+    if half:
+        bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), _VEC)
+    return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
+
+
+def _rows(context, builder, aty, arr):
+    """``(data, row stride)`` of a 2-D array: an i8 pointer and bytes (a constant for a
+    C-contiguous type)."""
+    a = context.make_array(aty)(context, builder, arr)
+    stride = builder.extract_value(a.strides, 0)
+    if aty.layout == "C":
+        stride = builder.mul(builder.extract_value(a.shape, 1), stride.type(aty.dtype.bitwidth // 8))
+    return builder.bitcast(a.data, _I8P), stride
+
+
+def _by_heads(builder, h, emit):
+    """``emit(H)`` under a switch on the runtime head count ``h`` (1 to 4)."""
+    end = builder.append_basic_block("heads_end")
+    switch = builder.switch(h, end)
+    for H in range(1, 5):
+        block = builder.append_basic_block(f"heads_{H}")
+        switch.add_case(h.type(H), block)
+        builder.position_at_end(block)
+        emit(H)
+        builder.branch(end)
+    builder.position_at_end(end)
+
+
+@intrinsic
+def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
+    """``p[i, pj + t] = q[i] . keys[j + t]`` for ``t < 16`` and the first ``h <= 4`` rows
+    of ``q (>= h, Dh)``; ``keys (C, Dh)`` float32 or float16 bits, ``Dh`` the literal
+    ``dh`` (a multiple of 16); each row's values contiguous."""
+    if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
+        return None
+    half, Dh = keys.dtype == types.uint16, dh.literal_value
+    size = 2 if half else 4
+
+    def codegen(context, builder, sig, args):
+        (qbase, qs), (kbase, ks), (pbase, ps) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
+        intp = ks.type
+        kbase = builder.gep(kbase, [builder.mul(args[3], ks)])
+        pbase = builder.gep(pbase, [builder.mul(args[5], intp(4))])
+        masks = [_fold_masks(w) for w in (16, 8, 4, 2)]
+
+        def emit(H):
+            qrows = [builder.gep(qbase, [builder.mul(intp(i), qs)]) for i in range(H)]
+            folds = [[] for _ in range(H)]  # per head: (level, vector), a binary counter of folds
+            for t in range(_LANES):
+                krow = builder.gep(kbase, [builder.mul(intp(t), ks)])
+                acc = [None] * H
+                for c in range(0, Dh, _LANES):
+                    k = _load_lanes(builder, krow, intp(c * size), half)
+                    for i in range(H):
+                        qv = _load_lanes(builder, qrows[i], intp(c * 4), False)
+                        acc[i] = builder.fmul(qv, k) if acc[i] is None else _vector_fma(builder, qv, k, acc[i])
+                for i in range(H):
+                    stack = folds[i]
+                    stack.append((0, acc[i]))
+                    while len(stack) > 1 and stack[-1][0] == stack[-2][0]:
+                        (level, b), (_, a) = stack.pop(), stack.pop()
+                        lo, hi = masks[level]
+                        stack.append((level + 1, builder.fadd(builder.shuffle_vector(a, b, lo),
+                                                              builder.shuffle_vector(a, b, hi))))
+            for i in range(H):
+                (_, sums), = folds[i]
+                row = builder.gep(pbase, [builder.mul(intp(i), ps)])
+                builder.store(sums, builder.bitcast(row, _VEC.as_pointer()), align=4)
+
+        _by_heads(builder, args[1], emit)
+        return context.get_dummy_value()
+
+    return types.void(q, h, keys, j, p, pj, dh), codegen
+
+
+@intrinsic
+def _lane_weigh(typingctx, p, h, values, j0, n, out, dh):
+    """``out[i] += sum_{j < n} p[i, j] values[j0 + j]`` for the ``h <= 4`` rows of ``out (>=
+    h, Dh)``, a fused multiply-add a row in order of ``j``; ``values (C, Dh)`` float32 or float16 bits, ``Dh`` the
+    literal ``dh`` (a multiple of 16); each row's values contiguous."""
+    if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
+        return None
+    half, Dh = values.dtype == types.uint16, dh.literal_value
+    size = 2 if half else 4
+
+    def codegen(context, builder, sig, args):
+        (pbase, ps), (vbase, vs), (obase, os_) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 5))
+        intp = vs.type
+        vbase = builder.gep(vbase, [builder.mul(args[3], vs)])
+        chunks = range(0, Dh, _LANES)
+
+        def emit(H):
+            orows = [builder.gep(obase, [builder.mul(intp(i), os_)]) for i in range(H)]
+            prows = [builder.gep(pbase, [builder.mul(intp(i), ps)]) for i in range(H)]
+            acc = [[cgutils.alloca_once(builder, _VEC) for _ in chunks] for _ in range(H)]
+            for i in range(H):
+                for a, c in zip(acc[i], chunks, strict=True):
+                    builder.store(_load_lanes(builder, orows[i], intp(c * 4), False), a)
+            with cgutils.for_range(builder, args[4]) as loop:
+                j = loop.index
+                vrow = builder.gep(vbase, [builder.mul(j, vs)])
+                weights = []
+                for i in range(H):
+                    w = builder.load(builder.bitcast(builder.gep(prows[i], [builder.mul(j, intp(4))]),
+                                                     ir.FloatType().as_pointer()), align=4)
+                    w = builder.insert_element(ir.Constant(_VEC, ir.Undefined), w, ir.IntType(32)(0))
+                    weights.append(builder.shuffle_vector(w, ir.Constant(_VEC, ir.Undefined), _lane_mask([0] * _LANES)))
+                for k, c in enumerate(chunks):
+                    v = _load_lanes(builder, vrow, intp(c * size), half)
+                    for i in range(H):
+                        builder.store(_vector_fma(builder, weights[i], v, builder.load(acc[i][k])), acc[i][k])
+            for i in range(H):
+                for a, c in zip(acc[i], chunks, strict=True):
+                    builder.store(builder.load(a), builder.bitcast(builder.gep(orows[i], [intp(c * 4)]),
+                                                                   _VEC.as_pointer()), align=4)
+
+        _by_heads(builder, args[1], emit)
+        return context.get_dummy_value()
+
+    return types.void(p, h, values, j0, n, out, dh), codegen
 
 
 @nb.njit(**_JIT)
@@ -256,15 +429,38 @@ def _exp_sub(p, m, n):
 
 
 @nb.njit(**_JIT)
+def _lanes_done(rows, n, *steps):
+    """How many of ``n`` keys the explicit vectors take (whole 16s): all but the last
+    ``n % 16`` where ``rows (C, Dh)`` has a width in :data:`_LANE_HEAD_DIMS` and it and
+    every other array (``steps``: their last axis' strides in bytes) holds each row's
+    values contiguously; else none."""
+    Dh = rows.shape[1]
+    if Dh != 64 and Dh != 128 or rows.strides[1] != rows.itemsize:
+        return 0
+    for step in steps:
+        if step != 4:
+            return 0
+    return n - n % _LANES
+
+
+@nb.njit(**_JIT)
 def _dots(q, h, keys, j0, n, p):
     """``p[i, j] = q[i] . keys[j0 + j]`` for the first ``h <= 4`` query heads of ``q (>= h,
     Dh)``, over ``j < n``: each key row read once for all of them, one accumulator a head
     (``keys (C, Dh)``: float32, or float16 bits). The heads are taken as rows indexed from
-    0 (a loop index that may be negative would keep LLVM from vectorising)."""
+    0 (a loop index that may be negative would keep LLVM from vectorising). Whole 16s of
+    keys go through :func:`_lane_dots` where it takes the head width (see
+    :func:`_lanes_done`); the rest, and any other width, through the loops here."""
     Dh = keys.shape[1]
+    done = _lanes_done(keys, n, q.strides[1], p.strides[1])
+    for j in range(0, done, _LANES):  # 16 keys at a time in explicit vectors
+        if Dh == 64:
+            _lane_dots(q, h, keys, j0 + j, p, j, 64)
+        else:
+            _lane_dots(q, h, keys, j0 + j, p, j, 128)
     q0, q1, q2, q3 = q[0], q[min(1, h - 1)], q[min(2, h - 1)], q[min(3, h - 1)]
     if h == 4:
-        for j in range(n):
+        for j in range(done, n):
             kr = keys[j0 + j]
             a0 = _F(0.0)
             a1 = _F(0.0)
@@ -278,7 +474,7 @@ def _dots(q, h, keys, j0, n, p):
                 a3 += q3[d] * k
             p[0, j], p[1, j], p[2, j], p[3, j] = a0, a1, a2, a3
     elif h == 3:
-        for j in range(n):
+        for j in range(done, n):
             kr = keys[j0 + j]
             a0 = _F(0.0)
             a1 = _F(0.0)
@@ -290,7 +486,7 @@ def _dots(q, h, keys, j0, n, p):
                 a2 += q2[d] * k
             p[0, j], p[1, j], p[2, j] = a0, a1, a2
     elif h == 2:
-        for j in range(n):
+        for j in range(done, n):
             kr = keys[j0 + j]
             a0 = _F(0.0)
             a1 = _F(0.0)
@@ -300,7 +496,7 @@ def _dots(q, h, keys, j0, n, p):
                 a1 += q1[d] * k
             p[0, j], p[1, j] = a0, a1
     else:
-        for j in range(n):
+        for j in range(done, n):
             kr = keys[j0 + j]
             a0 = _F(0.0)
             for d in range(Dh):
@@ -332,8 +528,16 @@ def _accumulate(p, values, j0, n, out):
     output value read and written once for both) where a group has two heads or more (on
     the Zen 4 the same numbers as a row a pass, bit for bit: LLVM adds them in the same
     order). Alone in L1 there, three heads took 15-25 cycles a row against 24-41 a row a
-    pass."""
+    pass. A head width :func:`_lane_weigh` takes goes through it instead."""
     h, Dh = out.shape
+    if _lanes_done(values, _LANES, out.strides[1], p.strides[1]) == _LANES:  # accumulators in registers
+        per = min(h, 256 // Dh)  # at most 16 vectors of them: four heads of 64, two of 128
+        for i in range(0, h, per):
+            if Dh == 64:
+                _lane_weigh(p[i:], min(per, h - i), values, j0, n, out[i:], 64)
+            else:
+                _lane_weigh(p[i:], min(per, h - i), values, j0, n, out[i:], 128)
+        return
     pairs = n - n % 2 if h > 1 else 0  # one head: a row a pass is as fast
     if h == 4:
         for j in range(0, pairs, 2):
