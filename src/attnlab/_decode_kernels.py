@@ -219,15 +219,23 @@ def _by_heads(builder, h, emit):
     builder.position_at_end(end)
 
 
+def _lane_width(rows, dh):
+    """``(half, Dh, bytes a value)`` of the rows an intrinsic reads (float16 bits: uint16),
+    for a literal head width ``dh`` that is a multiple of 16; else None (not typed)."""
+    if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
+        return None
+    half = rows.dtype == types.uint16
+    return half, dh.literal_value, 2 if half else 4
+
+
 @intrinsic
 def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
     """``p[i, pj + t] = q[i] . keys[j + t]`` for ``t < 16`` and the first ``h <= 4`` rows
     of ``q (>= h, Dh)``; ``keys (C, Dh)`` float32 or float16 bits, ``Dh`` the literal
     ``dh`` (a multiple of 16); each row's values contiguous."""
-    if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
+    if (width := _lane_width(keys, dh)) is None:
         return None
-    half, Dh = keys.dtype == types.uint16, dh.literal_value
-    size = 2 if half else 4
+    half, Dh, size = width
 
     def codegen(context, builder, sig, args):
         (qbase, qs), (kbase, ks), (pbase, ps) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
@@ -269,12 +277,12 @@ def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
 @intrinsic
 def _lane_weigh(typingctx, p, h, values, j0, n, out, dh):
     """``out[i] += sum_{j < n} p[i, j] values[j0 + j]`` for the ``h <= 4`` rows of ``out (>=
-    h, Dh)``, a fused multiply-add a row in order of ``j``; ``values (C, Dh)`` float32 or float16 bits, ``Dh`` the
-    literal ``dh`` (a multiple of 16); each row's values contiguous."""
-    if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
+    h, Dh)``, a fused multiply-add a row in order of ``j``; ``values (C, Dh)`` float32 or
+    float16 bits, ``Dh`` the literal ``dh`` (a multiple of 16); each row's values
+    contiguous."""
+    if (width := _lane_width(values, dh)) is None:
         return None
-    half, Dh = values.dtype == types.uint16, dh.literal_value
-    size = 2 if half else 4
+    half, Dh, size = width
 
     def codegen(context, builder, sig, args):
         (pbase, ps), (vbase, vs), (obase, os_) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 5))
