@@ -473,6 +473,55 @@ def test_explicit_vectors_take_whole_16s_of_contiguous_rows_at_their_widths():
     assert done(rows[:, :64].copy(), 37, 8) == 0  # another array strided
 
 
+_X86 = __import__("platform").machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.mark.skipif(not _X86, reason="the targets pinned are x86 CPUs")
+@pytest.mark.parametrize("features, converts", [("+sse2,+sse4.2", False), ("+sse2,+avx,+f16c", True)])
+def test_half_conversions_follow_the_target_numba_compiles_for(features, converts, tmp_path):
+    """:data:`attnlab._decode_kernels.HALF_CONVERSIONS` reads the code numba's own target
+    machine makes of half precision, for a target pinned here (``NUMBA_CPU_NAME`` and
+    ``NUMBA_CPU_FEATURES``, whatever this machine is): an x86-64 without F16C would call a
+    library function numba does not link (which aborted the process), one with it converts
+    in instructions."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CPU_NAME": "x86-64", "NUMBA_CPU_FEATURES": features,
+           "NUMBA_CACHE_DIR": str(tmp_path)}
+    code = "from attnlab import _decode_kernels as d; print(d.HALF_CONVERSIONS)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stdout.strip()) == (0, str(converts)), out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not _X86, reason="the target pinned is an x86 CPU")
+def test_a_float16_cache_generates_under_a_target_without_half_conversions(tmp_path):
+    """Under ``NUMBA_CPU_NAME=generic`` (code for any x86-64, as for a numba cache shared
+    between machines) a float16 cache's generation runs through the modules and gives the
+    tokens this process gives, where the compiled step's code aborted the process (LLVM:
+    ``Symbol not found: __extendhfsf2``)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import numpy as np\n"
+            "from attnlab.models.llama import Llama, LlamaConfig\n"
+            "from attnlab import _decode_kernels\n"
+            "cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,\n"
+            "                  num_attention_heads=4, num_key_value_heads=2)\n"
+            "model = Llama(cfg, rng=np.random.default_rng(0))\n"
+            "out = model.generate(np.array([[1, 2, 3]]), 6, cache_dtype='float16')\n"
+            "print(_decode_kernels.HALF_CONVERSIONS, out.tolist())\n")
+    env = {**os.environ, "NUMBA_CPU_NAME": "generic", "NUMBA_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    want = Llama(cfg, rng=np.random.default_rng(0)).generate(np.array([[1, 2, 3]]), 6, cache_dtype="float16")
+    assert out.stdout.strip() == f"False {want.tolist()}"
+
+
 def test_attend_cuts_keys_into_the_fewest_runs_that_share_out_evenly():
     """:func:`attnlab._decode_kernels._runs`: as many runs a key/value head as make the tasks
     a multiple of the threads, more where a run would pass 2,048 keys, fewer where it would

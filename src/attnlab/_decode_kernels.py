@@ -63,22 +63,52 @@ _JIT = {"nogil": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "cach
 # (numba has no float16 type): _widen reads a cached value as float32 and _narrow writes
 # one, both as the CPU's own conversions (F16C's vcvtph2ps/vcvtps2ph, which LLVM
 # vectorises; round to nearest even, as NumPy's astype). A float32 cache passes through.
-# An x86 CPU without F16C (none since 2013) would need a library call that numba does not
-# link: there a float16 cache takes the modules' path (HALF_CONVERSIONS).
+# Code for a target without such instructions (an x86 CPU without F16C, none since 2013, or
+# numba told to compile for one: NUMBA_CPU_NAME=generic, as for a cache shared between
+# machines) calls a library function that numba does not link, and LLVM aborts the process:
+# there a float16 cache takes the modules' path (HALF_CONVERSIONS). Whether it would is read
+# off the code numba's own target machine makes of the two conversions.
 def _half_conversions() -> bool:
-    import platform
-
     from llvmlite import binding
 
-    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
-        return True  # AArch64 and the like convert half precision in their base instruction set
     try:
-        return bool(binding.get_host_cpu_features().get("f16c"))
-    except RuntimeError:  # features unknown
-        return False
+        from numba.core.registry import cpu_target
+
+        machine = cpu_target.target_context.codegen()._tm  # numba's target (NUMBA_CPU_NAME, _FEATURES)
+    except Exception:  # noqa: BLE001 - another numba's internals: the host's features decide
+        machine = None
+    if machine is None:
+        import platform
+
+        if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686", "x86"):
+            return True  # AArch64 and the like convert half precision in their base instruction set
+        try:
+            return bool(binding.get_host_cpu_features().get("f16c"))
+        except RuntimeError:  # features unknown
+            return False
+    return _converts_in_instructions(machine)
 
 
-#: Whether the step can read and write a float16 cache on this CPU (see above).
+def _converts_in_instructions(machine) -> bool:
+    """Whether the target ``machine`` (an llvmlite TargetMachine) widens and narrows half
+    precision without calling a function (compiled to assembly only, never linked)."""
+    from llvmlite import binding
+
+    module = ir.Module()
+    for name, half_in in (("widen", True), ("narrow", False)):
+        f32, f16 = ir.FloatType(), ir.HalfType()
+        fn = ir.Function(module, ir.FunctionType(f32 if half_in else ir.IntType(16),
+                                                 [ir.IntType(16) if half_in else f32]), name)
+        b = ir.IRBuilder(fn.append_basic_block())
+        x = fn.args[0]
+        b.ret(b.fpext(b.bitcast(x, f16), f32) if half_in else b.bitcast(b.fptrunc(x, f16), ir.IntType(16)))
+    parsed = binding.parse_assembly(str(module))
+    parsed.triple = machine.triple
+    asm = machine.emit_assembly(parsed)
+    return not any(word in asm for word in ("call", "jmp", "hfsf", "sfhf", "h2f", "f2h"))
+
+
+#: Whether the step can read and write a float16 cache with the code numba makes (see above).
 HALF_CONVERSIONS = _half_conversions()
 
 
