@@ -397,7 +397,7 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
 @pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
 def test_attend_kernel_matches_numpy_at_other_head_widths(Dh, Hq, Hkv, stop, half):
     """The same at head widths other than 64: one the explicit vectors take
-    (:data:`attnlab._decode_kernels._LANE_HEAD_DIMS`) and three they do not."""
+    (64 and 128: :func:`attnlab._decode_kernels._lanes_done`) and three they do not."""
     _check_attend(1, Hq, Hkv, stop, 0, True, 0.0, 2, half, Dh=Dh)
 
 

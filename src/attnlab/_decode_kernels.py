@@ -183,7 +183,7 @@ def _store(row, x):
 # - _lane_weigh: the weighted sum of a run's value rows into accumulators held in
 #   registers (at most 16 vectors: the heads taken a few at a time) and written once.
 # Both are intrinsics: numba has no vector type. They take a head width of 64 or 128
-# (_LANE_HEAD_DIMS; a literal, the loops over it unrolled) with every row's values
+# (a literal, the loops over it unrolled; _lanes_done decides) with every row's values
 # contiguous; other widths take the loops. Each width costs compile time on first use (a
 # cold `attnlab generate --quantized` took 25 s against 20 before them; with 256, Gemma's
 # width, 30). Alone in L1 on the 2-core Zen 4, three heads of 64, in TSC cycles a key: the
@@ -192,7 +192,6 @@ def _store(row, x):
 # there, 15 against 24 and 11-12 against 16-21. Their sums are float32's, in orders of
 # their own (a fused multiply-add a row, in order, for the weighted sum).
 _LANES = 16
-_LANE_HEAD_DIMS = (64, 128)
 _VEC = ir.VectorType(ir.FloatType(), _LANES)
 _I8P = ir.IntType(8).as_pointer()
 
@@ -469,9 +468,10 @@ def _exp_sub(p, m, n):
 @nb.njit(**_JIT)
 def _lanes_done(rows, n, *steps):
     """How many of ``n`` keys the explicit vectors take (whole 16s): all but the last
-    ``n % 16`` where ``rows (C, Dh)`` has a width in :data:`_LANE_HEAD_DIMS` and it and
-    every other array (``steps``: their last axis' strides in bytes) holds each row's
-    values contiguously; else none."""
+    ``n % 16`` where ``rows (C, Dh)`` is 64 or 128 wide (the widths :func:`_dots` and
+    :func:`_accumulate` call the intrinsics with) and it and every other array
+    (``steps``: their last axis' strides in bytes) holds each row's values contiguously;
+    else none."""
     Dh = rows.shape[1]
     if Dh != 64 and Dh != 128 or rows.strides[1] != rows.itemsize:
         return 0
