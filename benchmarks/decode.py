@@ -22,7 +22,7 @@ first new token to the last is ``new`` decode steps, the prompt's prefill left o
 are medians over the rounds; ratios come from the same run.
 
     python benchmarks/decode.py [--threads 2] [--repeat 3] [--prompt 64] [--new 64]
-                                [--cache-dtype float16]
+                                [--cache-dtype float16|int8]
 
 Not a test: nothing here asserts a timing.
 """
@@ -42,7 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--repeat", type=int, default=3, help="timed rounds, taking turns (default 3)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
     p.add_argument("--new", type=int, default=64, help="new tokens timed (default 64)")
-    p.add_argument("--cache-dtype", choices=("float32", "float16"), default=None,
+    p.add_argument("--cache-dtype", choices=("float32", "float16", "int8"), default=None,
                    help="attnlab's key/value cache storage (default: the model's own, float32)")
     p.add_argument("--no-torch", action="store_true", help="leave transformers out")
     return p.parse_args(argv)

@@ -6,16 +6,17 @@ runs them (SmolLM2's shape: 9 query heads over 3 key/value heads of 64 dims; eac
 cache of its own, so that together they outgrow the last-level cache as a real model's do).
 attnlab runs the step's attention (:func:`attnlab._decode_kernels._attend`, what
 :func:`~attnlab._decode_kernels.decode_layer` calls) on the cache as it is stored: float32,
-or with ``--cache-dtype float16`` the float16 bits. torch runs
+with ``--cache-dtype float16`` the float16 bits, with ``--cache-dtype int8`` the codes
+and their scales (:func:`attnlab.nn.attention.quantize_int8`). torch runs
 ``scaled_dot_product_attention(q, k, v, enable_gqa=True)`` on float32 tensors of the same
-values (a float16 cache widened once, before the timing). The limit is the bytes of keys
+values (a float16 or int8 cache widened once, before the timing). The limit is the bytes of keys
 and values a step reads over the measured read bandwidth
 (:func:`attnlab.decode_bench.memory_bandwidth`). The two run in turns; times are medians
 of ``--repeat`` steps, with each one's largest difference from a float64 reference (the
 last layer).
 
     python benchmarks/decode_attention.py [--keys 3040] [--layers 30] [--threads 2]
-                                          [--cache-dtype float16] [--repeat 7]
+                                          [--cache-dtype float16|int8] [--repeat 7]
 
 Not a test: nothing here asserts a timing.
 """
@@ -42,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=30, help="layers, each with its own cache (default 30)")
     p.add_argument("--threads", type=int, default=None, help="threads for both libraries (default: all CPUs)")
     p.add_argument("--cache-dtype", default="float32",
-                   help="attnlab's cache storage: float32 or float16 (default float32)")
+                   help="attnlab's cache storage: float32, float16 or int8 (default float32)")
     p.add_argument("--repeat", type=int, default=7, help="timed steps of each, in turns (default 7)")
     p.add_argument("--no-torch", action="store_true", help="leave torch out")
     return p.parse_args(argv)
@@ -54,8 +55,8 @@ def _refusal(args) -> str | None:
         value = getattr(args, name)
         if value is not None and value < least:
             return f"--{name} must be at least {least}, got {value}"
-    if args.cache_dtype not in ("float32", "float16"):
-        return f"--cache-dtype must be float32 or float16, got {args.cache_dtype!r}"
+    if args.cache_dtype not in ("float32", "float16", "int8"):
+        return f"--cache-dtype must be float32, float16 or int8, got {args.cache_dtype!r}"
     return None
 
 
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
     from attnlab import _decode_kernels as kernels
     from attnlab._cpu import cpu_info
     from attnlab.decode_bench import memory_bandwidth
+    from attnlab.nn.attention import quantize_int8
 
     torch = None
     if not args.no_torch:
@@ -92,29 +94,32 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
 
     S, L, Hq, Hkv, Dh = args.keys, args.layers, HEADS, KV_HEADS, HEAD_DIM
-    half = args.cache_dtype == "float16"
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((1, (Hq + 2 * Hkv) * Dh)).astype(np.float32)
-    caches = []  # per layer: (keys, values) as the step reads them, and as float32
+    caches = []  # per layer: (keys, values, their scales or None) as the step reads them, and as float32
     for _ in range(L):
         k, v = (rng.standard_normal((1, Hkv, S, Dh)).astype(np.float32) for _ in range(2))
-        if half:
+        if args.cache_dtype == "float16":
             k, v = k.astype(np.float16), v.astype(np.float16)
-            caches.append((k.view(np.uint16), v.view(np.uint16), k.astype(np.float32), v.astype(np.float32)))
+            caches.append((k.view(np.uint16), v.view(np.uint16), None, None, k.astype(np.float32),
+                           v.astype(np.float32)))
+        elif args.cache_dtype == "int8":
+            (kc, ks), (vc, vs) = quantize_int8(k), quantize_int8(v)
+            caches.append((kc, vc, ks, vs, kc * ks[..., None], vc * vs[..., None]))
         else:
-            caches.append((k, v, k, v))
+            caches.append((k, v, None, None, k, v))
     scale = 1.0 / np.sqrt(Dh)
     z = np.empty((1, Hq * Dh), np.float32)
     no_mask = np.zeros((0, 0), np.bool_)
 
     def attnlab_step():
-        for k, v, _, _ in caches:
-            kernels._attend(qkv, k, v, 0, S, no_mask, Hq, Hkv, Dh, np.float32(scale), np.float32(0.0), z,
+        for k, v, ks, vs, _, _ in caches:
+            kernels._attend(qkv, k, v, ks, vs, 0, S, no_mask, Hq, Hkv, Dh, np.float32(scale), np.float32(0.0), z,
                             numba_threads)
 
     # the float64 reference of the last layer: head h reads key/value head h // (Hq / Hkv)
     q64 = qkv[0, :Hq * Dh].reshape(Hkv, Hq // Hkv, Dh).astype(np.float64)
-    k64, v64 = (a[0].astype(np.float64) for a in caches[-1][2:])
+    k64, v64 = (a[0].astype(np.float64) for a in caches[-1][4:])
     s = np.einsum("hgd,hsd->hgs", q64, k64) * scale
     w = np.exp(s - s.max(-1, keepdims=True))
     want = np.einsum("hgs,hsd->hgd", w / w.sum(-1, keepdims=True), v64).reshape(-1)
@@ -126,7 +131,7 @@ def main(argv=None) -> int:
         import torch.nn.functional as F
 
         tq = torch.from_numpy(qkv[:, :Hq * Dh].reshape(1, Hq, 1, Dh).copy())
-        tcaches = [(torch.from_numpy(k32), torch.from_numpy(v32)) for _, _, k32, v32 in caches]
+        tcaches = [(torch.from_numpy(k32), torch.from_numpy(v32)) for *_, k32, v32 in caches]
 
         def torch_step():
             with torch.inference_mode():
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
             step()
             times[name].append(time.perf_counter() - t)
 
-    nbytes = sum(a.nbytes for k, v, _, _ in caches for a in (k, v))
+    nbytes = sum(a.nbytes for cache in caches for a in cache[:4] if a is not None)
     bandwidth = memory_bandwidth(threads=threads)
     limit_ms = 1e3 * nbytes / bandwidth
     info = cpu_info()

@@ -230,9 +230,10 @@ def test_decode_cache_bytes_count_key_value_heads_windows_and_storage():
     row = 2 * 2 * 8  # a key row and a value row a token, in values
     assert decode_cache_bytes(m, 10) == (4 + 10) * row * 4
     assert decode_cache_bytes(m, 3, dtype="float16") == (3 + 3) * row * 2
+    assert decode_cache_bytes(m, 3, dtype="int8") == (3 + 3) * (row + 2 * 2 * 4)  # codes, and a scale a head
     assert decode_cache_bytes(m, 0) == 0
     with pytest.raises(ValueError, match="cache dtype must be one of"):
-        decode_cache_bytes(m, 10, dtype="int8")
+        decode_cache_bytes(m, 10, dtype="int4")
     with pytest.raises(ValueError, match="context must be a non-negative int, got -1"):
         decode_cache_bytes(m, -1)
 
@@ -499,16 +500,18 @@ def test_the_gpu_benchmark_refuses_bad_arguments_in_one_line(args, message):
 ATTENTION_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_attention.py"
 
 
-def test_the_decode_attention_benchmark_compares_with_torch_and_float64():
-    """``benchmarks/decode_attention.py`` on a small float16 cache: attnlab's and torch's rows,
-    each within float32 round-off of the float64 reference, and the memory's limit."""
+@pytest.mark.parametrize("dtype, size", [("float16", "0.5 MB"), ("int8", "0.2 MB")])
+def test_the_decode_attention_benchmark_compares_with_torch_and_float64(dtype, size):
+    """``benchmarks/decode_attention.py`` on a small float16 or int8 cache: attnlab's and
+    torch's rows, each within float32 round-off of the float64 reference (of the values the
+    cache holds), and the memory's limit."""
     pytest.importorskip("torch")
     run = subprocess.run([sys.executable, str(ATTENTION_SCRIPT), "--keys", "301", "--layers", "2", "--repeat", "1",
-                          "--threads", "2", "--cache-dtype", "float16"], capture_output=True, text=True, timeout=300,
+                          "--threads", "2", "--cache-dtype", dtype], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": SRC})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
-    assert "2 layers x 301 cached tokens, 9 query heads over 3 key/value heads of 64, float16 cache: 0.5 MB" in out
+    assert f"2 layers x 301 cached tokens, 9 query heads over 3 key/value heads of 64, {dtype} cache: {size}" in out
     assert re.search(r"so at best \d+\.\d\d ms a step", out)
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^  (attnlab|torch float32) .* (\d\.\de-\d\d)$", out, re.M)}
     assert set(rows) == {"attnlab", "torch float32"}, out
@@ -517,7 +520,7 @@ def test_the_decode_attention_benchmark_compares_with_torch_and_float64():
 
 @pytest.mark.parametrize("args, message", [
     (["--keys", "0"], "--keys must be at least 1, got 0"),
-    (["--cache-dtype", "int8"], "--cache-dtype must be float32 or float16, got 'int8'"),
+    (["--cache-dtype", "int4"], "--cache-dtype must be float32, float16 or int8, got 'int4'"),
     (["--layers", "many"], "argument --layers: invalid int value: 'many'"),
 ])
 def test_the_decode_attention_benchmark_refuses_bad_arguments_in_one_line(args, message):

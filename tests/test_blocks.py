@@ -123,9 +123,69 @@ def test_a_float16_cache_stores_half_and_hands_back_the_keys_dtype():
     assert np.shares_memory(k, same._key)
 
 
+def test_an_int8_cache_stores_codes_and_a_scale_a_token_and_head():
+    """``KVCache(dtype="int8")``: each new token's head as int8 codes and a float32 scale
+    (:func:`attnlab.nn.attention.quantize_int8`), every key and value handed back as ``codes
+    * scale`` in the dtype it came in, through growth, reset and crop."""
+    from attnlab.nn.attention import quantize_int8
+
+    cache = KVCache(dtype="int8")
+    rng = np.random.default_rng(1)
+    chunks = [rng.standard_normal((2, 3, n, 8)).astype(np.float32) for n in (5, 20, 1, 40)]
+    for c in chunks:
+        k, v = cache.append(c, 3 * c)
+    everything = np.concatenate(chunks, axis=2)
+    codes, scales = quantize_int8(everything)
+    assert k.dtype == v.dtype == np.float32 and k.shape == (2, 3, 66, 8)
+    assert cache._key.dtype == np.int8 and cache._key_scale.shape == (2, 3, cache._key.shape[2])
+    assert np.array_equal(cache._key[:, :, :66], codes) and np.array_equal(cache._key_scale[:, :, :66], scales)
+    assert np.array_equal(k, codes * scales[..., None])
+    assert np.abs(k - everything).max() <= 0.5 * scales.max() * (1 + 1e-6)
+    assert 0.3 * scales.max() < np.abs(k - everything).max()  # the codes' rounding shows
+    vc, vs = quantize_int8(3 * everything)
+    assert np.array_equal(v, vc * vs[..., None])
+    assert [a.dtype for a in cache.dequantized()] == [np.float32] * 2 and np.array_equal(cache.dequantized()[0], k)
+    assert repr(cache) == "KVCache(length=66, key shape=(2, 3, 66, 8), dtype=int8)"
+    cache.crop(30)
+    k, _ = cache.append(everything[:, :, :1], everything[:, :, :1])
+    assert k.shape == (2, 3, 31, 8) and np.array_equal(k[:, :, 30], codes[:, :, 0] * scales[:, :, 0, None])
+    cache.reset()
+    assert len(cache) == 0 and cache.dtype == np.int8 and cache._key_scale is None
+    k, _ = cache.append(everything.astype(np.float64), everything.astype(np.float64))  # float64 keys
+    assert k.dtype == np.float64 and np.array_equal(k, codes.astype(np.float64) * scales[..., None])
+    with pytest.raises(TypeError, match="dequantized\\(\\) reads an int8 cache, this one stores float16"):
+        KVCache(dtype="float16").dequantized()
+    with pytest.raises(ValueError, match="the cache is empty"):
+        KVCache(dtype="int8").dequantized()
+
+
+def test_an_int8_cache_refuses_what_it_cannot_hold_and_keeps_what_it_has():
+    cache = KVCache(dtype="int8")
+    x = np.ones((1, 2, 3, 4), np.float32)
+    cache.append(x, x)
+    for bad in (np.inf, -np.inf, np.nan):
+        y = x.copy()
+        y[0, 1, 2, 3] = bad
+        with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN "
+                                             r"\(or a float32 beyond float32's range\): keep this cache in float32"):
+            cache.append(x, y)
+    with pytest.raises(ValueError, match="beyond float32's range\\): keep this cache in float64"):
+        KVCache(dtype="int8").append(np.full((1, 1, 1, 2), 1e300), np.ones((1, 1, 1, 2)))
+    assert len(cache) == 3
+    k, v = cache.append(x[:, :, :1], x[:, :, :1])  # the failed tokens were never cached
+    assert k.shape == (1, 2, 4, 4) and np.array_equal(v, np.ones_like(v))
+    with pytest.raises(TypeError, match="KVCache\\(dtype=int8\\) stores floating NumPy arrays, got numpy.ndarray "
+                                        "keys of dtype int8"):
+        KVCache(dtype="int8").append(np.ones((1, 1, 1, 2), np.int8), np.ones((1, 1, 1, 2), np.int8))
+    torch = pytest.importorskip("torch")
+    t = torch.ones((1, 2, 3, 4))
+    with pytest.raises(TypeError, match="KVCache\\(dtype=int8\\) stores floating NumPy arrays, got torch.Tensor"):
+        KVCache(dtype="int8").append(t, t)
+
+
 def test_cache_dtype_errors_leave_the_cache_as_it_was():
-    for bad in ("int8", "bfloat16", object, "float8"):
-        with pytest.raises(ValueError, match=r"cache dtype must be one of float16, float32, float64 \(or None: "
+    for bad in ("int4", "bfloat16", object, "float8", "uint8"):
+        with pytest.raises(ValueError, match=r"cache dtype must be one of float16, float32, float64, int8 \(or None: "
                                              r"the keys' own\), got"):
             KVCache(dtype=bad)
     cache = KVCache(dtype="float16")
@@ -196,6 +256,15 @@ def test_generation_with_a_float16_cache():
     assert all(c.dtype == np.float16 for c in model.new_cache(dtype=np.float16))
     with pytest.raises(ValueError, match="cache dtype must be one of"):
         model.stream(ids, 3, cache_dtype="int4")
+
+
+def test_generation_with_an_int8_cache():
+    """``generate(..., cache_dtype="int8")``: the same greedy tokens as the float32 cache
+    here, an int8 cache in every block."""
+    model = _tiny()
+    ids = np.array([[1, 2, 3]])
+    assert np.array_equal(model.generate(ids, 6, cache_dtype="int8"), model.generate(ids, 6))
+    assert all(c.dtype == np.int8 for c in model.new_cache(dtype="int8"))
 
 
 def test_tiny_state_dict_names_are_unchanged():

@@ -149,6 +149,85 @@ def test_a_value_beyond_a_float16_cache_raises_and_is_not_cached(calls):
         model(np.array([[4]]), cache=model.new_cache(dtype="float16"))
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "float32"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_steps_read_and_write_an_int8_cache(kind, config, calls):
+    """With ``KVCache(dtype="int8")`` the compiled step reads the codes and their scales and
+    quantizes the new key and value as :func:`attnlab.nn.attention.quantize_int8` does: the
+    modules' logits (which attend over ``codes * scale``), and the same codes to within one
+    step where the two paths' float32 keys fall to either side of a code's midpoint."""
+    model = quantized_llama(kind, **CONFIGS[config])
+    ids = np.array([[5, 9, 77, 3, 20, 8]])
+    fast, slow, ref = model.new_cache(dtype="int8"), model.new_cache(dtype="int8"), model.new_cache()
+    logits = model(ids, cache=fast)
+    model(ids, cache=slow)
+    model(ids, cache=ref)
+    nxt = logits[:, -1:].argmax(-1)
+    worst = 0.0
+    for step in range(7):
+        got = model(nxt, cache=fast)
+        with modules_only(model):
+            want = model(nxt, cache=slow)
+        exact = model(nxt, cache=ref)
+        assert _close(got, want), (step, float(np.abs(got - want).max()))
+        worst = max(worst, float(np.abs(got - exact).max() / np.abs(exact).max()))
+        nxt = want[:, -1:].argmax(-1)
+    assert len(calls) == 2 * 7 * 2  # the int8 cache's steps and the float32 cache's, compiled
+    assert 1e-5 < worst < 5e-2  # the codes' rounding shows, and stays small
+    for a, b in zip(fast, slow, strict=True):
+        assert a._key.dtype == np.int8 and a._key_scale.dtype == np.float32 and len(a) == len(b) == 13
+        for x, y in ((a._key, b._key), (a._value, b._value)):
+            assert np.abs(x[:, :, :13].astype(int) - y[:, :, :13]).max() <= 1
+        for x, y in ((a._key_scale, b._key_scale), (a._value_scale, b._value_scale)):
+            np.testing.assert_allclose(x[:, :, :13], y[:, :, :13], rtol=1e-5)
+
+
+def test_an_int8_cache_is_quantized_as_numpy_quantizes():
+    """The step's quantization of a new key or value (:func:`attnlab._decode_kernels._quantize`)
+    is bit for bit :func:`attnlab.nn.attention.quantize_int8`: rows of every magnitude, rows
+    with ties at a code's midpoint, a zero row, rows below the smallest magnitude kept, and
+    a row with a non-finite value (counted, stored as zeros)."""
+    from attnlab.nn.attention import INT8_SMALLEST, quantize_int8
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((200, 64)) * 10.0 ** rng.integers(-30, 30, (200, 1))).astype(np.float32)
+    x[0] = 0.0
+    x[1] = np.arange(64) - 31.5  # top 32: a step of 32 / 127, ties where x * 127 / 32 ends in .5
+    x[2, :] = INT8_SMALLEST / 2  # below the smallest kept
+    x[3, :] = INT8_SMALLEST  # the smallest kept
+    x[4, 5] = -np.float32(3e38)
+    want_codes, want_scales = quantize_int8(x)
+    codes = np.full(x.shape, 99, np.int8)
+    scales = np.full(x.shape[0], np.nan, np.float32)
+    for i in range(x.shape[0]):
+        assert _decode_kernels._quantize(codes[i], scales[i:i + 1], x[i]) == 0
+    assert np.array_equal(codes, want_codes) and np.array_equal(scales, want_scales)
+    assert not codes[0].any() and not codes[2].any() and scales[2] == 0 and codes[3].max() == 127
+    kept = scales > 0  # every value within half a step of its code (and round-off)
+    steps = np.abs(codes * scales[:, None].astype(np.float64) - x)[kept] / scales[kept, None]
+    assert 0.49 < steps.max() <= 0.5 + 1e-5
+    bad = x[5].copy()
+    bad[[7, 9]] = np.inf, np.nan
+    assert _decode_kernels._quantize(codes[5], scales[5:6], bad) == 2
+    assert not codes[5].any() and scales[5] == 0
+
+
+def test_a_value_an_int8_cache_cannot_hold_raises_and_is_not_cached(calls):
+    model = quantized_llama("Q8_0")
+    cache = model.new_cache(dtype="int8")
+    model(np.array([[5, 9, 77]]), cache=cache)
+    v = model.layers[1].attn.in_proj_weight.data  # the value rows of block 1 made infinite
+    dense = v.dequantize()
+    dense[-32:] = np.inf
+    model.layers[1].attn.in_proj_weight.data = dense
+    with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN .*"
+                                         "keep this cache in float32"):
+        model(np.array([[4]]), cache=cache)
+    assert len(calls) == 2 and [len(c) for c in cache] == [3, 3]  # block 0's token taken back too
+    with modules_only(model), pytest.raises(ValueError, match="an int8 cache stores finite keys and values only"):
+        model(np.array([[4]]), cache=model.new_cache(dtype="int8"))
+
+
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
 @pytest.mark.parametrize("config", [
     dict(sliding_windows=(3, None), attn_logit_softcapping=4.0, query_pre_attn_scalar=24),  # Gemma 2
@@ -378,14 +457,15 @@ def _attention_reference(qkv, keys, values, start, stop, key_mask, Hq, Hkv, Dh, 
     (1, 6, 3, 4501, 0, False, 0.0),   # a long cache: runs cut at their longest, two heads a group
 ])
 @pytest.mark.parametrize("threads", [1, 2, 3, 16])
-@pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
-def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, threads, half):
+@pytest.mark.parametrize("stored", ["float32", pytest.param("float16", marks=needs_half), "int8"])
+def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, threads, stored):
     """The compiled step's attention over a cache (:func:`attnlab._decode_kernels._attend`:
     runs of keys per task, partial softmaxes merged, a polynomial exp) gives float64
     NumPy's attention within float32 round-off, its keys cut for one to 16 threads (numba
     runs on as many as this machine has), with masks, a window's start and soft-capping; a
-    float16 cache (its bits, uint16) as its float16 values."""
-    _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, Dh=64)
+    float16 cache (its bits, uint16) as its float16 values, an int8 cache (codes and a
+    scale a row) as ``codes * scale``."""
+    _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, stored, Dh=64)
 
 
 @pytest.mark.parametrize("Dh, Hq, Hkv, stop", [
@@ -394,15 +474,17 @@ def test_attend_kernel_matches_numpy(N, Hq, Hkv, stop, start, masked, softcap, t
     (80, 6, 2, 500),    # another width the vectors do not take
     (32, 4, 4, 90),     # another
 ])
-@pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
-def test_attend_kernel_matches_numpy_at_other_head_widths(Dh, Hq, Hkv, stop, half):
+@pytest.mark.parametrize("stored", ["float32", pytest.param("float16", marks=needs_half), "int8"])
+def test_attend_kernel_matches_numpy_at_other_head_widths(Dh, Hq, Hkv, stop, stored):
     """The same at head widths other than 64: one the explicit vectors take
     (64 and 128: :func:`attnlab._decode_kernels._lanes_done`) and three they do not."""
-    _check_attend(1, Hq, Hkv, stop, 0, True, 0.0, 2, half, Dh=Dh)
+    _check_attend(1, Hq, Hkv, stop, 0, True, 0.0, 2, stored, Dh=Dh)
 
 
-def _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, *, Dh):
+def _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, dtype, *, Dh):
     import numba
+
+    from attnlab.nn.attention import quantize_int8
 
     C = max(1024, stop)
     rng = np.random.default_rng(stop + N)
@@ -415,10 +497,14 @@ def _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, *, Dh
         key_mask[:, stop - 1] = True  # the new token takes part
         key_mask[0, :stop - 1] = False  # a row that sees only its new token
     z = np.full((N, Hq * Dh), np.nan, np.float32)
-    stored = keys, values
-    if half:
-        stored = keys.astype(np.float16).view(np.uint16), values.astype(np.float16).view(np.uint16)
-        keys, values = (a.view(np.float16).astype(np.float32) for a in stored)
+    stored = keys, values, None, None
+    if dtype == "float16":
+        stored = keys.astype(np.float16).view(np.uint16), values.astype(np.float16).view(np.uint16), None, None
+        keys, values = (a.view(np.float16).astype(np.float32) for a in stored[:2])
+    elif dtype == "int8":
+        (kc, ks), (vc, vs) = quantize_int8(keys), quantize_int8(values)
+        stored = kc, vc, ks, vs
+        keys, values = kc * ks[..., None], vc * vs[..., None]
     before = numba.get_num_threads()
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     try:
@@ -432,31 +518,39 @@ def _check_attend(N, Hq, Hkv, stop, start, masked, softcap, threads, half, *, Dh
 
 @pytest.mark.parametrize("Dh", [64, 128, 256, 48])  # the last two: the loops only
 @pytest.mark.parametrize("h", [1, 2, 3, 4])
-@pytest.mark.parametrize("half", [False, pytest.param(True, marks=needs_half)])
-def test_dot_products_and_weighted_sums_of_a_run_match_numpy(Dh, h, half):
+@pytest.mark.parametrize("stored", ["float32", pytest.param("float16", marks=needs_half), "int8"])
+def test_dot_products_and_weighted_sums_of_a_run_match_numpy(Dh, h, stored):
     """The two passes of a run of keys (:func:`attnlab._decode_kernels._dots` and
     :func:`~attnlab._decode_kernels._accumulate`), each key and value row read once for
     ``h`` query heads: float64 NumPy's products within float32 round-off for runs of 0 to
     290 keys from an odd offset (whole 16s through the explicit vectors where the width
     allows, the rest through the loops), from rows apart from each other, and from rows
-    whose values are not contiguous (the loops only); nothing outside the run is written."""
+    whose values are not contiguous (the loops only); nothing outside the run is written.
+    An int8 cache's codes: the dot products with the codes (the scales are the scores'),
+    and the weighted sum of ``codes * scale``."""
     rng = np.random.default_rng(Dh * 10 + h)
-    rows = rng.standard_normal((301, 2 * Dh)).astype(np.float16 if half else np.float32)
+    if stored == "int8":
+        rows = rng.integers(-127, 128, (301, 2 * Dh)).astype(np.int8)
+    else:
+        rows = rng.standard_normal((301, 2 * Dh)).astype(stored)
+    scales = rng.random(301).astype(np.float32) if stored == "int8" else None
+    unit = 127.0 if stored == "int8" else 1.0  # the rows' magnitude, which the round-off scales with
     for keys in (rows[:, :Dh].copy(), rows[:, :Dh], rows[:, ::2]):  # contiguous, rows apart, strided rows
-        stored = keys.view(np.uint16) if half else keys
+        stored = keys.view(np.uint16) if keys.dtype == np.float16 else keys
         exact = keys.astype(np.float64)
+        weighed = exact if scales is None else exact * scales[:, None].astype(np.float64)
         q = rng.standard_normal((h, Dh)).astype(np.float32)
         for n in (0, 15, 16, 17, 290):
             p = np.full((h, 300), np.nan, np.float32)
             _decode_kernels._dots(q, h, stored, 3, n, p)
             want = q.astype(np.float64) @ exact[3:3 + n].T
-            np.testing.assert_allclose(p[:, :n], want, rtol=1e-5, atol=1e-5 * np.sqrt(Dh))
+            np.testing.assert_allclose(p[:, :n], want, rtol=1e-5, atol=1e-5 * np.sqrt(Dh) * unit)
             assert np.isnan(p[:, n:]).all()
             w = rng.random((h, 300)).astype(np.float32)
             out = rng.standard_normal((h, Dh)).astype(np.float32)
-            want = out + w[:, :n].astype(np.float64) @ exact[3:3 + n]
-            _decode_kernels._accumulate(w, stored, 3, n, out)
-            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(n + 1))
+            want = out + w[:, :n].astype(np.float64) @ weighed[3:3 + n]
+            _decode_kernels._accumulate(w, stored, scales, 3, n, out)
+            np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.sqrt(n + 1) * unit)
 
 
 def test_explicit_vectors_take_whole_16s_of_contiguous_rows_at_their_widths():

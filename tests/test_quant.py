@@ -366,11 +366,15 @@ def test_cli_generate_quantized(tmp_path, capsys):
     half = capsys.readouterr().out
     assert "with a float16 key/value cache, quantized weights" in half
     assert [line for line in half.splitlines() if line.startswith("generated")] == generated[0]
+    assert main([*args, "--quantized", "--cache-dtype", "int8"]) == 0
+    codes = capsys.readouterr().out
+    assert "with an int8 key/value cache, quantized weights" in codes
+    assert [line for line in codes.splitlines() if line.startswith("generated")] == generated[0]
     with pytest.raises(SystemExit) as exit_:
-        main([*args, "--cache-dtype", "int8"])
+        main([*args, "--cache-dtype", "int4"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
-    assert err.count("\n") == 1 and "argument --cache-dtype: invalid choice: 'int8'" in err
+    assert err.count("\n") == 1 and "argument --cache-dtype: invalid choice: 'int4'" in err
     (tmp_path / "folder").mkdir()
     assert main(["generate", "--checkpoint", str(tmp_path / "folder"), "--quantized", "hi"]) == 2
     assert "--quantized needs a .gguf file" in capsys.readouterr().err

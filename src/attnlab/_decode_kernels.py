@@ -29,8 +29,10 @@ the fields in order):
 - the block (:meth:`attnlab.nn.TransformerBlock.decode_record`): ``(ln_1, attention,
   ln_1_post, ln_2, feed_forward, ln_2_post)``, the sandwich norms None for none;
 - the rows of one call (:meth:`attnlab.nn.Attention.decode_rows`): ``(cos, sin, keys,
-  values, slot, start, key_mask)``, ``keys``/``values`` the cache's storage: float32, or a
-  float16 cache's bits as uint16 (read and written through :func:`_widen`/:func:`_narrow`).
+  values, key_scales, value_scales, slot, start, key_mask)``, ``keys``/``values`` the
+  cache's storage: float32, a float16 cache's bits as uint16 (read and written through
+  :func:`_widen`/:func:`_narrow`), or an int8 cache's codes, with their scales ``(N, Hkv,
+  C)`` (None for a float cache; written by :func:`_quantize`).
 
 Axes: ``N`` rows (sequences), ``D`` model width, ``Hq``/``Hkv`` query and key/value heads,
 ``Dh`` head width, ``R`` rotated dims (``<= Dh``), ``C`` the cache's capacity, ``S`` keys,
@@ -144,6 +146,8 @@ def _widen_impl(x):
         return lambda x: _half_to_float(x)
     if x == types.float32:
         return lambda x: x
+    if x == types.int8:  # an int8 cache's code (its row's scale applied by the caller)
+        return lambda x: np.float32(x)
     return None
 
 
@@ -158,6 +162,58 @@ def _narrow_impl(x, like):
     if like == types.float32:
         return lambda x, like: x
     return None
+
+
+def _put(rows, scales, slot, x):
+    """Store ``x (Dh,)`` at ``rows[slot]`` (``rows (C, Dh)``): in the cache's float type
+    (``scales`` None), or as int8 codes with their scale at ``scales[slot]`` (``scales
+    (C,)``, :func:`_quantize`). Returns how many values could not be stored (:func:`_store`;
+    int8: the non-finite ones)."""
+
+
+@overload(_put, jit_options=_JIT)
+def _put_impl(rows, scales, slot, x):
+    if isinstance(scales, types.NoneType):
+        return lambda rows, scales, slot, x: _store(rows[slot], x)
+    return lambda rows, scales, slot, x: _quantize(rows[slot], scales[slot:slot + 1], x)
+
+
+def _scales_of(scales, n, g):
+    """``scales[n, g]`` (an int8 cache's scales of one row and head), or None for None."""
+
+
+@overload(_scales_of, jit_options=_JIT)
+def _scales_of_impl(scales, n, g):
+    if isinstance(scales, types.NoneType):
+        return lambda scales, n, g: None
+    return lambda scales, n, g: scales[n, g]
+
+
+# Plain IEEE arithmetic (no fast-math): the codes must be NumPy's own (KVCache._quantize).
+@nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
+def _quantize(codes, scale, x):
+    """``x (Dh,)`` float32 as int8 ``codes (Dh,)`` and ``scale[0]``: ``top = max |x|``,
+    ``scale = top * (1 / 127)``, ``codes = rint(x * (127 / top))``; all zero where ``top`` is
+    below :data:`attnlab.nn.attention.INT8_SMALLEST`. Returns how many values are not
+    finite (then nothing is meaningful: the caller refuses the token)."""
+    top = _F(0.0)
+    bad = 0
+    for d in range(x.shape[0]):
+        a = abs(x[d])
+        if not a <= _F(3.4028235e38):
+            bad += 1
+        elif a > top:
+            top = a
+    if bad or top < _F(1e-30):
+        for d in range(x.shape[0]):
+            codes[d] = 0
+        scale[0] = _F(0.0)
+        return bad
+    inv = _F(127.0) / top
+    for d in range(x.shape[0]):
+        codes[d] = np.int8(min(max(np.rint(x[d] * inv), _F(-127.0)), _F(127.0)))
+    scale[0] = top * _F(1.0 / 127.0)
+    return 0
 
 
 @nb.njit(**_JIT)
@@ -216,12 +272,16 @@ def _vector_fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _load_lanes(builder, row, offset, half):
-    """16 floats at byte ``offset`` of ``row`` (an i8 pointer): float32, or float16 bits widened."""
+def _load_lanes(builder, row, offset, size):
+    """16 floats at byte ``offset`` of ``row`` (an i8 pointer), ``size`` bytes a value:
+    float32 (4), float16 bits widened (2), or int8 codes converted (1)."""
     ptr = builder.gep(row, [offset])
-    if half:
+    if size == 2:
         bits = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(16), _LANES).as_pointer()), align=2)
         return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), _LANES)), _VEC)
+    if size == 1:
+        codes = builder.load(builder.bitcast(ptr, ir.VectorType(ir.IntType(8), _LANES).as_pointer()), align=1)
+        return builder.sitofp(codes, _VEC)
     return builder.load(builder.bitcast(ptr, _VEC.as_pointer()), align=4)
 
 
@@ -249,12 +309,12 @@ def _by_heads(builder, h, emit):
 
 
 def _lane_width(rows, dh):
-    """``(half, Dh, bytes a value)`` of the rows an intrinsic reads (float16 bits: uint16),
-    for a literal head width ``dh`` that is a multiple of 16; else None (not typed)."""
+    """``(Dh, bytes a value)`` of the rows an intrinsic reads (float32; float16 bits, uint16;
+    int8 codes), for a literal head width ``dh`` that is a multiple of 16; else None (not
+    typed)."""
     if not isinstance(dh, types.IntegerLiteral) or dh.literal_value % _LANES:
         return None
-    half = rows.dtype == types.uint16
-    return half, dh.literal_value, 2 if half else 4
+    return dh.literal_value, rows.dtype.bitwidth // 8
 
 
 @intrinsic
@@ -264,7 +324,7 @@ def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
     ``dh`` (a multiple of 16); each row's values contiguous."""
     if (width := _lane_width(keys, dh)) is None:
         return None
-    half, Dh, size = width
+    Dh, size = width
 
     def codegen(context, builder, sig, args):
         (qbase, qs), (kbase, ks), (pbase, ps) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 4))
@@ -280,9 +340,9 @@ def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
                 krow = builder.gep(kbase, [builder.mul(intp(t), ks)])
                 acc = [None] * H
                 for c in range(0, Dh, _LANES):
-                    k = _load_lanes(builder, krow, intp(c * size), half)
+                    k = _load_lanes(builder, krow, intp(c * size), size)
                     for i in range(H):
-                        qv = _load_lanes(builder, qrows[i], intp(c * 4), False)
+                        qv = _load_lanes(builder, qrows[i], intp(c * 4), 4)
                         acc[i] = builder.fmul(qv, k) if acc[i] is None else _vector_fma(builder, qv, k, acc[i])
                 for i in range(H):
                     stack = folds[i]
@@ -304,19 +364,25 @@ def _lane_dots(typingctx, q, h, keys, j, p, pj, dh):
 
 
 @intrinsic
-def _lane_weigh(typingctx, p, h, values, j0, n, out, dh):
+def _lane_weigh(typingctx, p, h, values, scales, j0, n, out, dh):
     """``out[i] += sum_{j < n} p[i, j] values[j0 + j]`` for the ``h <= 4`` rows of ``out (>=
-    h, Dh)``, a fused multiply-add a row in order of ``j``; ``values (C, Dh)`` float32 or
-    float16 bits, ``Dh`` the literal ``dh`` (a multiple of 16); each row's values
-    contiguous."""
+    h, Dh)``, a fused multiply-add a row in order of ``j``; ``values (C, Dh)`` float32,
+    float16 bits or int8 codes (then each weight times the row's scale, ``scales[j0 + j]``;
+    ``scales (C,)`` float32, None for a float cache), ``Dh`` the literal ``dh`` (a multiple
+    of 16); each row's values contiguous."""
     if (width := _lane_width(values, dh)) is None:
         return None
-    half, Dh, size = width
+    Dh, size = width
+    scaled = not isinstance(scales, types.NoneType)
 
     def codegen(context, builder, sig, args):
-        (pbase, ps), (vbase, vs), (obase, os_) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 5))
+        (pbase, ps), (vbase, vs), (obase, os_) = (_rows(context, builder, sig.args[i], args[i]) for i in (0, 2, 6))
         intp = vs.type
-        vbase = builder.gep(vbase, [builder.mul(args[3], vs)])
+        if scaled:
+            sbase = builder.bitcast(context.make_array(sig.args[3])(context, builder, args[3]).data,
+                                    ir.FloatType().as_pointer())
+            sbase = builder.gep(sbase, [args[4]])
+        vbase = builder.gep(vbase, [builder.mul(args[4], vs)])
         chunks = range(0, Dh, _LANES)
 
         def emit(H):
@@ -325,18 +391,21 @@ def _lane_weigh(typingctx, p, h, values, j0, n, out, dh):
             acc = [[cgutils.alloca_once(builder, _VEC) for _ in chunks] for _ in range(H)]
             for i in range(H):
                 for a, c in zip(acc[i], chunks, strict=True):
-                    builder.store(_load_lanes(builder, orows[i], intp(c * 4), False), a)
-            with cgutils.for_range(builder, args[4]) as loop:
+                    builder.store(_load_lanes(builder, orows[i], intp(c * 4), 4), a)
+            with cgutils.for_range(builder, args[5]) as loop:
                 j = loop.index
                 vrow = builder.gep(vbase, [builder.mul(j, vs)])
+                scale = builder.load(builder.gep(sbase, [j]), align=4) if scaled else None
                 weights = []
                 for i in range(H):
                     w = builder.load(builder.bitcast(builder.gep(prows[i], [builder.mul(j, intp(4))]),
                                                      ir.FloatType().as_pointer()), align=4)
+                    if scaled:
+                        w = builder.fmul(w, scale)
                     w = builder.insert_element(ir.Constant(_VEC, ir.Undefined), w, ir.IntType(32)(0))
                     weights.append(builder.shuffle_vector(w, ir.Constant(_VEC, ir.Undefined), _lane_mask([0] * _LANES)))
                 for k, c in enumerate(chunks):
-                    v = _load_lanes(builder, vrow, intp(c * size), half)
+                    v = _load_lanes(builder, vrow, intp(c * size), size)
                     for i in range(H):
                         builder.store(_vector_fma(builder, weights[i], v, builder.load(acc[i][k])), acc[i][k])
             for i in range(H):
@@ -347,7 +416,7 @@ def _lane_weigh(typingctx, p, h, values, j0, n, out, dh):
         _by_heads(builder, args[1], emit)
         return context.get_dummy_value()
 
-    return types.void(p, h, values, j0, n, out, dh), codegen
+    return types.void(p, h, values, scales, j0, n, out, dh), codegen
 
 
 @nb.njit(**_JIT)
@@ -543,13 +612,14 @@ def _dots(q, h, keys, j0, n, p):
 
 
 @nb.njit(**_JIT)
-def _finish_scores(p, j0, n, scale, softcap, mask):
+def _finish_scores(p, j0, n, scale, softcap, mask, key_scales):
     """``p[:n]`` (one head's dot products with keys ``j0 ..``) scaled, soft-capped where
     ``softcap > 0``, and ``-inf`` where ``mask (S,)`` (empty: none) forbids a key; returns
-    their maximum (-3.4e38 when every key is forbidden)."""
+    their maximum (-3.4e38 when every key is forbidden). ``key_scales (C,)``: an int8
+    cache's, each key's own scale (None: a float cache)."""
     top = _F(-3.4e38)
     for j in range(n):
-        s = p[j] * scale
+        s = p[j] * _scale_at(key_scales, j0 + j) * scale
         if softcap > 0:
             s = _F(np.tanh(s / softcap) * softcap)
         if mask.shape[0] > 0 and not mask[j0 + j]:
@@ -559,29 +629,44 @@ def _finish_scores(p, j0, n, scale, softcap, mask):
     return top
 
 
+def _scale_at(scales, j):
+    """``scales[j]``, an int8 cache's scale of row ``j``; 1 for None (a float cache: LLVM
+    drops the multiplication by it)."""
+
+
+@overload(_scale_at, jit_options=_JIT)
+def _scale_at_impl(scales, j):
+    if isinstance(scales, types.NoneType):
+        return lambda scales, j: _F(1.0)
+    return lambda scales, j: scales[j]
+
+
 @nb.njit(**_JIT)
-def _accumulate(p, values, j0, n, out):
+def _accumulate(p, values, scales, j0, n, out):
     """``out[i] += sum_j p[i, j] values[j0 + j]`` for the ``h <= 4`` rows of ``out (h, Dh)``
     and ``p (h, >= n)``: each value row read once for all of them, and two rows a pass (each
     output value read and written once for both) where a group has two heads or more (on
     the Zen 4 the same numbers as a row a pass, bit for bit: LLVM adds them in the same
     order). Alone in L1 there, three heads took 15-25 cycles a row against 24-41 a row a
-    pass. A head width :func:`_lane_weigh` takes goes through it instead."""
+    pass. A head width :func:`_lane_weigh` takes goes through it instead. An int8 cache's
+    codes come with their rows' ``scales (C,)`` (None: a float cache): each weight is
+    multiplied by its row's scale."""
     h, Dh = out.shape
     if _lanes_done(values, _LANES, out.strides[1], p.strides[1]) == _LANES:  # accumulators in registers
         per = min(h, 256 // Dh)  # at most 16 vectors of them: four heads of 64, two of 128
         for i in range(0, h, per):
             if Dh == 64:
-                _lane_weigh(p[i:], min(per, h - i), values, j0, n, out[i:], 64)
+                _lane_weigh(p[i:], min(per, h - i), values, scales, j0, n, out[i:], 64)
             else:
-                _lane_weigh(p[i:], min(per, h - i), values, j0, n, out[i:], 128)
+                _lane_weigh(p[i:], min(per, h - i), values, scales, j0, n, out[i:], 128)
         return
     pairs = n - n % 2 if h > 1 else 0  # one head: a row a pass is as fast
     if h == 4:
         for j in range(0, pairs, 2):
             va, vb = values[j0 + j], values[j0 + j + 1]
-            w0, w1, w2, w3 = p[0, j], p[1, j], p[2, j], p[3, j]
-            u0, u1, u2, u3 = p[0, j + 1], p[1, j + 1], p[2, j + 1], p[3, j + 1]
+            sa, sb = _scale_at(scales, j0 + j), _scale_at(scales, j0 + j + 1)
+            w0, w1, w2, w3 = p[0, j] * sa, p[1, j] * sa, p[2, j] * sa, p[3, j] * sa
+            u0, u1, u2, u3 = p[0, j + 1] * sb, p[1, j + 1] * sb, p[2, j + 1] * sb, p[3, j + 1] * sb
             for d in range(Dh):
                 x = _widen(va[d])
                 y = _widen(vb[d])
@@ -592,8 +677,9 @@ def _accumulate(p, values, j0, n, out):
     elif h == 3:
         for j in range(0, pairs, 2):
             va, vb = values[j0 + j], values[j0 + j + 1]
-            w0, w1, w2 = p[0, j], p[1, j], p[2, j]
-            u0, u1, u2 = p[0, j + 1], p[1, j + 1], p[2, j + 1]
+            sa, sb = _scale_at(scales, j0 + j), _scale_at(scales, j0 + j + 1)
+            w0, w1, w2 = p[0, j] * sa, p[1, j] * sa, p[2, j] * sa
+            u0, u1, u2 = p[0, j + 1] * sb, p[1, j + 1] * sb, p[2, j + 1] * sb
             for d in range(Dh):
                 x = _widen(va[d])
                 y = _widen(vb[d])
@@ -603,8 +689,9 @@ def _accumulate(p, values, j0, n, out):
     elif h == 2:
         for j in range(0, pairs, 2):
             va, vb = values[j0 + j], values[j0 + j + 1]
-            w0, w1 = p[0, j], p[1, j]
-            u0, u1 = p[0, j + 1], p[1, j + 1]
+            sa, sb = _scale_at(scales, j0 + j), _scale_at(scales, j0 + j + 1)
+            w0, w1 = p[0, j] * sa, p[1, j] * sa
+            u0, u1 = p[0, j + 1] * sb, p[1, j + 1] * sb
             for d in range(Dh):
                 x = _widen(va[d])
                 y = _widen(vb[d])
@@ -612,8 +699,9 @@ def _accumulate(p, values, j0, n, out):
                 out[1, d] += w1 * x + u1 * y
     for j in range(pairs, n):
         vr = values[j0 + j]
+        sa = _scale_at(scales, j0 + j)
         for i in range(h):
-            w = p[i, j]
+            w = p[i, j] * sa
             o = out[i]
             for d in range(Dh):
                 o[d] += w * _widen(vr[d])
@@ -661,9 +749,13 @@ def _merge_runs(tops, sums, parts, runs, n_kv, z):
 
 
 @nb.njit(parallel=True, **_JIT)
-def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, softcap, z, threads):
+def _attend(qkv, keys, values, key_scales, value_scales, start, stop, key_mask, n_heads, n_kv, Dh, scale, softcap,
+            z, threads):
     """Each row's one query per head over its keys ``start .. stop - 1`` (those ``key_mask``
-    allows; an empty mask allows all): ``z (N, Hq Dh)``. Query head ``h`` reads key/value
+    allows; an empty mask allows all): ``z (N, Hq Dh)``. An int8 cache's ``keys``/``values``
+    are codes, each row's with its scale in ``key_scales``/``value_scales (N, Hkv, C)``
+    (None for a float cache): a score is the dot product with the codes times the key's
+    scale, and a weight is multiplied by its value's scale before it weighs the codes. Query head ``h`` reads key/value
     head ``h // (Hq / Hkv)``; ``qkv (N, ...)`` holds the rotated queries first. A
     ``softcap`` above 0 caps each scaled score ``s`` to ``softcap * tanh(s / softcap)``.
     ``threads``: how many threads numba's parallel loops run on (``numba.get_num_threads()``,
@@ -694,8 +786,9 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
         heads = qkv[n, :n_heads * Dh].reshape(n_heads, Dh)  # the row's queries, a head a row
         for c0 in range(0, G, _HEADS_PER_PASS):  # the group's query heads, up to four a pass
             _dots(heads[g * G + c0:], min(_HEADS_PER_PASS, G - c0), keys[n, g], j0, m, p[c0:])
+        ks, vs = _scales_of(key_scales, n, g), _scales_of(value_scales, n, g)
         for i in range(G):
-            top = _finish_scores(p[i], j0, m, scale, softcap, mask)
+            top = _finish_scores(p[i], j0, m, scale, softcap, mask, ks)
             tops[t, i] = top
             for d in range(Dh):
                 parts[t, i, d] = _F(0.0)
@@ -706,7 +799,7 @@ def _attend(qkv, keys, values, start, stop, key_mask, n_heads, n_kv, Dh, scale, 
             else:
                 sums[t, i] = _exp_sub(p[i], top, m)
         for c0 in range(0, G, _HEADS_PER_PASS):
-            _accumulate(p[c0:], values[n, g], j0, m, parts[t, c0:min(G, c0 + _HEADS_PER_PASS)])
+            _accumulate(p[c0:], values[n, g], vs, j0, m, parts[t, c0:min(G, c0 + _HEADS_PER_PASS)])
     _merge_runs(tops, sums, parts, runs, n_kv, z)
 
 
@@ -733,7 +826,7 @@ def _attention(x, attn, rows, qkv, z, out, threads):
     (already normed), the new key and value written at the rows' ``slot``; returns how
     many of their values the cache's type could not hold (:func:`_store`)."""
     w_qkv, w_out, q_norm, k_norm, n_heads, n_kv, Dh, scale, softcap = attn
-    cos, sin, keys, values, slot, start, key_mask = rows
+    cos, sin, keys, values, key_scales, value_scales, slot, start, key_mask = rows
     _product(w_qkv, x, qkv)
     Dq = n_heads * Dh
     Dkv = n_kv * Dh
@@ -747,9 +840,11 @@ def _attention(x, attn, rows, qkv, z, out, threads):
             k = qkv[n:n + 1, Dq + g * Dh: Dq + (g + 1) * Dh]
             _norm_in_place(k, k_norm)
             _rotate(k[0], cos[n], sin[n])
-            lost += _store(keys[n, g, slot], k[0])
-            lost += _store(values[n, g, slot], qkv[n, Dq + Dkv + g * Dh: Dq + Dkv + (g + 1) * Dh])
-    _attend(qkv, keys, values, start, slot + 1, key_mask, n_heads, n_kv, Dh, scale, softcap, z, threads)
+            lost += _put(keys[n, g], _scales_of(key_scales, n, g), slot, k[0])
+            lost += _put(values[n, g], _scales_of(value_scales, n, g), slot,
+                         qkv[n, Dq + Dkv + g * Dh: Dq + Dkv + (g + 1) * Dh])
+    _attend(qkv, keys, values, key_scales, value_scales, start, slot + 1, key_mask, n_heads, n_kv, Dh, scale,
+            softcap, z, threads)
     _product(w_out, z, out)
     return lost
 
@@ -778,12 +873,14 @@ def decode_layer(h, block, rows, scratch, threads):
     value (the rotated key) are written at ``slot`` of ``keys``/``values (N, Hkv, C, Dh)``
     and the query attends to the keys ``start .. slot`` that ``key_mask (N, S)`` allows
     (``(0, 0)``: all); ``cos``/``sin (N, R)`` are the rotation of each row's position.
-    ``keys``/``values`` are float32, or a float16 cache's bits (uint16). ``scratch`` is
+    ``keys``/``values`` are float32, a float16 cache's bits (uint16), or an int8 cache's
+    codes (with ``key_scales``/``value_scales (N, Hkv, C)``). ``scratch`` is
     ``(xn (N, D), qkv (N, (Hq + 2 Hkv) Dh), z (N, Hq Dh), o (N, D), gate (N, F), up (N,
     F))``; ``threads`` numba's thread count (:func:`_attend`).
 
-    Returns how many of the new key's and value's finite values the cache's type could not
-    hold (beyond float16's range: stored as infinities; 0 for a float32 cache).
+    Returns how many of the new key's and value's values the cache's type could not hold
+    (finite ones beyond float16's range, stored as infinities; for an int8 cache, the ones
+    that are not finite; 0 for a float32 cache).
     """
     ln_1, attn, ln_1_post, ln_2, mlp, ln_2_post = block
     w_gate, w_up, w_down, activation = mlp

@@ -91,25 +91,27 @@ def decode_cache_bytes(model, context: int, *, dtype=None) -> int:
     tokens: a key row and a value row of ``num_kv_heads * head_dim`` a token for each
     attention layer (its last ``sliding_window`` tokens where it has a window), stored as
     ``dtype`` (a :class:`~attnlab.nn.KVCache` storage dtype; None: float32, the cache of a
-    float32 or quantized model). Beside :func:`decode_weight_bytes` it is what a long
-    context adds to a step: SmolLM2-135M's cache after 3,000 tokens is 138 MB in float32
-    beside 112 MB of quantized weights.
+    float32 or quantized model; ``"int8"``: a byte a value and a float32 scale a token and
+    head). Beside :func:`decode_weight_bytes` it is what a long context adds to a step:
+    SmolLM2-135M's cache after 3,000 tokens is 138 MB in float32 beside 112 MB of quantized
+    weights.
 
     >>> from attnlab.models.gpt2 import GPT2, GPT2Config
     >>> m = GPT2(GPT2Config(vocab_size=10, n_positions=8, n_embd=4, n_layer=1, n_head=2))
-    >>> decode_cache_bytes(m, 8), decode_cache_bytes(m, 8, dtype="float16")
-    (256, 128)
+    >>> [decode_cache_bytes(m, 8, dtype=d) for d in (None, "float16", "int8")]
+    [256, 128, 192]
     """
     from attnlab.nn.attention import Attention, cache_dtype
 
     context = positive_int(context, "context", allow_zero=True)
-    size = (cache_dtype(dtype) or np.dtype(np.float32)).itemsize
+    dt = cache_dtype(dtype) or np.dtype(np.float32)
+    scale = 4 if dt == np.int8 else 0  # an int8 cache's float32 scale, a token and head
     total = 0
     for _, mod in model.named_modules():
         if isinstance(mod, Attention):
             window = mod.sliding_window
             tokens = context if window is None else min(context, window)
-            total += 2 * mod.num_kv_heads * mod.head_dim * tokens * size
+            total += 2 * mod.num_kv_heads * (mod.head_dim * dt.itemsize + scale) * tokens
     return total
 
 

@@ -96,7 +96,8 @@ class CausalLM(Module):
     def new_cache(self, *, dtype=None) -> list[KVCache]:
         """An empty key/value cache, one :class:`~attnlab.nn.KVCache` per block, for
         :meth:`forward` ``(..., cache=...)``; ``dtype`` is its storage dtype (None: the
-        keys' own; ``"float16"``: half the memory, see :class:`~attnlab.nn.KVCache`)."""
+        keys' own; ``"float16"``: half the memory, ``"int8"``: about a quarter, see
+        :class:`~attnlab.nn.KVCache`)."""
         return [KVCache(dtype=dtype) for _ in self.layers]
 
     def unembed(self, h: np.ndarray) -> np.ndarray:
@@ -245,14 +246,15 @@ class CausalLM(Module):
         token). With ``eos_token_id`` a finished row continues with it and generation stops
         when every row has finished. Hooks attached with ``model.hooks(...)`` run once per
         step. ``cache_dtype`` stores the cache in another dtype (``"float16"``: half the
-        memory, and faster long generations with weights kept quantized; see
+        memory, and faster long generations with weights kept quantized; ``"int8"``: a
+        code a value and a scale a token and head, about a quarter; see
         :class:`~attnlab.nn.KVCache`). See :func:`attnlab.models.generate.generate`.
 
         Raises:
             ValueError: token ids outside the vocabulary, the prompt plus
                 ``max_new_tokens`` longer than the context, a mask that is not 0/1 or not
                 left-padded, a negative temperature, ``top_k`` without sampling, a
-                ``cache_dtype`` that is not a floating type.
+                ``cache_dtype`` that is not one of :data:`attnlab.nn.attention.CACHE_DTYPES`.
         """
         return generate(
             self, input_ids, max_new_tokens, vocab_size=self.config.vocab_size, n_positions=self.max_positions,

@@ -396,7 +396,7 @@ def generate(
         eos_token_id: the token (or tokens) that ends a sequence; None: never stop early.
         cache_dtype: the cache's storage dtype, ``model.new_cache(dtype=cache_dtype)``
             (None: ``model.new_cache()``, the keys' own dtype; ``"float16"``: half the
-            memory, see :class:`attnlab.nn.KVCache`).
+            memory, ``"int8"``: about a quarter, see :class:`attnlab.nn.KVCache`).
 
     Returns:
         ``(B, T + n)`` int64 (``(T + n,)`` for one prompt): the prompts, then the ``n <=

@@ -200,10 +200,43 @@ class SelfAttention(Module):
         return f"d_in={self.d_in}, d_out={self.d_out}, qkv_bias={self.W_q.bias is not None}"
 
 
-_STEP_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))  # what the compiled decoding step reads
+# what the compiled decoding step reads
+_STEP_CACHE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8))
 
-#: The storage dtypes a :class:`KVCache` takes (``dtype=``): NumPy's floating types.
-CACHE_DTYPES = ("float16", "float32", "float64")
+#: The storage dtypes a :class:`KVCache` takes (``dtype=``): NumPy's floating types, and
+#: ``int8`` (codes with a scale a token and head).
+CACHE_DTYPES = ("float16", "float32", "float64", "int8")
+
+#: An int8 cache stores a token's head as zeros where its largest magnitude is below this
+#: (``127 / top`` would overflow float32 for ``top`` under about ``3.7e-37``).
+INT8_SMALLEST = np.float32(1e-30)
+
+
+def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``x (..., E)`` as int8 codes ``(..., E)`` and float32 scales ``(...)``, one a row:
+    ``top = max |x|`` over the row (in float32), ``codes = rint(x * (127 / top))``,
+    ``scale = top * (1 / 127)``, so that ``codes * scale`` is within ``scale / 2`` of ``x``
+    (a row whose ``top`` is below :data:`INT8_SMALLEST`: zeros, scale 0). The row format of
+    :class:`KVCache` ``(dtype="int8")`` (llama.cpp's ``q8_0`` cache type takes blocks of 32
+    values; here a block is a head). The compiled decoding step quantizes a new token's
+    key and value the same way, bit for bit. Raises ValueError for a value that is not
+    finite (inf or NaN, or beyond float32's range).
+
+    >>> codes, scale = quantize_int8(np.array([[0.5, -1.0, 0.25]]))
+    >>> codes.tolist(), scale.tolist() == [np.float32(1.0) * np.float32(1 / 127)]
+    ([[64, -127, 32]], True)
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = np.asarray(x, dtype=np.float32)
+    if not np.isfinite(x).all():
+        raise ValueError("an int8 cache stores finite keys and values only, got inf or NaN "
+                         "(or a value beyond float32's range)")
+    top = np.abs(x).max(axis=-1, initial=np.float32(0.0))
+    keep = top >= INT8_SMALLEST
+    with np.errstate(divide="ignore"):
+        inv = np.where(keep, np.float32(127.0) / np.where(keep, top, np.float32(1.0)), np.float32(0.0))
+    codes = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
+    return codes, np.where(keep, top * np.float32(1.0 / 127.0), np.float32(0.0)).astype(np.float32)
 
 
 def cache_dtype(dtype) -> np.dtype | None:
@@ -242,6 +275,12 @@ class KVCache:
     a long cache (llama.cpp's default cache type). Its keys and values carry float16's
     relative error (at most ``2^-11``, about ``4.9e-4``) and must lie within ``±65504``.
 
+    ``dtype="int8"`` stores each token's head as int8 codes and one float32 scale
+    (:func:`quantize_int8`: each value within half a step, ``max |row| / 254``, of the
+    float32 value), about a quarter of a float32 cache's memory (``E + 4`` bytes a token
+    and head); it hands back ``codes * scale`` in the keys' dtype, and the decoding step
+    reads the codes as they are. Its keys and values must be finite.
+
     Attributes:
         length: the number of cached tokens ``S``.
         dtype: the storage dtype given (None: the keys' own).
@@ -255,12 +294,19 @@ class KVCache:
     >>> k, v = half.append(np.full((1, 2, 3, 4), 0.1), np.ones((1, 2, 3, 4)))
     >>> k.dtype, float(k[0, 0, 0, 0])  # the stored float16 value, handed back as float64
     (dtype('float64'), 0.0999755859375)
+    >>> codes = KVCache(dtype="int8")
+    >>> k, v = codes.append(np.array([[[[0.5, -1.0, 0.3]]]]), np.ones((1, 1, 1, 3)))
+    >>> np.round(k[0, 0, 0], 4).tolist()  # 0.3 is 38 steps of 1/127
+    [0.5039, -1.0, 0.2992]
     """
 
     def __init__(self, *, dtype=None) -> None:
         self.dtype = cache_dtype(dtype)
         self._key: np.ndarray | None = None
         self._value: np.ndarray | None = None
+        # an int8 cache's scales, (N, H, capacity) float32 each (None otherwise)
+        self._key_scale: np.ndarray | None = None
+        self._value_scale: np.ndarray | None = None
         self._given: np.dtype | None = None  # the dtype the keys come in (set by the first append)
         self.length = 0
 
@@ -274,7 +320,7 @@ class KVCache:
 
     def reset(self) -> None:
         """Forget every cached token (the storage dtype stays)."""
-        self._key = self._value = self._given = None
+        self._key = self._value = self._given = self._key_scale = self._value_scale = None
         self.length = 0
 
     def crop(self, length: int) -> None:
@@ -306,7 +352,7 @@ class KVCache:
         if key.ndim != 4 or value.shape[:-1] != key.shape[:-1] or value.dtype != key.dtype:
             raise shape_error("value", value.shape, f"(N, H, S_new, Ev) with N, H, S_new of key "
                               f"{fmt_shape(key.shape)} and its dtype")
-        converted = self._converts(key)
+        converted = self._converts(key) or self.dtype == np.int8
         if converted and (type(key) is not np.ndarray or not np.issubdtype(key.dtype, np.floating)):
             raise TypeError(f"KVCache(dtype={self.dtype.name}) stores floating NumPy arrays, got "
                             f"{type(key).__module__}.{type(key).__name__} keys of dtype {key.dtype}")
@@ -324,6 +370,8 @@ class KVCache:
                 key, value = xp.concat([self._key, key], axis=2), xp.concat([self._value, value], axis=2)
             self._key, self._value, self.length = key, value, self.length + n
             return key, value
+        if self.dtype == np.int8:
+            return self._append_codes(key, value)
         self._reserve(n, key, value)
         with np.errstate(over="raise") if converted else nullcontext():
             try:
@@ -335,6 +383,33 @@ class KVCache:
         k, v = self._key[:, :, : self.length, :], self._value[:, :, : self.length, :]
         return (k.astype(key.dtype), v.astype(key.dtype)) if converted else (k, v)
 
+    def _append_codes(self, key: np.ndarray, value: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`append` to an int8 cache: the new rows quantized (nothing stored where one
+        is not finite), every row handed back as ``codes * scale`` in the keys' dtype."""
+        try:
+            (kc, ks), (vc, vs) = quantize_int8(key), quantize_int8(value)
+        except ValueError:
+            raise self.range_error(key.dtype) from None
+        n, at = key.shape[2], self.length
+        self._reserve(n, key, value)
+        self._key[:, :, at:at + n], self._key_scale[:, :, at:at + n] = kc, ks
+        self._value[:, :, at:at + n], self._value_scale[:, :, at:at + n] = vc, vs
+        self.length += n
+        return self.dequantized(key.dtype)
+
+    def dequantized(self, dtype=np.float32) -> tuple[np.ndarray, np.ndarray]:
+        """An int8 cache's keys and values as ``codes * scale`` in ``dtype`` (a float
+        type), ``(N, H, S, E)`` each: new arrays, the values every attention over this cache
+        reads."""
+        if self.dtype != np.int8:
+            raise TypeError(f"dequantized() reads an int8 cache, this one stores {self.dtype}")
+        if self._key is None:
+            raise ValueError("the cache is empty: nothing to dequantize")
+        dt = np.dtype(dtype)
+        S = self.length
+        return tuple(codes[:, :, :S].astype(dt) * scale[:, :, :S, None].astype(dt)
+                     for codes, scale in ((self._key, self._key_scale), (self._value, self._value_scale)))
+
     def _converts(self, a) -> bool:
         """Whether storing ``a`` (an array of any library) changes its dtype: a storage
         :attr:`dtype` given and another than ``a``'s (compared by name: ``torch.float32``
@@ -345,6 +420,10 @@ class KVCache:
         """The error for a key or value of dtype ``given`` beyond the storage dtype's range
         (raised by :meth:`append`, and by the compiled decoding step, which writes the
         storage itself)."""
+        if self.dtype == np.int8:
+            return ValueError(f"an int8 cache stores finite keys and values only, got inf or NaN (or a "
+                              f"{np.dtype(given).name} beyond float32's range): keep this cache in "
+                              f"{np.dtype(given).name}")
         return ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite {self.dtype.name} "
                           f"is {float(np.finfo(self.dtype).max):g}): keep this cache in {np.dtype(given).name}")
 
@@ -364,6 +443,14 @@ class KVCache:
                     buf[:, :, : self.length, :] = old[:, :, : self.length, :]
                 grown.append(buf)
             self._key, self._value = grown
+            if self.dtype == np.int8:  # and the scales, a token and head
+                scales = []
+                for old in (self._key_scale, self._value_scale):
+                    buf = np.empty((*key_like.shape[:2], capacity), np.float32)
+                    if old is not None:
+                        buf[:, :, : self.length] = old[:, :, : self.length]
+                    scales.append(buf)
+                self._key_scale, self._value_scale = scales
 
 
 def _explicit_backward(grad_z, a: AttentionInputs, saved: _Explicit, scale: float | None, softcap: float | None,
@@ -937,9 +1024,10 @@ class Attention(Module):
 
     def decode_rows(self, n: int, key_padding_mask, cache, positions) -> tuple | None:
         """The rows of one compiled decoding step (:mod:`attnlab._decode_kernels`): ``(cos,
-        sin, keys, values, slot, start, key_mask)`` for one new token in each of ``n``
-        rows after the ``cache`` (a non-empty NumPy :class:`KVCache` of float32 keys,
-        stored as float32 or float16: then ``keys``/``values`` are its bits, uint16), with
+        sin, keys, values, key_scales, value_scales, slot, start, key_mask)`` for one new
+        token in each of ``n`` rows after the ``cache`` (a non-empty NumPy :class:`KVCache`
+        of float32 keys, stored as float32, float16 (then ``keys``/``values`` are its bits,
+        uint16) or int8 (its codes, with their scales; None for a float cache)), with
         room made for it (``slot``, counted in ``cache``); ``start`` is the first key the
         sliding window keeps. None (the cache untouched) where the step does not apply: an
         empty or foreign cache, a ``key_padding_mask`` that is not a bool ``(n, S + 1)``
@@ -968,7 +1056,7 @@ class Attention(Module):
         keys, values = cache._key, cache._value
         if keys.dtype == np.float16:  # numba has no float16: the kernel reads the bits
             keys, values = keys.view(np.uint16), values.view(np.uint16)
-        return (*rotation, keys, values, slot, start, key_mask)
+        return (*rotation, keys, values, cache._key_scale, cache._value_scale, slot, start, key_mask)
 
     def backward(self, grad_output: np.ndarray):
         """Gradient of the input ``x`` (cross-attention: ``(grad_x, grad_key_value)``);

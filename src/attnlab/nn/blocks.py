@@ -283,7 +283,7 @@ class TransformerBlock(Module):
         """The block on one new token per row, ``x (N, 1, D)`` after a non-empty ``cache``,
         in one compiled call (:func:`attnlab._decode_kernels.decode_layer`), or None where
         the module path runs. The choice goes by what the inputs are: float32 NumPy ``x``
-        and cache, stored as float32 or float16 (:meth:`~attnlab.nn.Attention.decode_rows`;
+        and cache, stored as float32, float16 or int8 (:meth:`~attnlab.nn.Attention.decode_rows`;
         float16 where the CPU converts it, :data:`attnlab._decode_kernels.HALF_CONVERSIONS`), the block's record
         (:meth:`decode_record`: quantized or float32 projections, the block's slots), numba there
         and not turned off, and a call that may take a fused kernel
