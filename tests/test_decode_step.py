@@ -645,6 +645,21 @@ def test_exp_of_the_compiled_softmax_is_within_float32_round_off():
     assert total == pytest.approx(float(np.sum(p, dtype=np.float64)), rel=1e-12)
 
 
+def test_the_scores_largest_is_numpys_over_whole_16s_and_the_tail():
+    """:func:`attnlab._decode_kernels._largest` (an explicit vector over whole 16s, then the
+    rest): NumPy's maximum of the first ``n`` values and -3.4e38 (every key forbidden: all
+    ``-inf``), wherever the largest lies, and nothing past ``n`` read."""
+    rng = np.random.default_rng(7)
+    for n in (0, 1, 15, 16, 17, 33, 100):
+        for where in range(0, n, 7):
+            p = rng.standard_normal(n + 40).astype(np.float32)
+            p[n:] = 1e30  # past the run: never read
+            p[where] = 50.0
+            assert _decode_kernels._largest(p, n) == 50.0, (n, where)
+        p = np.full(n + 3, -np.inf, np.float32)
+        assert _decode_kernels._largest(p, n) == np.float32(-3.4e38)
+
+
 @needs_half
 def test_a_float16_cache_is_written_and_read_as_numpy_rounds():
     """The step's float16 conversions (:func:`attnlab._decode_kernels._store` and the reads

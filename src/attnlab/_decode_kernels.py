@@ -616,16 +616,48 @@ def _finish_scores(p, j0, n, scale, softcap, mask, key_scales):
     """``p[:n]`` (one head's dot products with keys ``j0 ..``) scaled, soft-capped where
     ``softcap > 0``, and ``-inf`` where ``mask (S,)`` (empty: none) forbids a key; returns
     their maximum (-3.4e38 when every key is forbidden). ``key_scales (C,)``: an int8
-    cache's, each key's own scale (None: a float cache)."""
-    top = _F(-3.4e38)
+    cache's, each key's own scale (None: a float cache). Each step a loop of its own, which
+    the compiler vectorises (one loop with them all, and the maximum in it, was not)."""
     for j in range(n):
-        s = p[j] * _scale_at(key_scales, j0 + j) * scale
-        if softcap > 0:
-            s = _F(np.tanh(s / softcap) * softcap)
-        if mask.shape[0] > 0 and not mask[j0 + j]:
-            s = _F(-np.inf)
-        p[j] = s
-        top = max(top, s)
+        p[j] = p[j] * _scale_at(key_scales, j0 + j) * scale
+    if softcap > 0:
+        for j in range(n):
+            p[j] = _F(np.tanh(p[j] / softcap) * softcap)
+    if mask.shape[0] > 0:
+        for j in range(n):
+            p[j] = p[j] if mask[j0 + j] else _F(-np.inf)
+    return _largest(p, n)
+
+
+@intrinsic
+def _lane_top(typingctx, p, n):
+    """The largest of -3.4e38 and ``p[:n - n % 16]`` (``p`` a contiguous float32 row), 16 at a
+    time in an explicit vector (``llvm.maxnum``: a NaN is passed over). The compiler does not
+    vectorise the loop's maximum itself (its comparison may meet a NaN)."""
+    if not (isinstance(p, types.Array) and p.ndim == 1 and p.layout == "C" and p.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, sig, args):
+        base = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, _I8P)
+        intp = args[1].type
+        fmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VEC, [_VEC] * 2), "llvm.maxnum.v16f32")
+        top = cgutils.alloca_once_value(builder, ir.Constant(_VEC, [-3.4e38] * _LANES))
+        with cgutils.for_range(builder, builder.sdiv(args[1], intp(_LANES))) as loop:
+            v = _load_lanes(builder, base, builder.mul(loop.index, intp(4 * _LANES)), 4)
+            builder.store(builder.call(fmax, [builder.load(top), v]), top)
+        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.FloatType(), [_VEC]),
+                                                "llvm.vector.reduce.fmax.v16f32")
+        return builder.call(reduce, [builder.load(top)])
+
+    return types.float32(p, n), codegen
+
+
+@nb.njit(**_JIT)
+def _largest(p, n):
+    """The largest of ``p[:n]`` and -3.4e38 (``p`` a contiguous float32 row)."""
+    top = _lane_top(p, n)
+    for j in range(n - n % _LANES, n):
+        top = max(top, p[j])
     return top
 
 
