@@ -69,7 +69,8 @@ _JIT = {"nogil": True, "fastmath": {"reassoc", "contract", "arcp", "nsz"}, "cach
 # numba told to compile for one: NUMBA_CPU_NAME=generic, as for a cache shared between
 # machines) calls a library function that numba does not link, and LLVM aborts the process:
 # there a float16 cache takes the modules' path (HALF_CONVERSIONS). Whether it would is read
-# off the code numba's own target machine makes of the two conversions.
+# off the code numba's own target machine makes of the two conversions. An int8 cache
+# (KVCache(dtype="int8")) reaches them as its codes, int8, with a float32 scale a row.
 def _half_conversions() -> bool:
     from llvmlite import binding
 
@@ -246,7 +247,9 @@ def _store(row, x):
 # dot products 14-16 against 22-23, the weighted sum 11-12 against 16-20 (float16 cache;
 # float32: 14-15 against 21-26, 9-10 against 19-23); compiled for Haswell (AVX2) and run
 # there, 15 against 24 and 11-12 against 16-21. Their sums are float32's, in orders of
-# their own (a fused multiply-add a row, in order, for the weighted sum).
+# their own (a fused multiply-add a row, in order, for the weighted sum). An int8 cache's
+# codes are widened to float32 as they are loaded (two instructions a vector where float16
+# takes one, which costs on one thread about what the halved bytes save).
 _LANES = 16
 _VEC = ir.VectorType(ir.FloatType(), _LANES)
 _I8P = ir.IntType(8).as_pointer()
