@@ -98,18 +98,13 @@ needs_half = pytest.mark.skipif(not _decode_kernels.HALF_CONVERSIONS,
                                 reason="this CPU cannot convert half precision (x86 without F16C)")
 
 
-@needs_half
-@pytest.mark.parametrize("kind", ["Q4_1", "float32"])
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_steps_read_and_write_a_float16_cache(kind, config, calls):
-    """With ``KVCache(dtype="float16")`` the compiled step reads the float16 keys and values
-    and writes the new ones rounded as NumPy rounds: the modules' logits (which widen the
-    same cache to float32), and the same cache to within one float16 step where the two
-    paths' float32 keys round to either side of a float16 midpoint."""
-    model = quantized_llama(kind, **CONFIGS[config])
+def _steps_against_the_modules(model, dtype, calls):
+    """Seven greedy steps after a prompt, each run by the compiled step over a cache of
+    ``dtype`` and by the modules over another: their logits within float32 round-off of
+    each other at every step. Returns both caches and the largest difference from a float32
+    cache's logits, relative to their largest (what the storage's rounding moved)."""
     ids = np.array([[5, 9, 77, 3, 20, 8]])
-    fast, slow = model.new_cache(dtype="float16"), model.new_cache(dtype="float16")
-    ref = model.new_cache()
+    fast, slow, ref = model.new_cache(dtype=dtype), model.new_cache(dtype=dtype), model.new_cache()
     logits = model(ids, cache=fast)
     model(ids, cache=slow)
     model(ids, cache=ref)
@@ -119,11 +114,23 @@ def test_steps_read_and_write_a_float16_cache(kind, config, calls):
         got = model(nxt, cache=fast)
         with modules_only(model):
             want = model(nxt, cache=slow)
-        exact = model(nxt, cache=ref)  # a float32 cache: float16's rounding moves the logits a little
+        exact = model(nxt, cache=ref)
         assert _close(got, want), (step, float(np.abs(got - want).max()))
         worst = max(worst, float(np.abs(got - exact).max() / np.abs(exact).max()))
         nxt = want[:, -1:].argmax(-1)
-    assert len(calls) == 2 * 7 * 2  # the float16 cache's steps and the float32 cache's, compiled
+    assert len(calls) == 2 * 7 * 2  # this cache's steps and the float32 cache's, every block compiled
+    return fast, slow, worst
+
+
+@needs_half
+@pytest.mark.parametrize("kind", ["Q4_1", "float32"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_steps_read_and_write_a_float16_cache(kind, config, calls):
+    """With ``KVCache(dtype="float16")`` the compiled step reads the float16 keys and values
+    and writes the new ones rounded as NumPy rounds: the modules' logits (which widen the
+    same cache to float32), and the same cache to within one float16 step where the two
+    paths' float32 keys round to either side of a float16 midpoint."""
+    fast, slow, worst = _steps_against_the_modules(quantized_llama(kind, **CONFIGS[config]), "float16", calls)
     assert 1e-6 < worst < 5e-3  # float16's rounding shows, and stays small
     for a, b in zip(fast, slow, strict=True):
         assert a._key.dtype == b._key.dtype == np.float16 and len(a) == len(b) == 13
@@ -156,23 +163,7 @@ def test_steps_read_and_write_an_int8_cache(kind, config, calls):
     quantizes the new key and value as :func:`attnlab.nn.attention.quantize_int8` does: the
     modules' logits (which attend over ``codes * scale``), and the same codes to within one
     step where the two paths' float32 keys fall to either side of a code's midpoint."""
-    model = quantized_llama(kind, **CONFIGS[config])
-    ids = np.array([[5, 9, 77, 3, 20, 8]])
-    fast, slow, ref = model.new_cache(dtype="int8"), model.new_cache(dtype="int8"), model.new_cache()
-    logits = model(ids, cache=fast)
-    model(ids, cache=slow)
-    model(ids, cache=ref)
-    nxt = logits[:, -1:].argmax(-1)
-    worst = 0.0
-    for step in range(7):
-        got = model(nxt, cache=fast)
-        with modules_only(model):
-            want = model(nxt, cache=slow)
-        exact = model(nxt, cache=ref)
-        assert _close(got, want), (step, float(np.abs(got - want).max()))
-        worst = max(worst, float(np.abs(got - exact).max() / np.abs(exact).max()))
-        nxt = want[:, -1:].argmax(-1)
-    assert len(calls) == 2 * 7 * 2  # the int8 cache's steps and the float32 cache's, compiled
+    fast, slow, worst = _steps_against_the_modules(quantized_llama(kind, **CONFIGS[config]), "int8", calls)
     assert 1e-5 < worst < 5e-2  # the codes' rounding shows, and stays small
     for a, b in zip(fast, slow, strict=True):
         assert a._key.dtype == np.int8 and a._key_scale.dtype == np.float32 and len(a) == len(b) == 13
