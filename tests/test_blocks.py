@@ -152,7 +152,9 @@ def test_an_int8_cache_stores_codes_and_a_scale_a_token_and_head():
     cache.reset()
     assert len(cache) == 0 and cache.dtype == np.int8 and cache._key_scale is None
     k, _ = cache.append(everything.astype(np.float64), everything.astype(np.float64))  # float64 keys
-    assert k.dtype == np.float64 and np.array_equal(k, codes.astype(np.float64) * scales[..., None])
+    assert k.dtype == np.float64 and np.array_equal(k, codes.astype(np.float64) * scales[..., None])  # exact
+    half = cache.dequantized(np.float16)[0]  # rounded once, from float32
+    assert half.dtype == np.float16 and np.array_equal(half, (codes * scales[..., None]).astype(np.float16))
     with pytest.raises(TypeError, match="dequantized\\(\\) reads an int8 cache, this one stores float16"):
         KVCache(dtype="float16").dequantized()
     with pytest.raises(ValueError, match="the cache is empty"):
@@ -166,8 +168,8 @@ def test_an_int8_cache_refuses_what_it_cannot_hold_and_keeps_what_it_has():
     for bad in (np.inf, -np.inf, np.nan):
         y = x.copy()
         y[0, 1, 2, 3] = bad
-        with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN "
-                                             r"\(or a float32 beyond float32's range\): keep this cache in float32"):
+        with pytest.raises(ValueError, match=r"^an int8 cache stores finite keys and values only, got inf or NaN: "
+                                             r"keep this cache in float32$"):
             cache.append(x, y)
     with pytest.raises(ValueError, match="beyond float32's range\\): keep this cache in float64"):
         KVCache(dtype="int8").append(np.full((1, 1, 1, 2), 1e300), np.ones((1, 1, 1, 2)))

@@ -211,7 +211,7 @@ def test_a_value_an_int8_cache_cannot_hold_raises_and_is_not_cached(calls):
     dense = v.dequantize()
     dense[-32:] = np.inf
     model.layers[1].attn.in_proj_weight.data = dense
-    with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN .*"
+    with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN: "
                                          "keep this cache in float32"):
         model(np.array([[4]]), cache=cache)
     assert len(calls) == 2 and [len(c) for c in cache] == [3, 3]  # block 0's token taken back too

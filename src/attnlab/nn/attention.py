@@ -406,8 +406,9 @@ class KVCache:
         if self._key is None:
             raise ValueError("the cache is empty: nothing to dequantize")
         dt = np.dtype(dtype)
+        wide = np.result_type(dt, np.float32)  # float16: computed in float32, then rounded once
         S = self.length
-        return tuple(codes[:, :, :S].astype(dt) * scale[:, :, :S, None].astype(dt)
+        return tuple((codes[:, :, :S].astype(wide) * scale[:, :, :S, None].astype(wide)).astype(dt, copy=False)
                      for codes, scale in ((self._key, self._key_scale), (self._value, self._value_scale)))
 
     def _converts(self, a) -> bool:
@@ -421,9 +422,10 @@ class KVCache:
         (raised by :meth:`append`, and by the compiled decoding step, which writes the
         storage itself)."""
         if self.dtype == np.int8:
-            return ValueError(f"an int8 cache stores finite keys and values only, got inf or NaN (or a "
-                              f"{np.dtype(given).name} beyond float32's range): keep this cache in "
-                              f"{np.dtype(given).name}")
+            name = np.dtype(given).name
+            wider = f" (or a {name} beyond float32's range)" if np.dtype(given).itemsize > 4 else ""
+            return ValueError(f"an int8 cache stores finite keys and values only, got inf or NaN{wider}: "
+                              f"keep this cache in {name}")
         return ValueError(f"a key or value beyond {self.dtype.name}'s range (the largest finite {self.dtype.name} "
                           f"is {float(np.finfo(self.dtype).max):g}): keep this cache in {np.dtype(given).name}")
 
