@@ -190,7 +190,8 @@ def _scales_of_impl(scales, n, g):
     return lambda scales, n, g: scales[n, g]
 
 
-# Plain IEEE arithmetic (no fast-math): the codes must be NumPy's own (KVCache._quantize).
+# Plain IEEE arithmetic (no fast-math): the codes must be NumPy's own
+# (attnlab.nn.attention.quantize_int8, whose INT8_SMALLEST is the 1e-30 here).
 @nb.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)
 def _quantize(codes, scale, x):
     """``x (Dh,)`` float32 as int8 ``codes (Dh,)`` and ``scale[0]``: ``top = max |x|``,
