@@ -139,23 +139,6 @@ def test_steps_read_and_write_a_float16_cache(kind, config, calls):
             np.testing.assert_allclose(x, y, rtol=2.0**-10, atol=1e-5)  # atol: as the float32 cache's test
 
 
-@needs_half
-def test_a_value_beyond_a_float16_cache_raises_and_is_not_cached(calls):
-    model = quantized_llama("Q8_0")
-    cache = model.new_cache(dtype="float16")
-    model(np.array([[5, 9, 77]]), cache=cache)
-    v = model.layers[1].attn.in_proj_weight.data  # the value rows of block 1 made huge
-    dense = v.dequantize()
-    dense[-32:] *= 1e6
-    model.layers[1].attn.in_proj_weight.data = QuantizedTensor.quantize(dense, "Q8_0")
-    with pytest.raises(ValueError, match=r"beyond float16's range \(the largest finite float16 is 65504\): "
-                                         "keep this cache in float32"):
-        model(np.array([[4]]), cache=cache)
-    assert len(calls) == 2 and [len(c) for c in cache] == [3, 3]  # block 0's token taken back too
-    with modules_only(model), pytest.raises(ValueError, match="beyond float16's range"):
-        model(np.array([[4]]), cache=model.new_cache(dtype="float16"))
-
-
 @pytest.mark.parametrize("kind", ["Q4_1", "float32"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_steps_read_and_write_an_int8_cache(kind, config, calls):
@@ -203,20 +186,28 @@ def test_an_int8_cache_is_quantized_as_numpy_quantizes():
     assert not codes[5].any() and scales[5] == 0
 
 
-def test_a_value_an_int8_cache_cannot_hold_raises_and_is_not_cached(calls):
+@pytest.mark.parametrize("dtype, break_values, message", [
+    pytest.param("float16", lambda w: np.concatenate([w[:-32], w[-32:] * 1e6]),
+                 r"beyond float16's range \(the largest finite float16 is 65504\): keep this cache in float32",
+                 marks=needs_half),
+    ("int8", lambda w: np.concatenate([w[:-32], np.full_like(w[-32:], np.inf)]),
+     "an int8 cache stores finite keys and values only, got inf or NaN: keep this cache in float32"),
+])
+def test_a_value_the_cache_cannot_hold_raises_and_is_not_cached(dtype, break_values, message, calls):
+    """The value rows of block 1 made too large for the cache (float16: beyond 65504; int8:
+    infinite): the compiled step and the modules raise the cache's error, and the step
+    takes back the token it had cached in block 0."""
     model = quantized_llama("Q8_0")
-    cache = model.new_cache(dtype="int8")
+    cache = model.new_cache(dtype=dtype)
     model(np.array([[5, 9, 77]]), cache=cache)
-    v = model.layers[1].attn.in_proj_weight.data  # the value rows of block 1 made infinite
-    dense = v.dequantize()
-    dense[-32:] = np.inf
-    model.layers[1].attn.in_proj_weight.data = dense
-    with pytest.raises(ValueError, match=r"an int8 cache stores finite keys and values only, got inf or NaN: "
-                                         "keep this cache in float32"):
+    dense = break_values(model.layers[1].attn.in_proj_weight.data.dequantize())
+    model.layers[1].attn.in_proj_weight.data = QuantizedTensor.quantize(dense, "Q8_0") if dtype == "float16" \
+        else dense.astype(np.float32)
+    with pytest.raises(ValueError, match=message):
         model(np.array([[4]]), cache=cache)
     assert len(calls) == 2 and [len(c) for c in cache] == [3, 3]  # block 0's token taken back too
-    with modules_only(model), pytest.raises(ValueError, match="an int8 cache stores finite keys and values only"):
-        model(np.array([[4]]), cache=model.new_cache(dtype="int8"))
+    with modules_only(model), pytest.raises(ValueError, match=message):
+        model(np.array([[4]]), cache=model.new_cache(dtype=dtype))
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])

@@ -223,8 +223,8 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     finite (inf or NaN, or beyond float32's range).
 
     >>> codes, scale = quantize_int8(np.array([[0.5, -1.0, 0.25]]))
-    >>> codes.tolist(), scale.tolist() == [np.float32(1.0) * np.float32(1 / 127)]
-    ([[64, -127, 32]], True)
+    >>> codes.tolist(), round(float(scale[0]) * 127, 6)
+    ([[64, -127, 32]], 1.0)
     """
     with np.errstate(over="ignore", invalid="ignore"):
         x = np.asarray(x, dtype=np.float32)
@@ -438,21 +438,18 @@ class KVCache:
         if self._key is None or self.length + n > self._key.shape[2]:
             capacity = max(16, 2 * (self.length + n))
             grown = []
-            for old, new in ((self._key, key_like), (self._value, value_like)):
+            for new in (key_like, value_like):
                 shape = (*new.shape[:2], capacity, new.shape[3])
-                buf = np.empty(shape, self.dtype) if self._converts(new) else _empty(shape, new)
-                if old is not None:
-                    buf[:, :, : self.length, :] = old[:, :, : self.length, :]
-                grown.append(buf)
-            self._key, self._value = grown
+                grown.append(np.empty(shape, self.dtype) if self._converts(new) else _empty(shape, new))
             if self.dtype == np.int8:  # and the scales, a token and head
-                scales = []
-                for old in (self._key_scale, self._value_scale):
-                    buf = np.empty((*key_like.shape[:2], capacity), np.float32)
-                    if old is not None:
-                        buf[:, :, : self.length] = old[:, :, : self.length]
-                    scales.append(buf)
-                self._key_scale, self._value_scale = scales
+                grown += [np.empty((*key_like.shape[:2], capacity), np.float32) for _ in range(2)]
+            kept = (self._key, self._value, self._key_scale, self._value_scale)
+            for old, buf in zip(kept, grown, strict=False):
+                if old is not None:
+                    buf[:, :, : self.length] = old[:, :, : self.length]
+            self._key, self._value = grown[:2]
+            if self.dtype == np.int8:
+                self._key_scale, self._value_scale = grown[2:]
 
 
 def _explicit_backward(grad_z, a: AttentionInputs, saved: _Explicit, scale: float | None, softcap: float | None,
