@@ -384,10 +384,10 @@ def test_generation_gives_the_same_tokens_whatever_thread_count_a_step_takes(qua
             super().__init__()
             self.fixed, self.seen = one, []
 
-        def _pick_one(self):
+        def _pick_one(self, first=False):
             return self.fixed
 
-        def _record(self, one, seconds):
+        def _record(self, one, seconds, first=False):
             self.seen.append(_threads.get_num_threads() if not one else 1)
 
     monkeypatch.setattr(_threads, "_adapts", lambda: True)  # the steps' choice is on (the suite turns it off)

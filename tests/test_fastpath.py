@@ -1054,12 +1054,12 @@ class _FakeClock:
         return self.now
 
 
-def _steps(chooser, clock, n, seconds):
+def _steps(chooser, clock, n, seconds, *, generation=False):
     """Run ``n`` steps; ``seconds(k)`` is how long a step takes on ``k`` threads. The
-    thread counts used, in order."""
+    thread counts used, in order. ``generation``: the first is a generation's first step."""
     used = []
-    for _ in range(n):
-        with chooser.step() as k:
+    for i in range(n):
+        with chooser.step(first=generation and i == 0) as k:
             clock.now += seconds(k)
             used.append(k)
         clock.now += 0.001  # the caller's work between two steps
@@ -1101,6 +1101,26 @@ def test_step_threads_do_not_count_the_first_step_after_a_pause(adapting):
             used = _steps(chooser, clock, 20, seconds)
             assert not chooser.one_thread and used[-10:] == [2] * 10
             clock.now += 2 * threads_mod.StepThreads.PAUSE
+
+
+@pytest.mark.parametrize("gap", [0.1, 2.0], ids=["prompt-of-a-tenth", "pause"])
+def test_step_threads_compare_the_steps_of_one_generation_only(adapting, gap):
+    """Generations of two models in turns (a float32 model's slow steps, then a quantized
+    one's fast steps; two threads the faster for both), each after a prompt of ``gap``
+    seconds: a probe of one thread compares with its own generation's steps. Compared with
+    the slow model's steps, the fast model's one-thread probe looked faster, and it ran on
+    one thread until the next probe."""
+    clock = _FakeClock()
+    chooser = threads_mod.StepThreads(clock=clock, taken=lambda: False)
+    slow = {2: 0.019, 1: 0.025}
+    fast = {2: 0.009, 1: 0.014}
+    with threads_mod_threads(2):
+        for _ in range(4):
+            for times in (slow, fast):
+                used = _steps(chooser, clock, 64, times.__getitem__, generation=True)
+                assert used.count(1) <= threads_mod.StepThreads.PROBE_STEPS, used
+                assert not chooser.one_thread
+                clock.now += gap
 
 
 def test_step_threads_go_to_one_thread_when_the_cores_are_taken(adapting):

@@ -737,11 +737,15 @@ class StepThreads:
     then runs a few steps the other way (a probe: :data:`PROBE_STEPS` steps after the
     first :data:`FIRST_PROBE`, then after :data:`EVERY` steps, twice as long after each
     probe that loses, up to :data:`MAX_EVERY`; a probe step twice as slow ends the probe
-    at once), keeping whichever ran faster. The first step after a pause of :data:`PAUSE`
-    seconds (a new generation's) is not counted: it pays for what came before it (after a
-    3,000-token prompt, 42 ms against 12 ms for the next, which made one thread look faster
-    and kept it for 32 steps at half the speed). When the steps slow down by half (a new load)
-    it probes at once. A probe of all threads is put off while other processes hold the
+    at once), keeping whichever ran faster. A generation's first step (``step(first=True)``)
+    and the first after a pause of :data:`PAUSE` seconds are not counted: they pay for what
+    came before them (after a 3,000-token prompt, 42 ms against 12 ms for the next, which made
+    one thread look faster and kept it for 32 steps at half the speed). Nor are the steps
+    before them: a probe compares steps of one generation only, since another model's or
+    another context's steps take another time (SmolLM2 float32 steps of 19 ms, followed by
+    the quantized model's 9 ms steps, made its 14 ms one-thread probe look faster: 32 steps
+    at 14 ms). A probe needs two steps of the arm in use to compare with. When the steps
+    slow down by half (a new load) it probes at once. A probe of all threads is put off while other processes hold the
     cores the extra threads would need (:func:`watch_the_machine`'s last look: a probe step
     on taken cores can cost as much as a hundred steps on one), and the process's first
     step starts on one thread when that is so. The choice is the process's, kept from one
@@ -771,15 +775,18 @@ class StepThreads:
         self._baseline: float | None = None  # its median when last decided
         self._last_end = -math.inf
 
-    def _pick_one(self) -> bool:
+    def _pick_one(self, first: bool = False) -> bool:
         """One thread for the next step? (under the lock; the cores' state is the busy-machine
         watch's last look, :func:`_cores_taken`)"""
         if self._first:  # the process's first step: all threads, unless the cores are taken now
             self._first = False
             self._one = self._taken()
-        if self._clock() - self._last_end > self.PAUSE:
-            self._until_probe = min(self._until_probe, self.FIRST_PROBE)
-        if self._probe_left == 0 and self._until_probe <= 0:
+        paused = self._clock() - self._last_end > self.PAUSE
+        if first or paused:  # a new generation, or the machine may have changed: compare anew
+            self._recent, self._baseline, self._probe, self._probe_left = [], None, [], 0
+            if paused:
+                self._until_probe = min(self._until_probe, self.FIRST_PROBE)
+        if self._probe_left == 0 and self._until_probe <= 0 and len(self._recent) >= 2:
             if self._one and self._taken():  # the cores are taken: the probe would only lose
                 self._every = min(2 * self._every, self.MAX_EVERY)
                 self._until_probe = self._every
@@ -787,9 +794,10 @@ class StepThreads:
                 self._probe_left, self._probe = self.PROBE_STEPS, []
         return self._one != (self._probe_left > 0)
 
-    def _record(self, one: bool, seconds: float) -> None:
+    def _record(self, one: bool, seconds: float, first: bool = False) -> None:
         now = self._clock()
-        cold = now - seconds - self._last_end > self.PAUSE  # the process's first step, or one after a pause
+        # a generation's first step, or one after a pause (the process's first among them)
+        cold = first or now - seconds - self._last_end > self.PAUSE
         self._last_end = now
         if cold:  # it times what came before it (a prompt's leftovers, cold caches), not its threads
             return
@@ -817,16 +825,18 @@ class StepThreads:
             self._until_probe, self._baseline = 0, None  # slower by half: probe now
 
     @contextmanager
-    def step(self):
+    def step(self, *, first: bool = False):
         """Run one step (a ``with`` block) on the thread count chosen for it; yields it.
-        With one thread, BLAS is held to one thread too and :func:`get_num_threads` is 1
-        inside the block (the compiled kernels follow it)."""
+        ``first``: the first step of a generation (its time is not counted, and the steps
+        before it are not compared with the ones after). With one thread, BLAS is held to
+        one thread too and :func:`get_num_threads` is 1 inside the block (the compiled
+        kernels follow it)."""
         wanted = get_num_threads()
         if wanted == 1 or in_pool() or not _adapts():  # ATTNLAB_TUNE=off: no timing decides
             yield wanted
             return
         with self._lock:
-            one = self._pick_one()
+            one = self._pick_one(first)
         outer = getattr(_local, "step_threads", None)
         t0 = self._clock()
         try:
@@ -840,7 +850,7 @@ class StepThreads:
             _local.step_threads = outer
             seconds = self._clock() - t0
             with self._lock:
-                self._record(one, seconds)
+                self._record(one, seconds, first)
 
     @property
     def one_thread(self) -> bool:

@@ -492,7 +492,7 @@ class _Generation:
             if n == 0:  # the prompt
                 logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)
             else:  # a decoding step, on the threads that run it fastest now (see StepThreads)
-                with DECODE_STEPS.step():
+                with DECODE_STEPS.step(first=n == 1):
                     logits = model(step_ids, attention_mask=mask, cache=cache, logits_to_keep=1)
             logits = to_host(logits)[:, -1]  # (B, V); another library's (on any device): a host copy
             token = next_token(logits, temperature=self.temperature, top_k=self.top_k, rng=self.rng)
