@@ -512,7 +512,7 @@ def test_the_decode_attention_benchmark_compares_with_torch_and_float64(dtype, s
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
     assert f"2 layers x 301 cached tokens, 9 query heads over 3 key/value heads of 64, {dtype} cache: {size}" in out
-    assert re.search(r"so at best \d+\.\d\d ms a step", out)
+    assert re.search(r"\d+\.\d GB/s before the steps, \d+\.\d after; at \d+\.\d, at best \d+\.\d\d ms a step", out)
     rows = {m[1]: float(m[2]) for m in re.finditer(r"^  (attnlab|torch float32) .* (\d\.\de-\d\d)$", out, re.M)}
     assert set(rows) == {"attnlab", "torch float32"}, out
     assert all(diff < 1e-6 for diff in rows.values()), rows
