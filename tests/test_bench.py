@@ -246,7 +246,8 @@ def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
         pytest.skip("needs the SmolLM2 package")
     ours, small = _tiny_llama(), _tiny_llama()  # small: the quantized model's stand-in
     fake = types.ModuleType(bm.DECODE_MODULE)
-    fake.memory_bandwidth = lambda *, threads=None: 1e10
+    readings = iter([1e10, 2e10])  # before the models load, after the timings: the larger is the limit
+    fake.memory_bandwidth = lambda *, threads=None: next(readings)
     fake.decode_weight_bytes = lambda model: 1000 if model is small else 4000
     fake.load_smollm2 = lambda *, quantized=True: small
     monkeypatch.setitem(sys.modules, bm.DECODE_MODULE, fake)
@@ -258,11 +259,11 @@ def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
     theirs.generation_config.pad_token_id = None
     monkeypatch.setattr(models, "smollm2_torch", lambda: theirs)
     bandwidth, rows = bm.decode_rows(threads=1, repeats=1, new_tokens=3, settle=0.0, models=models)
-    assert bandwidth == 1e10
+    assert bandwidth == 2e10
     assert [r.name.split()[0] for r in rows] == ["attnlab", "attnlab", "transformers", "llama.cpp"]
     for r in rows[:3]:
         assert r.tokens_per_s is not None
-        assert r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 1e10, rel=1e-12)
+        assert r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 2e10, rel=1e-12)
     assert rows[1].weight_bytes == 1000 and rows[0].weight_bytes == rows[2].weight_bytes == 4000
     assert rows[0].note == "same tokens as transformers: yes"
     assert rows[3].tokens_per_s is None and "llama_cpp" in rows[3].note

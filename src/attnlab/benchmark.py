@@ -1217,6 +1217,11 @@ def decode_rows(
     float32, attnlab quantized, transformers float32 (see :class:`Models`), and llama.cpp
     on the same GGUF file where ``llama_cpp`` imports (an anchor, not a dependency).
 
+    The bandwidth is measured before the models load and again after the timings, and the
+    larger taken: a virtual machine's can change from one second to the next (a 2-vCPU EPYC
+    VM read 36 and 63 GB/s in turns, a few seconds each), and a share taken against the
+    slower reading would flatter every row.
+
     Returns:
         ``(bandwidth in bytes/s, rows)``.
     """
@@ -1288,6 +1293,7 @@ def decode_rows(
     say(f"decode, {new} new tokens")
     with blas_threads(threads):
         times = interleaved_medians(fns, repeats, settle=settle, settle_after=_settle_after(settle_after_torch))
+        bandwidth = max(bandwidth, float(db.memory_bandwidth(threads=threads)))  # the larger reading (see above)
     for key in pairs:
         rows[key].tokens_per_s = new / decode_seconds(times[key], times[f"{key} prefill"])
         rows[key].bandwidth = bandwidth
