@@ -519,6 +519,53 @@ def test_the_decode_attention_benchmark_compares_with_torch_and_float64(dtype, s
     assert all(diff < 1e-6 for diff in rows.values()), rows
 
 
+LONG_CONTEXT_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "long_context.py"
+
+
+def _long_context(*args, timeout=300):
+    return subprocess.run([sys.executable, str(LONG_CONTEXT_SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": SRC})
+
+
+def test_the_long_context_benchmark_times_each_context_in_turns():
+    """``benchmarks/long_context.py`` on SmolLM2 with two short contexts: a row for each,
+    sorted, the longer one's rate over the shorter's, and the rounds' range around it."""
+    if not bm._smollm2_available():
+        pytest.skip("needs the SmolLM2 package")
+    run = _long_context("--contexts", "24,8", "--steps", "2", "--rounds", "2", "--threads", "1",
+                        "--cache-dtype", "int8")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = run.stdout
+    assert "decode step after each context, int8 cache, batch 1" in out and "2 rounds of 2 steps" in out
+    rows = re.findall(r"^ +(\d+) +(\d+\.\d\d) +(\d+\.\d)(?: +(\d+\.\d\d) +(\d+\.\d\d)-(\d+\.\d\d))?$", out, re.M)
+    assert [r[0] for r in rows] == ["8", "24"], out
+    assert rows[0][3] == "" and rows[1][3] != ""
+    ms = [float(r[1]) for r in rows]
+    assert float(rows[1][3]) == pytest.approx(ms[0] / ms[1], abs=0.02)
+    assert float(rows[1][4]) <= float(rows[1][5])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--contexts", "100,x"], "--contexts must be comma-separated whole numbers, got '100,x'"),
+    (["--contexts", "0,100"], "--contexts must each be at least 1, got '0,100'"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--cache-dtype", "int4"], "--cache-dtype must be float32, float16 or int8, got 'int4'"),
+    (["--rounds", "two"], "argument --rounds: invalid int value: 'two'"),
+])
+def test_the_long_context_benchmark_refuses_bad_arguments_in_one_line(args, message):
+    run = _long_context(*args, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
+def test_the_long_context_benchmark_refuses_a_context_beyond_the_model():
+    if not bm._smollm2_available():
+        pytest.skip("needs the SmolLM2 package")
+    run = _long_context("--contexts", "100,100000")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "--contexts go up to" in run.stderr and "got 100000" in run.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--keys", "0"], "--keys must be at least 1, got 0"),
     (["--cache-dtype", "int4"], "--cache-dtype must be float32, float16 or int8, got 'int4'"),
