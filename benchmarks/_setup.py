@@ -3,8 +3,22 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose refusal is one line on stderr, ``<prog>: <message>``, exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def refuse(prog: str, message: str) -> int:
+    """A refusal found after parsing, said as :class:`OneLineParser` says its own; returns 2."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    return 2
 
 
 def machine_load() -> str:

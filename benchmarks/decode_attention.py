@@ -25,22 +25,16 @@ Not a test: nothing here asserts a timing.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-from _setup import machine_load, pin_threads
+from _setup import OneLineParser, machine_load, pin_threads, refuse
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every refusal here
-        self.exit(2, f"decode_attention.py: {message}\n")
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="decode_attention.py", description=__doc__.splitlines()[0])
     p.add_argument("--keys", type=int, default=3040, help="cached tokens each query attends to (default 3040)")
     p.add_argument("--layers", type=int, default=30, help="layers, each with its own cache (default 30)")
     p.add_argument("--threads", type=int, default=None, help="threads for both libraries (default: all CPUs)")
@@ -71,8 +65,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     refusal = _refusal(args)
     if refusal:
-        print(f"decode_attention.py: {refusal}", file=sys.stderr)
-        return 2
+        return refuse("decode_attention.py", refusal)
     threads = pin_threads(args.threads)
     load_before = machine_load()
 

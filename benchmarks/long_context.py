@@ -23,22 +23,16 @@ Not a test: nothing here asserts a timing.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
-from _setup import machine_load, pin_threads
+from _setup import OneLineParser, machine_load, pin_threads, refuse
 
 CACHE_DTYPES = ("float32", "float16", "int8")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, as every refusal here
-        self.exit(2, f"long_context.py: {message}\n")
-
-
 def parse_args(argv=None):
-    p = _Parser(description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="long_context.py", description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="100,3000",
                    help="comma-separated cached tokens before each timed step (default 100,3000)")
     p.add_argument("--steps", type=int, default=20, help="timed steps at each context a round (default 20)")
@@ -78,8 +72,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     refusal = _refusal(args)
     if refusal:
-        print(f"long_context.py: {refusal}", file=sys.stderr)
-        return 2
+        return refuse("long_context.py", refusal)
     contexts = _contexts(args.contexts)
     threads = pin_threads(args.threads)
     load_before = machine_load()
@@ -93,9 +86,8 @@ def main(argv=None) -> int:
     attnlab.set_num_threads(threads)
     model = load_smollm2(quantized=not args.float32)
     if contexts[-1] + 1 > model.max_positions:
-        print(f"long_context.py: --contexts go up to {model.max_positions - 1} tokens for this model, "
-              f"got {contexts[-1]}", file=sys.stderr)
-        return 2
+        return refuse("long_context.py", f"--contexts go up to {model.max_positions - 1} tokens for this model, "
+                                         f"got {contexts[-1]}")
     ids = np.random.default_rng(0).integers(0, model.config.vocab_size, size=(1, contexts[-1] + 1))
     caches = {}
     for c in contexts:  # each context's prompt fills a cache of its own, once
