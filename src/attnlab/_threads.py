@@ -745,12 +745,13 @@ class StepThreads:
     another context's steps take another time (SmolLM2 float32 steps of 19 ms, followed by
     the quantized model's 9 ms steps, made its 14 ms one-thread probe look faster: 32 steps
     at 14 ms). A probe needs two steps of the arm in use to compare with. When the steps
-    slow down by half (a new load) it probes at once. A probe of all threads is put off while other processes hold the
-    cores the extra threads would need (:func:`watch_the_machine`'s last look: a probe step
-    on taken cores can cost as much as a hundred steps on one), and the process's first
-    step starts on one thread when that is so. The choice is the process's, kept from one
-    generation to the next. Each step's numbers do not depend on its thread count (each
-    output is computed by one thread either way).
+    slow down by half (a new load) it probes at once. A probe of all threads is put off
+    while other processes hold the cores the extra threads would need
+    (:func:`watch_the_machine`'s last look: a probe step on taken cores can cost as much as
+    a hundred steps on one), and the process's first step starts on one thread when that is
+    so. The arm in use is the process's, kept from one generation to the next. Each step's
+    numbers do not depend on its thread count (each output is computed by one thread either
+    way).
     """
 
     FIRST_PROBE = 2
