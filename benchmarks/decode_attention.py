@@ -12,10 +12,10 @@ and their scales (:func:`attnlab.nn.attention.quantize_int8`). torch runs
 values (a float16 or int8 cache widened once, before the timing). The limit is the bytes of keys
 and values a step reads over the measured read bandwidth
 (:func:`attnlab.decode_bench.memory_bandwidth`), measured before and after the steps and
-the larger taken: a virtual machine's bandwidth can change from one second to the next
-(a 2-vCPU EPYC VM: 36 and 63 GB/s in turns, a few seconds each). The two run in turns; times are medians
-of ``--repeat`` steps, with each one's largest difference from a float64 reference (the
-last layer).
+the larger taken: a virtual machine's bandwidth can change from one second to the next (a
+2-vCPU EPYC VM: 36 and 63 GB/s in turns, a few seconds each). The two run in turns; times
+are medians of ``--repeat`` steps, with each one's largest difference from a float64
+reference (the last layer).
 
     python benchmarks/decode_attention.py [--keys 3040] [--layers 30] [--threads 2]
                                           [--cache-dtype float16|int8] [--repeat 7]
@@ -138,10 +138,10 @@ def main(argv=None) -> int:
             out = F.scaled_dot_product_attention(tq, *tcaches[-1], enable_gqa=True)
         diffs["torch float32"] = float(np.abs(out.numpy().reshape(-1) - want).max())
 
+    bandwidths = [memory_bandwidth(threads=threads)]  # before the warm-up, whose steps then refill the caches
     for step in steps.values():  # warm up: compile, fault the pages in
         step()
         step()
-    bandwidths = [memory_bandwidth(threads=threads)]
     times = {name: [] for name in steps}
     for _ in range(args.repeat):
         for name, step in steps.items():

@@ -88,13 +88,21 @@ def test_mha_cache_attends_bottom_right_over_cached_keys():
     assert np.abs(last - full[:, 4:]).max() < 1e-5
 
 
+def _grow(cache, shape, *, seed, times, dtype=np.float32):
+    """Append chunks of 5, 20, 1 and 40 tokens of ``shape (N, H, Dh)`` to ``cache``, keys
+    ``c`` and values ``times * c``, so that it grows several times: the keys and values the
+    last append handed back, the chunks, and all of them in one array."""
+    rng = np.random.default_rng(seed)
+    N, H, Dh = shape
+    chunks = [rng.standard_normal((N, H, n, Dh)).astype(dtype) for n in (5, 20, 1, 40)]
+    for c in chunks:
+        k, v = cache.append(c, times * c)
+    return k, v, chunks, np.concatenate(chunks, axis=2)
+
+
 def test_kv_cache_grows_and_keeps_what_it_holds():
     cache = KVCache()
-    rng = np.random.default_rng(0)
-    chunks = [rng.standard_normal((1, 2, n, 3)) for n in (5, 20, 1, 40)]
-    for c in chunks:
-        k, v = cache.append(c, 2 * c)
-    everything = np.concatenate(chunks, axis=2)
+    k, v, _, everything = _grow(cache, (1, 2, 3), seed=0, times=2, dtype=np.float64)
     assert np.array_equal(k, everything) and np.array_equal(v, 2 * everything)
     assert "length=66" in repr(cache)
 
@@ -103,11 +111,7 @@ def test_a_float16_cache_stores_half_and_hands_back_the_keys_dtype():
     """``KVCache(dtype="float16")``: storage in float16 (rounded as NumPy's astype rounds),
     every key and value handed back in the dtype it came in, through growth."""
     cache = KVCache(dtype="float16")
-    rng = np.random.default_rng(0)
-    chunks = [rng.standard_normal((1, 2, n, 3)).astype(np.float32) for n in (5, 20, 1, 40)]
-    for c in chunks:
-        k, v = cache.append(c, 3 * c)
-    everything = np.concatenate(chunks, axis=2)
+    k, v, chunks, everything = _grow(cache, (1, 2, 3), seed=0, times=3)
     assert k.dtype == v.dtype == np.float32 and cache._key.dtype == cache._value.dtype == np.float16
     assert np.array_equal(k, everything.astype(np.float16).astype(np.float32))
     assert np.array_equal(v, (3 * everything).astype(np.float16).astype(np.float32))
@@ -130,11 +134,7 @@ def test_an_int8_cache_stores_codes_and_a_scale_a_token_and_head():
     from attnlab.nn.attention import quantize_int8
 
     cache = KVCache(dtype="int8")
-    rng = np.random.default_rng(1)
-    chunks = [rng.standard_normal((2, 3, n, 8)).astype(np.float32) for n in (5, 20, 1, 40)]
-    for c in chunks:
-        k, v = cache.append(c, 3 * c)
-    everything = np.concatenate(chunks, axis=2)
+    k, v, _, everything = _grow(cache, (2, 3, 8), seed=1, times=3)
     codes, scales = quantize_int8(everything)
     assert k.dtype == v.dtype == np.float32 and k.shape == (2, 3, 66, 8)
     assert cache._key.dtype == np.int8 and cache._key_scale.shape == (2, 3, cache._key.shape[2])
