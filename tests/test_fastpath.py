@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -586,6 +587,60 @@ def test_matmuls_share_one_pool_call_and_equal_each_product(monkeypatch):
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_allclose(got[1], small[0] @ small[1], rtol=1e-4, atol=1e-3)
         assert threads_mod.matmuls([]) == []
+
+
+def _layer_products(T, d):
+    """The shapes of a transformer layer's products over ``T`` tokens, ``(a, b, tokens)``:
+    its query/key/value, output and feed-forward projections, and gradients of the inputs
+    and (tokens on the inner axis) of the weights."""
+    return [((T, d), (d, 3 * d), None), ((T, d), (d, d), None), ((T, d), (d, 4 * d), None),
+            ((T, 4 * d), (4 * d, d), None), ((T, 3 * d), (3 * d, d), T), ((3 * d, T), (T, d), T),
+            ((4 * d, T), (T, d), T), ((d, T), (T, 4 * d), T)]
+
+
+@pytest.fixture
+def pool_rule(monkeypatch):
+    """matmul's pool rule on a quiet machine with a pinned threshold (2^24: the host's
+    measured one decides nothing here) and no product split before."""
+    monkeypatch.setattr(threads_mod, "pool_matmul_min", lambda: 2**24)
+    monkeypatch.setattr(threads_mod, "_WATCH", {"busy": False, "seen": True, "at": -float("inf")})
+    monkeypatch.setattr(threads_mod, "_SPLIT_AT", [-float("inf")])
+    with threads_mod_threads(2):
+        yield lambda a, b, tokens=None: threads_mod._pooled(np.empty(a, np.float32), np.empty(b, np.float32), tokens)
+
+
+def test_a_layers_products_take_one_side_by_its_width(pool_rule):
+    """matmul counts a product as its layer's smallest, tokens x width^2 (``width`` the
+    narrower of its two sides beside the token axis), so that all of a layer's products and
+    their gradients take one side: a 96-wide layer over 1280 tokens (11.8M) keeps BLAS's
+    threads for every one (by each product's own multiply-adds its query/key/value
+    projection, 35M, went to the pool and its output projection, 12M, to BLAS's threads,
+    whose spin then slowed the pool's); a 128-wide one (21M) splits them all; over 255
+    tokens none is split."""
+    for shapes in _layer_products(1280, 96) + _layer_products(255, 512):
+        assert not pool_rule(*shapes), shapes
+    assert all(pool_rule(*shapes) for shapes in _layer_products(1280, 128))
+
+
+def test_products_beside_a_split_one_split_too(pool_rule):
+    """For POOL_SPAN seconds after a product split by its size, every product over as many
+    tokens is split too (one on BLAS's threads would leave them spinning beside the pool),
+    but a low-rank adapter's (a side under 32) and one too small to cut in two; after that,
+    the size decides again. The numbers are np.matmul's."""
+    head = ((1280, 192), (192, 40))  # a small vocabulary's output layer: 2M by its width
+    assert not pool_rule(*head)
+    before = time.monotonic()
+    assert pool_rule(*_layer_products(1280, 192)[0])
+    assert threads_mod._SPLIT_AT[0] >= before
+    assert pool_rule(*head) and pool_rule((40, 1280), (1280, 192), 1280) and pool_rule((1280, 40), (40, 192))
+    assert not pool_rule((1280, 192), (192, 8))  # a rank-8 adapter: one BLAS thread (_skinny)
+    assert not pool_rule((40, 1280), (1280, 48), 1280)  # 40 x 48: no two parts of 32 rows
+    assert not pool_rule((255, 192), (192, 40))  # fewer tokens
+    rng = np.random.default_rng(9)
+    a, b = rng.standard_normal((1280, 192), dtype=np.float32), rng.standard_normal((192, 40), dtype=np.float32)
+    np.testing.assert_array_equal(threads_mod.matmul(a, b), np.matmul(a, b))
+    threads_mod._SPLIT_AT[0] = time.monotonic() - 2 * threads_mod.POOL_SPAN
+    assert not pool_rule(*head)
 
 
 @contextlib.contextmanager

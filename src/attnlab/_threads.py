@@ -551,27 +551,43 @@ def _run_on(units: Iterable, run_unit: Callable, threads: int, scratch: ScratchP
         raise run.error
 
 
-# When matmul() splits a product over attnlab's threads instead of BLAS's own: at least
-# pool_matmul_min() multiply-adds (attnlab._tuning: where one thread's product takes 8x a
-# pool call, from the figures measured on this machine) and at least POOL_MATMUL_MIN_TOKENS
-# tokens (the rows of a projection, the inner dimension of a weight gradient). A pool call
-# costs about 100 us of thread wake-ups on a 2-core cloud machine against BLAS's ~10 us
-# (its threads spin), so small products keep BLAS's threads; and the rule depends on the
-# tokens first so that all the products of one layer call take the same side (BLAS's
-# threads spinning after one product slow the pool's next one). Measured there,
-# microseconds per product back to back, BLAS's 2 threads / attnlab's: 2048x64x64 99 /
-# 199, 2048x64x192 278 / 403, 64x576x576 305 / 391, 512x576x1536 (453M) 4650 / 5250
-# alone; but beside the attention kernel's pool: MultiheadAttention(512, 8)
-# forward+backward at L=512 took 43-62 ms with BLAS's threads, 32.5 ms with attnlab's;
-# a TinyTransformer training step (products up to 25M) ran 50-51 steps/s with BLAS's
-# threads, 31-37 on the pool. The token rule is BLAS's (its packing of the smaller
-# operand), not the CPU's.
+# When matmul() splits a product over attnlab's threads instead of BLAS's own: over at least
+# POOL_MATMUL_MIN_TOKENS tokens (the rows of a projection, the inner dimension of a weight
+# gradient) and where tokens x width^2 reaches pool_matmul_min() (attnlab._tuning: where one
+# thread's work takes 8x a pool call, from the figures measured on this machine), ``width``
+# being the narrower of the product's two sides beside the token axis. A pool call costs about
+# 100 us of thread wake-ups on a 2-core cloud machine against BLAS's ~10 us (its threads spin),
+# so small products keep BLAS's threads. Tokens x width^2 is a layer's smallest product, the
+# same for each of a transformer layer's projections and their gradients (their narrower side
+# is the layer's width: d -> 3d, d -> d, d -> 4d, 4d -> d), so a layer's products all take one
+# side: counted by each product's own multiply-adds, the larger ones of a small layer went to
+# the pool and the rest to BLAS's threads, whose spin then slowed the pool's. And once a
+# product has been split, every product over as many tokens is split for POOL_SPAN seconds (but
+# a low-rank adapter's, _skinny, and one too small to cut in two parts), whatever its size (a
+# small vocabulary's output layer beside large ones, whose narrower side is not the layer's):
+# one product on BLAS's threads leaves them spinning for about a tenth of a second (OpenBLAS's
+# 2^28 cycles) beside everything the pool runs then. Measured on a 2-core AVX-512 EPYC (Zen 4),
+# microseconds per product back to back, BLAS's 2 threads / attnlab's: 2048x64x64 99 / 199,
+# 2048x64x192 278 / 403, 64x576x576 305 / 391, 512x576x1536 (453M) 4650 / 5250 alone; but
+# beside the attention kernel's pool: MultiheadAttention(512, 8) forward+backward at L=512 took
+# 43-62 ms with BLAS's threads, 32.5 ms with attnlab's. A TinyTransformer training step (batch
+# 32 x 40 tokens, AdamW), ms, medians of 10 rounds in turns, each product by its own
+# multiply-adds / these rules / torch: d_model 96 28.1 / 18.7 / 29.7, 128 45.0 / 34.9 / 31.8,
+# 192 68.5 / 46.0 / 44.4, 256 105.8 / 70.8 / 69.8 (in another run, every product on BLAS's
+# threads: 20.0, 48.6 and 76.1 at 96, 192 and 256; every one split: 25.6, 44.7, 71.8). The
+# token rule is BLAS's (its packing of the smaller operand), not the CPU's. Split or not, each
+# output is the same dot product over the same inner axis: OpenBLAS gives the same numbers bit
+# for bit either way (checked on ten shapes from 40 to 6144 wide).
 POOL_MATMUL_MIN_TOKENS = 256
+#: Seconds after a product split by its size during which every product over as many tokens
+#: is split too (see above).
+POOL_SPAN = 0.1
+_SPLIT_AT = [-math.inf]  # time.monotonic() of the last product split by its size
 
 
 def pool_matmul_min() -> int:
-    """Multiply-adds from which :func:`matmul` splits a product over attnlab's threads
-    (:func:`attnlab._tuning.thresholds`).
+    """Tokens x width^2 (multiply-adds of a layer's smallest product) from which
+    :func:`matmul` splits a product over attnlab's threads (:func:`attnlab._tuning.thresholds`).
 
     >>> pool_matmul_min() >= 1
     True
@@ -596,15 +612,19 @@ def matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None, *, token
     at L=512 took 43 ms so, against 31 ms with the spin cut short. Splitting the products
     here keeps every thread of a layer in one pool, whose idle threads sleep.
 
-    Smaller products (under :func:`pool_matmul_min` multiply-adds, or over fewer than
-    :data:`POOL_MATMUL_MIN_TOKENS` tokens: where a pool call's thread wake-ups would cost
-    more than the spin does), a decoding step's matrix-vector products, calls inside a
-    pool's unit, one thread, and other ranks take one plain ``np.matmul`` on BLAS's
-    threads, except many tokens through a thin side (:func:`_skinny`: a LoRA adapter's
-    products, on one BLAS thread; on BLAS's threads their spin made the rest of a SmolLM2
-    forward pass 1.8 times slower); a few rows times a weight's transpose (a short
-    prompt's projection) take it weight first, ``(b.T @ a.T).T``, which OpenBLAS runs
-    faster (see :func:`_weight_first`).
+    A product is split where its layer is large: over at least
+    :data:`POOL_MATMUL_MIN_TOKENS` tokens, with tokens x width^2 (``width`` the narrower of
+    its two sides beside the token axis: a layer's smallest product, so that all of a
+    layer's products take one side) at least :func:`pool_matmul_min`; and any product over
+    as many tokens within :data:`POOL_SPAN` seconds of one split so (one on BLAS's threads
+    would leave them spinning beside the pool's). Others (where a pool call's thread
+    wake-ups would cost more than the spin does), a decoding step's matrix-vector products,
+    calls inside a pool's unit, one thread, and other ranks take one plain ``np.matmul`` on
+    BLAS's threads, except many tokens through a thin side (:func:`_skinny`: a LoRA
+    adapter's products, on one BLAS thread; on BLAS's threads their spin made the rest of a
+    SmolLM2 forward pass 1.8 times slower); a few rows times a weight's transpose (a short
+    prompt's projection) take it weight first, ``(b.T @ a.T).T``, which OpenBLAS runs faster
+    (see :func:`_weight_first`).
 
     ``tokens``: the length of the token axis of the product (None: its rows, ``M``, as in
     a projection; a weight gradient ``grad^T @ x`` passes its inner dimension).
@@ -689,13 +709,20 @@ def _skinny(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
 
 
 def _pooled(a: np.ndarray, b: np.ndarray, tokens: int | None) -> bool:
-    """Whether :func:`matmul` splits ``a @ b`` over the pool (see there)."""
+    """Whether :func:`matmul` splits ``a @ b`` over the pool (see there); notes the time
+    when its size decides."""
     M, K = a.shape[-2:] if a.ndim >= 2 else (1, a.shape[-1])
     N = b.shape[-1] if b.ndim >= 2 else 1
-    threads = get_num_threads()
-    return not (a.ndim != 2 or b.ndim != 2 or threads == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS or _WATCH["busy"]
-                or (M if tokens is None else tokens) < POOL_MATMUL_MIN_TOKENS or in_pool()
-                or not (have_threadpoolctl() or blas_single_threaded_by_env()) or M * N * K < pool_matmul_min())
+    t = M if tokens is None else tokens
+    if (a.ndim != 2 or b.ndim != 2 or get_num_threads() == 1 or max(M, N) < 2 * _MATMUL_MIN_ROWS or _WATCH["busy"]
+            or t < POOL_MATMUL_MIN_TOKENS or in_pool() or not (have_threadpoolctl() or blas_single_threaded_by_env())):
+        return False
+    width = min(M, N) if tokens is not None and tokens != M and tokens == K else min(K, N)
+    now = time.monotonic()
+    if t * width * width >= pool_matmul_min():
+        _SPLIT_AT[0] = now
+        return True
+    return now - _SPLIT_AT[0] < POOL_SPAN and not _skinny(a, b, tokens)
 
 
 def _product_out(a: np.ndarray, b: np.ndarray, out: np.ndarray | None) -> np.ndarray:

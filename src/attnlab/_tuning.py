@@ -35,7 +35,8 @@ eighth of the time it saves; the work is counted in float32 multiply-adds at the
 rate and rounded to the nearest power of two. On a 2-core AVX-512 EPYC (Zen 4) the figures
 measured 41-66 us (least of 24, the machine shared) and 100-105 GFLOP/s: 2^18 attention
 scores of 64-wide heads (256 floating-point operations each) and products of 2^25
-multiply-adds, the thresholds that were measured there by hand before.
+multiply-adds, the thresholds that were measured there by hand before (a product's is
+counted as its layer's smallest: tokens x width^2, see :func:`attnlab._threads.matmul`).
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ class Thresholds:
         split_work_us: one thread's work (microseconds) from which a call is split.
         min_scores_per_thread: attention calls with fewer scores (all heads, 64-wide
             heads; narrower heads count in proportion) run on one thread.
-        pool_matmul_min: products of at least this many multiply-adds are split over the
-            pool (:func:`attnlab._threads.matmul`).
+        pool_matmul_min: products where tokens x width^2 (a layer's smallest product, in
+            multiply-adds) is at least this are split over the pool
+            (:func:`attnlab._threads.matmul`).
         transpose_copy_bytes: heads of keys at most this large (``E * S * 4`` bytes) are
             multiplied through a contiguous transposed copy: half the L1 data cache.
         profile: the figures they come from.
@@ -129,7 +131,8 @@ class Thresholds:
             f"  attention: from {self.min_scores_per_thread} scores of 64-wide heads (2^"
             f"{self.min_scores_per_thread.bit_length() - 1}; {FLOPS_PER_SCORE} flops a score at "
             f"{p.gemm_gflops:.0f} GFLOP/s)",
-            f"  products: from {self.pool_matmul_min} multiply-adds (2^{self.pool_matmul_min.bit_length() - 1})",
+            f"  products: from tokens x width^2 = {self.pool_matmul_min} multiply-adds (2^"
+            f"{self.pool_matmul_min.bit_length() - 1}; a layer's smallest product)",
             f"small heads multiply a transposed copy of their keys up to {self.transpose_copy_bytes // 1024} KiB "
             f"(half the {self.cpu.l1d // 1024} KiB L1d)",
         ]

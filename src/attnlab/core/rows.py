@@ -725,7 +725,7 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     path (three pool calls, or none) is the one to take: more than one sequence, the
     compiled kernels unavailable, one thread or a pool inside a pool, heads that do not
     split evenly over the threads, an in-projection :func:`attnlab._threads.matmul` would
-    not split (too few tokens or multiply-adds), or keys beyond this kernel's reach
+    not split (too few tokens, or too narrow a layer for them), or keys beyond this kernel's reach
     (:func:`max_keys`).
 
     One sequence only: there the pool's two saved wake-ups and the Python between them are
@@ -737,7 +737,8 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     threads = pool_threads(None)
     if N != 1 or threads < 2 or H % threads or L < POOL_MATMUL_MIN_TOKENS or L > max_keys():
         return 0
-    if L * E_in * 3 * H * D < pool_matmul_min() or not fused_planned(np.float32, 0, min_n=0):
+    width = min(E_in, 3 * H * D)  # the in-projection's narrower side, as matmul counts it
+    if L * width * width < pool_matmul_min() or not fused_planned(np.float32, 0, min_n=0):
         return 0
     return threads if sgemm_address() else 0
 
