@@ -622,23 +622,28 @@ def test_a_layers_products_take_one_side_by_its_width(pool_rule):
     assert all(pool_rule(*shapes) for shapes in _layer_products(1280, 128))
 
 
-def test_products_beside_a_split_one_split_too(pool_rule):
+def test_products_beside_a_split_one_split_too(pool_rule, monkeypatch):
     """For POOL_SPAN seconds after a product split by its size, every product over as many
     tokens is split too (one on BLAS's threads would leave them spinning beside the pool),
     but a low-rank adapter's (a side under 32) and one too small to cut in two; after that,
-    the size decides again. The numbers are np.matmul's."""
+    the size decides again. The numbers are np.matmul's (to float32 rounding)."""
     head = ((1280, 192), (192, 40))  # a small vocabulary's output layer: 2M by its width
     assert not pool_rule(*head)
     before = time.monotonic()
     assert pool_rule(*_layer_products(1280, 192)[0])
     assert threads_mod._SPLIT_AT[0] >= before
+    threads_mod._SPLIT_AT[0] = time.monotonic() + 3600  # split just now, however slow this machine runs the rest
     assert pool_rule(*head) and pool_rule((40, 1280), (1280, 192), 1280) and pool_rule((1280, 40), (40, 192))
     assert not pool_rule((1280, 192), (192, 8))  # a rank-8 adapter: one BLAS thread (_skinny)
     assert not pool_rule((40, 1280), (1280, 48), 1280)  # 40 x 48: no two parts of 32 rows
     assert not pool_rule((255, 192), (192, 40))  # fewer tokens
+    calls = []
+    real = threads_mod.run_units
+    monkeypatch.setattr(threads_mod, "run_units", lambda units, *a, **kw: calls.append(1) or real(units, *a, **kw))
     rng = np.random.default_rng(9)
     a, b = rng.standard_normal((1280, 192), dtype=np.float32), rng.standard_normal((192, 40), dtype=np.float32)
-    np.testing.assert_array_equal(threads_mod.matmul(a, b), np.matmul(a, b))
+    np.testing.assert_allclose(threads_mod.matmul(a, b), np.matmul(a, b), rtol=1e-5, atol=1e-5 * np.sqrt(192))
+    assert calls == [1]
     threads_mod._SPLIT_AT[0] = time.monotonic() - 2 * threads_mod.POOL_SPAN
     assert not pool_rule(*head)
 

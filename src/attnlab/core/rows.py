@@ -725,8 +725,8 @@ def self_attention_threads(N: int, L: int, E_in: int, H: int, D: int) -> int:
     path (three pool calls, or none) is the one to take: more than one sequence, the
     compiled kernels unavailable, one thread or a pool inside a pool, heads that do not
     split evenly over the threads, an in-projection :func:`attnlab._threads.matmul` would
-    not split (too few tokens, or too narrow a layer for them), or keys beyond this kernel's reach
-    (:func:`max_keys`).
+    not split (too few tokens, or too narrow a layer for them), or keys beyond this
+    kernel's reach (:func:`max_keys`).
 
     One sequence only: there the pool's two saved wake-ups and the Python between them are
     a share of the call worth having. With several, each thread's products cover one
