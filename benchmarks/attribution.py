@@ -33,7 +33,7 @@ CORRUPTED = "When Mary and John went to the store, Mary gave a drink to"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads (default: all CPUs)")
     p.add_argument("--kinds", default=",".join(KINDS), help="hook kinds, comma-separated")
     p.add_argument("--skip-slow", action="store_true",

@@ -33,7 +33,7 @@ from _setup import machine_load, pin_threads
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for both libraries (default: all CPUs)")
     p.add_argument("--repeat", type=int, default=5, help="timed runs of each, taking turns (default 5)")
     p.add_argument("--tokens", type=int, default=512, help="tokens in the sequence (default 512)")

@@ -105,7 +105,7 @@ def _run(code: str, src: Path, pin: int | None, args: list[str]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--load", type=int, default=3, help="busy-loop processes to start (default 3)")
     p.add_argument("--tokens", type=int, default=200, help="new tokens of the decode workload (default 200)")
     p.add_argument("--work", default="decode,train", help="workloads: decode,train (default both)")

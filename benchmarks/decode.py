@@ -41,7 +41,7 @@ from _setup import machine_load, pin_threads
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for every library (default: all CPUs)")
     p.add_argument("--repeat", type=int, default=3, help="timed rounds, taking turns (default 3)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")

@@ -34,7 +34,7 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="decode_attention.py", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="decode_attention.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--keys", type=int, default=3040, help="cached tokens each query attends to (default 3040)")
     p.add_argument("--layers", type=int, default=30, help="layers, each with its own cache (default 30)")
     p.add_argument("--threads", type=int, default=None, help="threads for both libraries (default: all CPUs)")

@@ -40,7 +40,7 @@ PROMPT = 64
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for both libraries (default: all CPUs)")
     p.add_argument("--repeat", type=int, default=5, help="timed steps of each run, taking turns (default 5)")
     p.add_argument("--tokens", type=int, default=512, help="tokens in the sequence (default 512)")

@@ -42,7 +42,7 @@ import traceback
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", help="torch device (default cuda; cpu checks the script)")
     p.add_argument("--repeat", type=int, default=10, help="timed calls of each, in turns (default 10)")
     p.add_argument("--prompt", type=int, default=512, help="the decoder's prompt tokens (default 512)")

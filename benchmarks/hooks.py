@@ -91,7 +91,7 @@ def run(src: Path, case: str, repeat: int, threads: int, clock: str) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", type=Path, help="another attnlab checkout to compare with")
     parser.add_argument("--rounds", type=int, default=3)

@@ -32,7 +32,7 @@ CACHE_DTYPES = ("float32", "float16", "int8")
 
 
 def parse_args(argv=None):
-    p = OneLineParser(prog="long_context.py", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="long_context.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="100,3000",
                    help="comma-separated cached tokens before each timed step (default 100,3000)")
     p.add_argument("--steps", type=int, default=20, help="timed steps at each context a round (default 20)")

@@ -21,7 +21,7 @@ import time
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", default="1,2",
                    help="comma-separated thread counts, each used by both libraries (default 1,2)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

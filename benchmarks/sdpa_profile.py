@@ -25,7 +25,7 @@ SHAPES = {  # B, Hq, Hkv, L, E, causal
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="bert", choices=sorted(SHAPES))
     p.add_argument("--profile", action="store_true", help="also print a cProfile of 50 public calls")
     args = p.parse_args(argv)

@@ -54,7 +54,7 @@ def bench(fns: dict, budget: float, min_reps: int = 5, max_reps: int = 200) -> d
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--only", default="", help="comma-separated name prefixes")
     p.add_argument("--budget", type=float, default=1.0, help="seconds per shape and pass")

@@ -47,7 +47,7 @@ def _turns(fns: dict, repeat: int, settle: float) -> dict[str, list[float]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: all usable CPUs)")
     p.add_argument("--repeat", type=int, default=7, help="timed turns a row (default 7)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {','.join(ROWS)}")

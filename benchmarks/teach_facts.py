@@ -69,7 +69,7 @@ def facts(n: int) -> list[tuple[str, str]]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads (default: all CPUs)")
     p.add_argument("--facts", type=int, default=50, help="how many facts (default 50)")
     p.add_argument("--epochs", type=float, default=12.0, help="passes over the facts (default 12)")

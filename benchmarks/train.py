@@ -15,7 +15,7 @@ import sys
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=2, help="threads for both (default 2)")
     p.add_argument("--steps", type=int, default=30, help="steps per round (default 30)")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")

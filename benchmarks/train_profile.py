@@ -20,7 +20,7 @@ PHASES = ("forward", "loss", "backward", "clip", "AdamW")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None, help="threads for both (default: all usable CPUs)")
     p.add_argument("--steps", type=int, default=20, help="steps per round (default 20)")
     p.add_argument("--rounds", type=int, default=5, help="rounds, taking turns (default 5)")
