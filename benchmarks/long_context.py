@@ -14,9 +14,15 @@ quantized (the GGUF's Q4_1 and Q8_0) unless ``--float32``, and the cache stored 
 
 Prints each context's median step (over all rounds) and the rate it allows, and each
 longer context's rate over the shortest's, with the least and most of the rounds' ratios.
+Where ``llama-cpp-python`` imports (and the model is the quantized one), llama.cpp runs
+the same GGUF file in the same turns, a context (``n_ctx``) of its own for each context
+length, its cache in the nearest type it has (float32 F32, float16 F16, int8 Q8_0 with
+its flash attention, which a quantized value cache needs); ``--no-llama-cpp`` leaves it
+out.
 
     python benchmarks/long_context.py [--contexts 100,3000] [--steps 20] [--rounds 5]
                                       [--threads 2] [--cache-dtype float16|int8] [--float32]
+                                      [--no-llama-cpp]
 
 Not a test: nothing here asserts a timing.
 """
@@ -40,6 +46,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="threads (default: all CPUs)")
     p.add_argument("--cache-dtype", default="float32", help="float32, float16 or int8 (default float32)")
     p.add_argument("--float32", action="store_true", help="the float32 model instead of the quantized one")
+    p.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out")
     return p.parse_args(argv)
 
 
@@ -105,34 +112,88 @@ def main(argv=None) -> int:
                 layer.crop(c)
         return out
 
-    for c in contexts:  # warm-up: compiled kernels, the caches' pages
-        steps(c)
-    times: dict = {c: [] for c in contexts}
-    ratios: dict = {c: [] for c in contexts[1:]}
-    for _ in range(args.rounds):
-        medians = {}
+    runs = {"attnlab": steps}
+    llama_version = None
+    if not args.float32 and not args.no_llama_cpp:
+        llama_steps, llama_version = _llama_cpp(contexts, ids, threads, args)
+        if llama_steps is not None:
+            runs["llama.cpp"] = llama_steps
+
+    for run in runs.values():  # warm-up: compiled kernels, the caches' pages
         for c in contexts:
-            t = steps(c)
-            times[c] += t
-            medians[c] = float(np.median(t))
-        for c in contexts[1:]:
-            ratios[c].append(medians[contexts[0]] / medians[c])
+            run(c)
+    times: dict = {(name, c): [] for name in runs for c in contexts}
+    ratios: dict = {(name, c): [] for name in runs for c in contexts[1:]}
+    for _ in range(args.rounds):
+        for name, run in runs.items():
+            medians = {}
+            for c in contexts:
+                t = run(c)
+                times[name, c] += t
+                medians[c] = float(np.median(t))
+            for c in contexts[1:]:
+                ratios[name, c].append(medians[contexts[0]] / medians[c])
 
     kind = "float32" if args.float32 else "quantized (Q4_1/Q8_0 as stored)"
     print(f"SmolLM2-135M {kind} decode step after each context, {args.cache_dtype} cache, batch 1")
     print(f"cpu      {cpu_info().describe()}")
-    print(f"threads  {threads}; numpy {np.__version__}")
+    print(f"threads  {threads}; numpy {np.__version__}"
+          + ("" if llama_version is None else f"; llama-cpp-python {llama_version}"))
     print(f"load     before {load_before}; after {machine_load()}")
+    if "llama.cpp" in runs:
+        print(f"llama.cpp: the same GGUF file, {LLAMA_CACHE[args.cache_dtype][0]} cache")
+    else:
+        why = ("the float32 model" if args.float32 else "--no-llama-cpp" if args.no_llama_cpp
+               else "llama-cpp-python does not import")
+        print(f"llama.cpp: left out ({why})")
     print(f"{args.rounds} rounds of {args.steps} steps at each context, in turns; medians over all rounds")
-    print(f"  {'context':>8}{'ms/step':>10}{'tokens/s':>10}{'rate over ' + str(contexts[0]):>18}{'rounds':>16}")
-    short = float(np.median(times[contexts[0]]))
-    for c in contexts:
-        ms = 1e3 * float(np.median(times[c]))
-        line = f"  {c:>8}{ms:>10.2f}{1e3 / ms:>10.1f}"
-        if c != contexts[0]:
-            line += f"{short / (ms / 1e3):>18.2f}{min(ratios[c]):>9.2f}-{max(ratios[c]):.2f}"
-        print(line)
+    print(f"  {'':10}{'context':>8}{'ms/step':>10}{'tokens/s':>10}{'rate over ' + str(contexts[0]):>18}{'rounds':>16}")
+    for name in runs:
+        short = float(np.median(times[name, contexts[0]]))
+        for c in contexts:
+            ms = 1e3 * float(np.median(times[name, c]))
+            line = f"  {name:10}{c:>8}{ms:>10.2f}{1e3 / ms:>10.1f}"
+            if c != contexts[0]:
+                line += f"{short / (ms / 1e3):>18.2f}{min(ratios[name, c]):>9.2f}-{max(ratios[name, c]):.2f}"
+            print(line)
     return 0
+
+
+# llama.cpp's cache type for each --cache-dtype: (its name, the ggml type's name, flash attention)
+LLAMA_CACHE = {"float32": ("F32", "GGML_TYPE_F32", False), "float16": ("F16", "GGML_TYPE_F16", False),
+               "int8": ("Q8_0", "GGML_TYPE_Q8_0", True)}
+
+
+def _llama_cpp(contexts, ids, threads, args):
+    """``(steps, version)``: a function timing llama.cpp's decoding steps after a context,
+    as attnlab's are timed, on a context (``Llama``) of its own for each context length,
+    filled once by the same prompt; ``(None, None)`` where ``llama_cpp`` does not import.
+    ``Llama.eval`` first drops the cache past ``n_tokens``, so setting it back to ``c``
+    before each step crops the cache as attnlab's is."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, None
+    from attnlab.models.llama import smollm2_path
+
+    name, ggml_type, flash = LLAMA_CACHE[args.cache_dtype]
+    kind = getattr(llama_cpp, ggml_type)
+    llamas = {}
+    for c in contexts:
+        llamas[c] = llama_cpp.Llama(str(smollm2_path()), n_ctx=c + 8, n_threads=threads, n_threads_batch=threads,
+                                    n_batch=min(512, c), type_k=kind, type_v=kind, flash_attn=flash, verbose=False)
+        llamas[c].eval(ids[0, :c].tolist())
+
+    def steps(c: int) -> list[float]:
+        llama, token, out = llamas[c], [int(ids[0, c])], []
+        for _ in range(args.steps):
+            llama.n_tokens = c
+            t0 = time.perf_counter()
+            llama.eval(token)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    return steps, llama_cpp.__version__
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -529,7 +530,8 @@ def _long_context(*args, timeout=300):
 
 def test_the_long_context_benchmark_times_each_context_in_turns():
     """``benchmarks/long_context.py`` on SmolLM2 with two short contexts: a row for each,
-    sorted, the longer one's rate over the shorter's, and the rounds' range around it."""
+    sorted, the longer one's rate over the shorter's, and the rounds' range around it; the
+    same for llama.cpp where it imports (a benchmark anchor, not in the test extra)."""
     if not bm._smollm2_available():
         pytest.skip("needs the SmolLM2 package")
     run = _long_context("--contexts", "24,8", "--steps", "2", "--rounds", "2", "--threads", "1",
@@ -537,12 +539,26 @@ def test_the_long_context_benchmark_times_each_context_in_turns():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = run.stdout
     assert "decode step after each context, int8 cache, batch 1" in out and "2 rounds of 2 steps" in out
-    rows = re.findall(r"^ +(\d+) +(\d+\.\d\d) +(\d+\.\d)(?: +(\d+\.\d\d) +(\d+\.\d\d)-(\d+\.\d\d))?$", out, re.M)
-    assert [r[0] for r in rows] == ["8", "24"], out
-    assert rows[0][3] == "" and rows[1][3] != ""
-    ms = [float(r[1]) for r in rows]
-    assert float(rows[1][3]) == pytest.approx(ms[0] / ms[1], abs=0.02)
-    assert float(rows[1][4]) <= float(rows[1][5])
+    rate = r"(?: +(\d+\.\d\d) +(\d+\.\d\d)-(\d+\.\d\d))?"  # the longer context's: rate, rounds' least-most
+    rows = re.findall(r"^  (attnlab|llama\.cpp) +(\d+) +(\d+\.\d\d) +(\d+\.\d)" + rate + "$", out, re.M)
+    anchored = importlib.util.find_spec("llama_cpp") is not None
+    assert ("llama.cpp: the same GGUF file, Q8_0 cache" in out) == anchored, out
+    assert ("llama.cpp: left out (llama-cpp-python does not import)" in out) != anchored, out
+    names = ["attnlab", "llama.cpp"] if anchored else ["attnlab"]
+    assert [(r[0], r[1]) for r in rows] == [(name, c) for name in names for c in ("8", "24")], out
+    for short, long in zip(rows[::2], rows[1::2], strict=True):
+        assert short[4] == "" and long[4] != ""
+        assert float(long[4]) == pytest.approx(float(short[2]) / float(long[2]), abs=0.02)
+        assert float(long[5]) <= float(long[6])
+
+
+def test_the_long_context_benchmark_leaves_llama_cpp_out_when_asked():
+    if not bm._smollm2_available():
+        pytest.skip("needs the SmolLM2 package")
+    run = _long_context("--contexts", "8,16", "--steps", "1", "--rounds", "1", "--threads", "1", "--no-llama-cpp")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "llama.cpp: left out (--no-llama-cpp)" in run.stdout
+    assert re.findall(r"^  (\w\S*) +\d+ +\d+\.\d\d", run.stdout, re.M) == ["attnlab", "attnlab"], run.stdout
 
 
 @pytest.mark.parametrize("args, message", [
