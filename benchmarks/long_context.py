@@ -176,7 +176,7 @@ def _llama_cpp(contexts, ids, threads, args):
         return None, None
     from attnlab.models.llama import smollm2_path
 
-    name, ggml_type, flash = LLAMA_CACHE[args.cache_dtype]
+    _, ggml_type, flash = LLAMA_CACHE[args.cache_dtype]
     kind = getattr(llama_cpp, ggml_type)
     llamas = {}
     for c in contexts:
