@@ -13,7 +13,11 @@ quantized (the GGUF's Q4_1 and Q8_0) unless ``--float32``, and the cache stored 
 ``--cache-dtype``.
 
 Prints each context's median step (over all rounds) and the rate it allows, and each
-longer context's rate over the shortest's, with the least and most of the rounds' ratios.
+longer context's rate over the shortest's, with the least and most of the rounds' ratios;
+then the bytes a step reads at each context (the weights and the cache,
+:func:`attnlab.decode_bench.decode_weight_bytes` and ``decode_cache_bytes``) and the rate
+a step bound by the memory alone would keep, their ratio: a step faster than that at the
+short context can keep no more.
 Where ``llama-cpp-python`` imports (and the model is the quantized one), llama.cpp runs
 the same GGUF file in the same turns, a context (``n_ctx``) of its own for each context
 length, its cache in the nearest type it has (float32 F32, float16 F16, int8 Q8_0 with
@@ -88,6 +92,7 @@ def main(argv=None) -> int:
 
     import attnlab
     from attnlab._cpu import cpu_info
+    from attnlab.decode_bench import decode_cache_bytes, decode_weight_bytes
     from attnlab.models.llama import load_smollm2
 
     attnlab.set_num_threads(threads)
@@ -156,6 +161,13 @@ def main(argv=None) -> int:
             if c != contexts[0]:
                 line += f"{short / (ms / 1e3):>18.2f}{min(ratios[name, c]):>9.2f}-{max(ratios[name, c]):.2f}"
             print(line)
+    weights = decode_weight_bytes(model)
+    reads = {c: weights + decode_cache_bytes(model, c, dtype=args.cache_dtype) for c in contexts}
+    print("bytes a step reads (weights and cache): "
+          + ", ".join(f"{reads[c] / 1e6:.1f} MB after {c}" for c in contexts))
+    for c in contexts[1:]:
+        print(f"a step bound by the memory alone keeps {reads[contexts[0]] / reads[c]:.2f} of its rate "
+              f"after {c} tokens")
     return 0
 
 

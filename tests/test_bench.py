@@ -550,6 +550,11 @@ def test_the_long_context_benchmark_times_each_context_in_turns():
         assert short[4] == "" and long[4] != ""
         assert float(long[4]) == pytest.approx(float(short[2]) / float(long[2]), abs=0.02)
         assert float(long[5]) <= float(long[6])
+    reads = re.search(r"^bytes a step reads \(weights and cache\): (\d+\.\d) MB after 8, (\d+\.\d) MB after 24$",
+                      out, re.M)
+    assert reads and float(reads[1]) < float(reads[2]), out
+    bound = re.search(r"^a step bound by the memory alone keeps (\d\.\d\d) of its rate after 24 tokens$", out, re.M)
+    assert bound and float(bound[1]) == pytest.approx(float(reads[1]) / float(reads[2]), abs=0.01), out
 
 
 def test_the_long_context_benchmark_leaves_llama_cpp_out_when_asked():
