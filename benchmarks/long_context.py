@@ -39,6 +39,9 @@ import time
 from _setup import OneLineParser, machine_load, pin_threads, refuse
 
 CACHE_DTYPES = ("float32", "float16", "int8")
+# llama.cpp's cache type for each --cache-dtype: (its name, the ggml type's name, flash attention)
+LLAMA_CACHE = {"float32": ("F32", "GGML_TYPE_F32", False), "float16": ("F16", "GGML_TYPE_F16", False),
+               "int8": ("Q8_0", "GGML_TYPE_Q8_0", True)}
 
 
 def parse_args(argv=None):
@@ -169,11 +172,6 @@ def main(argv=None) -> int:
         print(f"a step bound by the memory alone keeps {reads[contexts[0]] / reads[c]:.2f} of its rate "
               f"after {c} tokens")
     return 0
-
-
-# llama.cpp's cache type for each --cache-dtype: (its name, the ggml type's name, flash attention)
-LLAMA_CACHE = {"float32": ("F32", "GGML_TYPE_F32", False), "float16": ("F16", "GGML_TYPE_F16", False),
-               "int8": ("Q8_0", "GGML_TYPE_Q8_0", True)}
 
 
 def _llama_cpp(contexts, ids, threads, args):
