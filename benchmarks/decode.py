@@ -1,7 +1,7 @@
 """Decode speed of SmolLM2-135M-Instruct against the machine's memory-bandwidth limit:
-attnlab float32, attnlab with the GGUF's Q4_1/Q8_0 weights kept quantized, transformers
-float32 (the same file, dequantized) and llama.cpp (on the same GGUF, where
-``llama-cpp-python`` imports).
+attnlab float32, attnlab with the GGUF's Q4_1/Q8_0 weights kept quantized (multiplying
+float32 activations, and int8 ones as llama.cpp does), transformers float32 (the same file,
+dequantized) and llama.cpp (on the same GGUF, where ``llama-cpp-python`` imports).
 
 A decode step reads every weight once, so ``bandwidth / weight bytes per token`` is the
 fastest the machine allows; each rate is shown as tokens/s and as its share of that limit.
@@ -63,6 +63,7 @@ def main(argv=None) -> int:
     from attnlab._cpu import cpu_info
     from attnlab.decode_bench import bandwidth_share, decode_cache_bytes, decode_weight_bytes, memory_bandwidth
     from attnlab.models.llama import load_smollm2, smollm2_path
+    from attnlab.quant import quantize_activations
 
     attnlab.set_num_threads(threads)
     t0 = time.perf_counter()
@@ -70,6 +71,7 @@ def main(argv=None) -> int:
     t1 = time.perf_counter()
     q = load_smollm2(quantized=True)
     t2 = time.perf_counter()
+    q8 = quantize_activations(load_smollm2(quantized=True), "int8")
     path = smollm2_path()
     text = ("The history of the printing press begins with movable type, and it changed how people learned, "
             "argued and remembered. ") * max(20, args.prompt // 10)
@@ -79,7 +81,8 @@ def main(argv=None) -> int:
     runs: dict = {}  # label: a function generating n + 1 tokens, returning (times, tokens) of each new one
     ours = decode_cache_bytes(f32, context, dtype=args.cache_dtype)
     weight_bytes: dict = {"attnlab float32": decode_weight_bytes(f32) + ours,
-                          "attnlab quantized": decode_weight_bytes(q) + ours}
+                          "attnlab quantized": decode_weight_bytes(q) + ours,
+                          "attnlab int8 activations": decode_weight_bytes(q8) + ours}
 
     def stamped(tokens) -> tuple[list, list]:
         times, chosen = [], []
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
                 break
         return times, chosen
 
-    for label, model in (("attnlab float32", f32), ("attnlab quantized", q)):
+    for label, model in (("attnlab float32", f32), ("attnlab quantized", q), ("attnlab int8 activations", q8)):
         runs[label] = lambda model=model: stamped(model.stream(ids, n + 1, cache_dtype=args.cache_dtype))
 
     if not args.no_torch:
@@ -178,19 +181,27 @@ def main(argv=None) -> int:
           f"{args.cache_dtype or 'float32'}, transformers float32, llama.cpp float16)")
     print(f"median of {args.repeat} rounds, taken in turns (limit: at the median bandwidth; of limit: the median "
           f"of each run's share of the bandwidth measured before it):")
-    head = f"  {'':<22}{'MB/token':>10}{'limit tok/s':>13}{'tokens/s':>10}{'of limit':>10}"
+    head = f"  {'':<26}{'MB/token':>10}{'limit tok/s':>13}{'tokens/s':>10}{'of limit':>10}"
     print(head + ("   vs transformers" if base else ""))
     for lab in labels:
         wb = weight_bytes[lab]
-        line = (f"  {lab:<22}{wb / 1e6:>10.1f}{bandwidth / wb:>13.1f}{rate[lab]:>10.1f}"
+        line = (f"  {lab:<26}{wb / 1e6:>10.1f}{bandwidth / wb:>13.1f}{rate[lab]:>10.1f}"
                 f"{share[lab]:>10.0%}")
         if base:
             line += f"   {rate[lab] / base:>6.2f}x"
         print(line)
     if "llama.cpp Q4_1" in rate:
-        print(f"  attnlab quantized / llama.cpp: {rate['attnlab quantized'] / rate['llama.cpp Q4_1']:.2f}x")
+        print(f"  attnlab quantized / llama.cpp: {rate['attnlab quantized'] / rate['llama.cpp Q4_1']:.2f}x; "
+              f"with int8 activations: {rate['attnlab int8 activations'] / rate['llama.cpp Q4_1']:.2f}x")
     a, b = out["attnlab float32"], out["attnlab quantized"]
     print(f"  quantized and float32 chose the same {n + 1} tokens: {a == b}")
+
+    def agreeing(other) -> int:  # the leading tokens other chose as attnlab float32 did
+        return next((i for i, (u, v) in enumerate(zip(a, other, strict=False)) if u != v), min(len(a), len(other)))
+
+    cpp = f" (llama.cpp: {agreeing(out['llama.cpp Q4_1'])})" if "llama.cpp Q4_1" in out else ""
+    print(f"  int8 activations chose the same tokens as float32 for the first "
+          f"{agreeing(out['attnlab int8 activations'])} of {n + 1}{cpp}")
     if "transformers float32" in out:
         print(f"  attnlab float32 and transformers chose the same tokens: "
               f"{a == out['transformers float32']}")

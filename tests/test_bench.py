@@ -219,6 +219,22 @@ def _tiny_llama():
     return Llama(cfg, rng=np.random.default_rng(0))
 
 
+def test_the_int8_activation_row_takes_a_model_with_quantized_weights():
+    from attnlab.quant import QuantizedTensor
+
+    quantized = _tiny_llama()
+    for name, p in quantized.named_parameters():
+        if name.startswith("blocks.") and p.data.ndim == 2:
+            p.data = QuantizedTensor.quantize(p.data.astype(np.float32), "Q8_0")
+    db = types.SimpleNamespace(load_smollm2=lambda *, quantized=True: model)
+    model = quantized
+    got = bm._int8_activations(db)
+    assert got is quantized and {p.data.activations for _, p in got.named_parameters()
+                                 if isinstance(p.data, QuantizedTensor)} == {"int8"}
+    model = _tiny_llama()  # dequantized (no numba): no row to time
+    assert bm._int8_activations(db) is None
+
+
 def test_decode_cache_bytes_count_key_value_heads_windows_and_storage():
     from attnlab.decode_bench import decode_cache_bytes
     from attnlab.models import Llama, LlamaConfig
@@ -250,7 +266,7 @@ def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
     readings = iter([1e10, 2e10])  # before the models load, after the timings: the larger is the limit
     fake.memory_bandwidth = lambda *, threads=None: next(readings)
     fake.decode_weight_bytes = lambda model: 1000 if model is small else 4000
-    fake.load_smollm2 = lambda *, quantized=True: small
+    fake.load_smollm2 = lambda *, quantized=True: small  # float weights: no int8-activation row
     monkeypatch.setitem(sys.modules, bm.DECODE_MODULE, fake)
     monkeypatch.setattr(bm, "_llama_cpp_fns", lambda *a: None)  # llama.cpp stays out of tests
     models = bm.Models()
@@ -261,19 +277,21 @@ def test_the_decode_rows_share_the_bandwidth_limit(monkeypatch):
     monkeypatch.setattr(models, "smollm2_torch", lambda: theirs)
     bandwidth, rows = bm.decode_rows(threads=1, repeats=1, new_tokens=3, settle=0.0, models=models)
     assert bandwidth == 2e10
-    assert [r.name.split()[0] for r in rows] == ["attnlab", "attnlab", "transformers", "llama.cpp"]
-    for r in rows[:3]:
+    assert [r.name.split()[0] for r in rows] == ["attnlab", "attnlab", "attnlab", "transformers", "llama.cpp"]
+    timed = [rows[0], rows[1], rows[3]]
+    for r in timed:
         assert r.tokens_per_s is not None
         assert r.share == pytest.approx(r.tokens_per_s * r.weight_bytes / 2e10, rel=1e-12)
-    assert rows[1].weight_bytes == 1000 and rows[0].weight_bytes == rows[2].weight_bytes == 4000
+    assert rows[1].weight_bytes == 1000 and rows[0].weight_bytes == rows[3].weight_bytes == 4000
     assert rows[0].note == "same tokens as transformers: yes"
-    assert rows[3].tokens_per_s is None and "llama_cpp" in rows[3].note
+    assert "int8 activations" in rows[2].name and rows[2].tokens_per_s is None and "dequantized" in rows[2].note
+    assert rows[4].tokens_per_s is None and "llama_cpp" in rows[4].note
     from attnlab.cli.bench import format_decode_rows
 
     table = format_decode_rows(rows).splitlines()
     assert table[0].split()[:3] == ["decoder", "tok/s", "weights"] and "share of limit" in table[0]
     assert re.search(r"\d+%", table[1])
-    assert table[4].startswith("llama.cpp") and re.search(r"stored\)\s+-\s", table[4])  # no rate
+    assert table[5].startswith("llama.cpp") and re.search(r"stored\)\s+-\s", table[5])  # no rate
 
 
 @pytest.mark.parametrize(

@@ -17,8 +17,9 @@ by the module that owns them (plain tuples, which numba types quickly; the names
 the fields in order):
 
 - a product (:func:`attnlab.quant.product_record`): ``(codes, scales, mins, kind, bias)``,
-  ``kind`` 0 ``Q8_0``, 1 ``Q4_0``, 2 ``Q4_1``, 3 a float32 weight (``codes``), ``bias`` None
-  for none;
+  ``kind`` 0 ``Q8_0``, 1 ``Q4_0``, 2 ``Q4_1``, 3 a float32 weight (``codes``), 4 to 6 the
+  quantized three with ``x`` rounded to int8 (:func:`attnlab.quant.round_activations`),
+  ``bias`` None for none;
 - a norm (:meth:`attnlab.nn.RMSNorm.decode_record`): ``(weight (D,), eps, offset)``, scaling
   by ``weight + offset`` (1 with a unit offset); None where a block has no such norm;
 - the attention (:meth:`attnlab.nn.Attention.decode_record`): ``(qkv, out, q_norm, k_norm,
@@ -54,7 +55,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from attnlab._quant_kernels import _F, f32_matvec, q4_matvec, q8_0_matvec
+from attnlab._quant_kernels import _F, f32_matvec, q4_matvec, q4_matvec_q8, q8_0_matvec, q8_0_matvec_q8
 
 # fastmath without "no infs, no NaNs": the softmax and SiLU meet large magnitudes (exp(-x)
 # overflows to inf for x << 0, and x / inf must stay -0); reassociation lets sums vectorise.
@@ -486,8 +487,12 @@ def _matvec_impl(codes, scales, mins, kind, x, out):
     def quantized(codes, scales, mins, kind, x, out):
         if kind == 0:
             q8_0_matvec(codes, scales, x, out)
-        else:
+        elif kind < 3:
             q4_matvec(codes, scales, mins, x, out, kind == 2)
+        elif kind == 4:  # kinds 4-6: int8 activations (attnlab.quant.quantize_activations)
+            q8_0_matvec_q8(codes, scales, x, out)
+        else:
+            q4_matvec_q8(codes, scales, mins, x, out, kind == 6)
     return quantized
 
 

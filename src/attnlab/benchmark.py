@@ -1143,6 +1143,17 @@ def decode_bench_module():
     return module if all(hasattr(module, name) for name in DECODE_NEEDS) else None
 
 
+def _int8_activations(db):
+    """A second quantized SmolLM2 whose products round their inputs to int8, or None where
+    its weights were dequantized (no numba)."""
+    from attnlab.quant import is_quantized, quantize_activations
+
+    model = _load_quantized_smollm2(db)
+    if not any(is_quantized(p.data) for _, p in model.named_parameters()):
+        return None
+    return quantize_activations(model, "int8")
+
+
 def _load_quantized_smollm2(db):
     """SmolLM2 with quantized weights: ``decode_bench.load_smollm2(quantized=True)``, else
     ``attnlab.models.load_smollm2(quantized=True)``."""
@@ -1214,8 +1225,10 @@ def decode_rows(
     :mod:`attnlab.decode_bench` is missing.
 
     Rows, timed in the same turns after a 32-token prompt (whose time is taken out): attnlab
-    float32, attnlab quantized, transformers float32 (see :class:`Models`), and llama.cpp
-    on the same GGUF file where ``llama_cpp`` imports (an anchor, not a dependency).
+    float32, attnlab quantized (multiplying float32 activations, then int8 ones:
+    :func:`attnlab.quant.quantize_activations`), transformers float32 (see :class:`Models`),
+    and llama.cpp on the same GGUF file where ``llama_cpp`` imports (an anchor, not a
+    dependency).
 
     The bandwidth is measured before the models load and again after the timings, and the
     larger taken: a virtual machine's can change from one second to the next (a 2-vCPU EPYC
@@ -1247,6 +1260,7 @@ def decode_rows(
         bandwidth = float(db.memory_bandwidth(threads=threads))
     ours = models.smollm2()
     quantized = models._get("SmolLM2 (attnlab, quantized)", lambda: _load_quantized_smollm2(db))
+    int8 = models._get("SmolLM2 (attnlab, quantized, int8 activations)", lambda: _int8_activations(db))
     theirs = models.smollm2_torch() if with_torch else None
     prompt = _prompt(ours.config.vocab_size, DECODE_PROMPT_TOKENS)
     tp = torch.from_numpy(prompt) if with_torch else None
@@ -1271,12 +1285,18 @@ def decode_rows(
         "attnlab float32": DecodeRow("attnlab SmolLM2 float32", weight_bytes=f32_bytes),
         "attnlab quantized": DecodeRow("attnlab SmolLM2 quantized",
                                        weight_bytes=int(db.decode_weight_bytes(quantized))),
+        "attnlab int8": DecodeRow("attnlab SmolLM2 quantized, int8 activations",
+                                  weight_bytes=int(db.decode_weight_bytes(quantized))),
         "transformers": DecodeRow("transformers SmolLM2 float32", weight_bytes=f32_bytes),
         "llama.cpp": DecodeRow("llama.cpp SmolLM2 (GGUF as stored)", weight_bytes=smollm2_path().stat().st_size,
                                note="weight bytes: the file's size"),
     }
     pairs = {"attnlab float32": attnlab_pair(ours, "attnlab float32"),
              "attnlab quantized": attnlab_pair(quantized, "attnlab quantized")}
+    if int8 is None:
+        rows["attnlab int8"].note = "skipped: the weights were dequantized (numba, the fast extra, is missing)"
+    else:
+        pairs["attnlab int8"] = attnlab_pair(int8, "attnlab int8")
     if with_torch:
         pairs["transformers"] = (gen_theirs, prefill_theirs)
     else:
