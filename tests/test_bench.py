@@ -459,6 +459,26 @@ def test_explain_dispatch_names_the_kernel_and_why(capsys, pin_cpu, cpu, shape, 
         assert re.search(r"tiles of 512 x \d+", out)
 
 
+def test_explain_dispatch_names_the_int8_dot_products(capsys):
+    """The quantized products' instructions come from numba's target (never the described
+    CPU): the line names them where numba is there, and is absent where it is not."""
+    from attnlab.core.blockwise import fused_available, tuned
+
+    assert main(["bench", "--explain-dispatch", "1,2,64,64"]) == 0
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("quantized weights with int8 activations")]
+    if fused_available():
+        from attnlab import _quant_kernels as qk
+
+        assert line == ["quantized weights with int8 activations (this machine's numba target): "
+                        + qk.explain_int8_dots(qk.INT8_DOT_ISA)]
+        assert "vpdpbusd" in qk.explain_int8_dots("vnni") and "vpmaddubsw" in qk.explain_int8_dots("avx2")
+        assert "scalar" in qk.explain_int8_dots("scalar")
+    with tuned(fused=False):
+        assert main(["bench", "--explain-dispatch", "1,2,64,64"]) == 0
+    assert "int8 activations" not in capsys.readouterr().out
+
+
 def test_explain_dispatch_follows_the_l2_cache(capsys, pin_cpu):
     """The rows kernel's reach: scores of 512 query rows in 4x the L2 forward."""
     pin_cpu("zen4,l2=256K")

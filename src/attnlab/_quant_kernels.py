@@ -201,6 +201,14 @@ def _int8_dot_isa(features: str) -> str:
 INT8_DOT_ISA = _int8_dot_isa(_target_features())
 
 
+def explain_int8_dots(isa: str = INT8_DOT_ISA) -> str:
+    """Which instructions the int8-activation dot products use, and why, in words
+    (``attnlab bench --explain-dispatch``)."""
+    return {"vnni": "AVX512-VNNI's vpdpbusd on 256 bits (numba compiles for avx512vnni and avx512vl)",
+            "avx2": "AVX2's vpmaddubsw + vpmaddwd (numba compiles for avx2, without avx512vnni and avx512vl)",
+            "scalar": "a scalar int32 loop (numba compiles for no avx2)"}[isa]
+
+
 # The codes are prefetched this many bytes ahead of the pair being read (llvm.prefetch into
 # every cache level): half of a 4 KiB page, the span AMD's and Intel's L2 prefetchers keep
 # within (as for an int8 key/value cache, attnlab._decode_kernels._INT8_AHEAD). SmolLM2's

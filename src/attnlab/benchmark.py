@@ -195,6 +195,12 @@ def explain_dispatch(text: str) -> list[str]:
         lines.append(f"{name}: {first.replace('kernel: ', 'kernel ')}")
         lines += [f"  {r.strip()}" for r in rest if not r.strip().startswith("thresholds from")]
     lines += [f"tuning: {line}" for line in thresholds().lines()]
+    from attnlab.quant import _kernels
+
+    kern = _kernels()
+    if kern is not None:  # the decoding step's quantized products (not this shape's attention)
+        lines.append(f"quantized weights with int8 activations (this machine's numba target): "
+                     f"{kern.explain_int8_dots()}")
     return lines
 
 
