@@ -169,6 +169,8 @@ def test_the_choice_is_carried_by_the_weight_and_its_record():
         QuantizedTensor.concat_rows([w8, w])
     with pytest.raises(ValueError, match="activations must be one of 'float32', 'int8', got 'int4'"):
         w.with_activations("int4")
+    with pytest.raises(AttributeError):
+        w.activations = "int8"  # read-only: a new weight is made instead (plans see the parameter replaced)
 
 
 def test_round_activations_refuses_what_it_cannot_round():

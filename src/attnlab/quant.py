@@ -92,7 +92,7 @@ class QuantizedTensor:
             :func:`round_activations`; see :func:`quantize_activations`).
     """
 
-    __slots__ = ("kind", "shape", "codes", "scales", "mins", "name", "activations")
+    __slots__ = ("kind", "shape", "codes", "scales", "mins", "name", "_activations")
     dtype = np.dtype(np.float32)
     ndim = 2
 
@@ -122,7 +122,14 @@ class QuantizedTensor:
                                  f"{np.dtype(dt).name} {need}, got {got}")
         self.kind, self.shape, self.name = kind, (R, K), name
         self.codes, self.scales, self.mins = codes, scales, mins
-        self.activations = activations
+        self._activations = activations
+
+    @property
+    def activations(self) -> str:
+        """``"float32"`` or ``"int8"``: read-only (a compiled decoding step keeps the records
+        it built; :meth:`with_activations` makes a new weight, and
+        :func:`quantize_activations` puts it in the model's parameter)."""
+        return self._activations
 
     # ---- construction ------------------------------------------------------------
     @classmethod
