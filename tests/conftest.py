@@ -77,6 +77,18 @@ def pin_cpu():
         yield lambda cpu: stack.enter_context(pinned_cpu(cpu))
 
 
+@pytest.fixture(params=[True, False], ids=["numba", "numpy"])
+def compiled(request):
+    """Each quantized-product test with the compiled kernels and with the NumPy fallback
+    forced (``tuned(fused=False)``)."""
+    from attnlab.core.blockwise import fused_available, tuned
+
+    if request.param and not fused_available():
+        pytest.skip("numba (the fast extra) is not installed")
+    with tuned(fused=request.param):
+        yield request.param
+
+
 @pytest.fixture
 def torch():
     return pytest.importorskip("torch")

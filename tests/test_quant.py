@@ -23,15 +23,6 @@ def random_blocks(rng, kind: str, shape) -> bytes:
     return np.concatenate([head, codes], axis=1).tobytes()
 
 
-@pytest.fixture(params=[True, False], ids=["numba", "numpy"])
-def compiled(request):
-    """Each product test with the compiled kernels and with the NumPy fallback forced."""
-    if request.param and not fused_available():
-        pytest.skip("numba (the fast extra) is not installed")
-    with tuned(fused=request.param):
-        yield request.param
-
-
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_dequantize_equals_the_gguf_package(kind):
     gguf = pytest.importorskip("gguf")

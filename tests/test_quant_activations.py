@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attnlab.core.blockwise import fused_available, tuned
+from attnlab.core.blockwise import fused_available
 from attnlab.quant import (
     KINDS,
     MATVEC_MAX_ROWS,
@@ -51,14 +51,6 @@ def within_round_off(y, xr, w) -> bool:
     ref = xr.astype(np.float64) @ dense.T
     scale = np.abs(xr).astype(np.float64) @ np.abs(dense).T
     return bool(np.all(np.abs(y - ref) <= 2e-6 * scale + 1e-6))
-
-
-@pytest.fixture(params=[True, False], ids=["numba", "numpy"])
-def compiled(request):
-    if request.param and not fused_available():
-        pytest.skip("numba (the fast extra) is not installed")
-    with tuned(fused=request.param):
-        yield request.param
 
 
 def test_rounding_is_blockwise_int8_with_a_float32_scale():
