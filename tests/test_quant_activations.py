@@ -287,6 +287,13 @@ def test_cli_generate_with_int8_activations(tmp_path, capsys):
     assert main(args[:-1] + ["--activations", "int8"]) == 2  # without --quantized
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--activations int8 needs --quantized" in err
+    if fused_available():  # a file of float weights: nothing to round the inputs of
+        f32 = tmp_path / "f32.gguf"
+        write_tiny_gguf(f32, qtype="F32")
+        argv = ["generate", "--checkpoint", str(f32), "--raw", "hello", "--quantized", "--activations", "int8"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "has no Q8_0, Q4_0 or Q4_1 weights" in err
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--activations", "int4"])
     assert exit_.value.code == 2 and "argument --activations: invalid choice: 'int4'" in capsys.readouterr().err

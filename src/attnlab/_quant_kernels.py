@@ -332,7 +332,8 @@ def quantize_x(x, xlo, xhi, dx4, xs, finite):
     each block's first and second 16 values (the values a code byte's low and high nibble
     multiply), ``dx4 (N, K / 8)`` each block's ``d`` four times, ``xs (N, K / 32)`` each
     block's ``d * sum(q)`` (the block sum of the rounded ``x``), ``finite (N,)`` whether
-    each row's values are all finite (a row's codes are zeros where not)."""
+    each row's values are all finite (a block holding a NaN or an infinity gets zero codes;
+    the caller multiplies such a row as it is)."""
     N, nblocks = xs.shape
     for n in range(N):
         finite[n] = True
