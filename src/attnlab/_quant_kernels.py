@@ -185,8 +185,9 @@ def q4_dequantize(codes, scales, mins, out, has_min):
 # lacks, which would stop LLVM): AVX512-VNNI's vpdpbusd on 256 bits (32 code bytes, two
 # blocks a step), else AVX2's vpmaddubsw + vpmaddwd (the same sums: a pair of products is at
 # most 2 * 15 * 127, far from int16's saturation), else a scalar loop in int32.
-# Measured on one core of a 2-core Zen 4 EPYC, a 1536 x 576 Q4_1 weight in cache: 22 us
-# (VNNI) and 23 us (AVX2) against 51 us for float x (q4_matvec).
+# Measured on one core of a 2-core Zen 4 EPYC, a 1536 x 576 Q4_1 weight in cache: 28-30 us
+# with x's rounding and the prefetch below (the dot products alone: 22 us VNNI, 23 us AVX2)
+# against 51 us for float x (q4_matvec).
 
 def _target_features() -> str:
     """The CPU features numba compiles for (``+avx2,+avx512vnni,...``; empty if unknown)."""
