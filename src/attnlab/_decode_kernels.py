@@ -55,7 +55,16 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from attnlab._quant_kernels import _F, f32_matvec, q4_matvec, q4_matvec_q8, q8_0_matvec, q8_0_matvec_q8
+from attnlab._quant_kernels import (
+    _F,
+    PREFETCH_AHEAD,
+    f32_matvec,
+    prefetch_line,
+    q4_matvec,
+    q4_matvec_q8,
+    q8_0_matvec,
+    q8_0_matvec_q8,
+)
 
 # fastmath without "no infs, no NaNs": the softmax and SiLU meet large magnitudes (exp(-x)
 # overflows to inf for x << 0, and x / inf must stay -0); reassociation lets sums vectorise.
@@ -283,9 +292,9 @@ def _fold_masks(w):
     return _lane_mask(lo), _lane_mask(hi)
 
 
-# An int8 cache's rows are prefetched this many bytes ahead of the row being read, by the
-# explicit-vector passes (:func:`_lane_dots`, :func:`_lane_weigh`): half of a 4 KiB page,
-# the span a hardware L2 prefetcher stays within on AMD's and Intel's cores alike. An int8
+# An int8 cache's rows are prefetched PREFETCH_AHEAD bytes ahead of the row being read
+# (attnlab._quant_kernels: half a page, the same rule as the 4-bit products' codes), by the
+# explicit-vector passes (:func:`_lane_dots`, :func:`_lane_weigh`). An int8
 # row (64 bytes a key for SmolLM2) takes as many multiply-adds as a float32 one but a
 # quarter of its bytes, and the hardware's own prefetch fell behind it. On the 2-core Zen
 # 4, each step's time over the same step without prefetching, the two in turns in one
@@ -295,19 +304,15 @@ def _fold_masks(w):
 # cache), median of 61: 0.86-0.92 on two threads, 0.89 on one, 0.91 over 300 keys; 1,024,
 # 2,048 and 4,096 bytes ahead within 3% of each other. A float cache is left to the
 # hardware: its passes are bound by the memory itself, and prefetching them was 3-5% slower.
-_INT8_AHEAD = 2048
 
 
 def _prefetch(builder, row, stride, nbytes):
-    """Prefetch the ``nbytes`` of the row :data:`_INT8_AHEAD` bytes past ``row`` (an i8
-    pointer; rows ``stride`` bytes apart, ``nbytes`` of values each) into the L1 cache, a
-    64-byte line at a time. A prefetch never faults: past the array's end it is dropped."""
-    fn = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(ir.VoidType(), [_I8P] + [ir.IntType(32)] * 3), "llvm.prefetch.p0")
-    ahead = builder.gep(row, [builder.mul(stride, stride.type(max(1, _INT8_AHEAD // nbytes)))])
-    for offset in range(0, nbytes, 64):  # (address, read, keep in all levels, data)
-        builder.call(fn, [builder.gep(ahead, [stride.type(offset)]), ir.IntType(32)(0), ir.IntType(32)(3),
-                          ir.IntType(32)(1)])
+    """Prefetch the ``nbytes`` of the row about :data:`PREFETCH_AHEAD` bytes past ``row``
+    (an i8 pointer; rows ``stride`` bytes apart, ``nbytes`` of values each), a 64-byte line
+    at a time (:func:`attnlab._quant_kernels.prefetch_line`)."""
+    ahead = builder.gep(row, [builder.mul(stride, stride.type(max(1, PREFETCH_AHEAD // nbytes)))])
+    for offset in range(0, nbytes, 64):
+        prefetch_line(builder, builder.gep(ahead, [stride.type(offset)]))
 
 
 def _vector_fma(builder, a, b, c):

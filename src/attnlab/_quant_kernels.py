@@ -222,13 +222,26 @@ def explain_int8_dots(isa: str = INT8_DOT_ISA) -> str:
             "scalar": "a scalar int32 loop (numba compiles for no avx2)"}[isa]
 
 
-# The codes are prefetched this many bytes ahead of the pair being read (llvm.prefetch into
-# every cache level): half of a 4 KiB page, the span AMD's and Intel's L2 prefetchers keep
-# within (as for an int8 key/value cache, attnlab._decode_kernels._INT8_AHEAD). SmolLM2's
-# 150 block products a token, 80 MB, on a 2-core Zen 4 EPYC, paired in one process: 0.85
-# of the time without it on 2 threads, 0.81 on 1; 1 KiB ahead 0.90, 4 KiB 0.84. Prefetching
-# the scales and mins as well measured no faster.
-_PREFETCH_AHEAD = 2048
+# Bytes a software prefetch reaches ahead of what is being read (llvm.prefetch into every
+# cache level), for the compiled kernels that stream int8 or 4-bit codes (these 4-bit
+# products' codes; an int8 key/value cache's rows, attnlab._decode_kernels): half of a 4 KiB
+# page, the span AMD's and Intel's L2 prefetchers keep within. Here, SmolLM2's 150 block
+# products a token, 80 MB, on a 2-core Zen 4 EPYC, paired in one process: 0.85 of the time
+# without it on 2 threads, 0.81 on 1; 1 KiB ahead 0.90, 4 KiB 0.84. Prefetching the scales
+# and mins as well measured no faster.
+PREFETCH_AHEAD = 2048
+
+
+def prefetch_line(builder, address):
+    """Emit a prefetch of the 64-byte line at ``address`` (an i8 pointer) into every cache
+    level. A prefetch never faults: an address past an array's end is dropped."""
+    from llvmlite import ir
+    from numba.core import cgutils
+
+    i32 = ir.IntType(32)
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer()] + [i32] * 3), "llvm.prefetch.p0")
+    builder.call(fn, [address, i32(0), i32(3), i32(1)])  # (address, read, keep in every level, data)
 
 
 def _pair_dots_intrinsic(isa: str):
@@ -258,8 +271,6 @@ def _pair_dots_intrinsic(isa: str):
             mod = builder.module
             accp = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
             fma = cgutils.get_or_insert_function(mod, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
-            prefetch = cgutils.get_or_insert_function(mod, ir.FunctionType(ir.VoidType(), [i8p] + [ir.IntType(32)] * 3),
-                                                      "llvm.prefetch.p0")
             if isa == "vnni":
                 dpbusd = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i, [v8i] * 3),
                                                         "llvm.x86.avx512.vpdpbusd.256")
@@ -275,9 +286,7 @@ def _pair_dots_intrinsic(isa: str):
                 def load(base, offset, ty, align):
                     return builder.load(builder.bitcast(builder.gep(base, [offset]), ty.as_pointer()), align=align)
 
-                # (address, read, keep in every level, data); past the array's end it is dropped
-                builder.call(prefetch, [builder.gep(cp, [builder.add(off, intp(_PREFETCH_AHEAD))]), ir.IntType(32)(0),
-                                        ir.IntType(32)(3), ir.IntType(32)(1)])
+                prefetch_line(builder, builder.gep(cp, [builder.add(off, intp(PREFETCH_AHEAD))]))
                 c = load(cp, off, v32b, 1)
                 lo = builder.and_(c, ir.Constant(v32b, [15] * 32))
                 hi = builder.lshr(c, ir.Constant(v32b, [4] * 32))
