@@ -46,3 +46,29 @@ def die_once_on_marker(model, batch):
         open(flag, "w").close()
         os._exit(3)
     return last_resid(model, batch)
+
+
+def tiny_quantized_llama(activations: str = "float32"):
+    """A 2-block Llama whose block weights are kept quantized (Q4_1 projections, a Q8_0
+    feed-forward down-projection), multiplying ``activations``."""
+    from attnlab.models import Llama, LlamaConfig
+    from attnlab.quant import QuantizedTensor
+
+    model = Llama(LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+                  rng=np.random.default_rng(3))
+    rng = np.random.default_rng(4)
+    for name, p in model.named_parameters():
+        if name.startswith("blocks.") and p.data.ndim == 2:
+            kind = "Q8_0" if "down" in name else "Q4_1"
+            w = QuantizedTensor.quantize(rng.normal(0.0, 0.15, p.data.shape).astype(np.float32), kind, name=name)
+            p.data = w.with_activations(activations)
+    return model
+
+
+def doubled_attention(*args, **kwargs):
+    """An attention function of a user's (module-level, so a worker can import it): attnlab's,
+    its output doubled."""
+    from attnlab.core.dispatch import scaled_dot_product_attention
+
+    return 2 * scaled_dot_product_attention(*args, **kwargs)

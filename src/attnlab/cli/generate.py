@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from attnlab.cli._common import CLIError
+from attnlab.cli._common import CLIError, add_quantized_flags, check_quantized_flags, load_decoder
 
 #: New tokens of a raw continuation (and of a recall checkpoint) when --max-new-tokens is not given.
 DEFAULT_NEW_TOKENS = 8
@@ -77,16 +77,7 @@ def register(sub) -> None:
     p.add_argument("--adapter", metavar="FOLDER", default=None,
                    help="a LoRA adapter (adapter_config.json + adapter_model.safetensors, from attnlab finetune "
                    "or PEFT) for the model, applied before generating")
-    p.add_argument("--quantized", action="store_true",
-                   help="keep a .gguf file's Q8_0/Q4_0/Q4_1 weights quantized (the bundled SmolLM2 too): "
-                   "about 5x fewer bytes read per token, faster decoding, logits within about 1e-2 of "
-                   "the float32 default")
-    p.add_argument("--activations", choices=("float32", "int8"), default="float32",
-                   help="with --quantized: what the quantized weights multiply. float32 (default): each "
-                   "layer's input as it is. int8: rounded to int8 per block of 32 values, as llama.cpp "
-                   "does; its 4-bit products become integer dot products (decoding about 1.2-1.3x faster "
-                   "on a CPU with AVX2 or AVX512-VNNI), and the next-token distribution moves (SmolLM2: a KL "
-                   "divergence of about 0.006 a token, as far as llama.cpp's from the exact products)")
+    add_quantized_flags(p, what="--checkpoint")
     p.add_argument("--cache-dtype", choices=("float32", "float16", "int8"), default=None,
                    help="the key/value cache's storage: float16 takes half the memory and, with --quantized, "
                    "makes long generations faster (each new token reads half the bytes of the cache); its keys "
@@ -170,22 +161,7 @@ def _decoder(args, prompt: str, path: Path | None, sampling: dict) -> _Run:
 
     from attnlab.models.decoder import decode_stream
 
-    if path is None:
-        from attnlab.models.llama import load_smollm2
-
-        model = load_smollm2(quantized=args.quantized)
-    else:
-        from attnlab.models.registry import from_pretrained
-
-        model = from_pretrained(path, **({"quantized": True} if args.quantized else {}))
-    if args.activations == "int8":
-        from attnlab.quant import is_quantized, keeps_quantized, quantize_activations
-
-        if keeps_quantized():  # else the weights were dequantized: nothing to round for
-            if not any(is_quantized(p.data) for _, p in model.named_parameters()):
-                raise CLIError(f"--activations int8: {path or 'the model'} has no Q8_0, Q4_0 or Q4_1 weights "
-                               "to round the inputs of (its weights are float)")
-            quantize_activations(model)
+    model = load_decoder(path, quantized=args.quantized, activations=args.activations)
     if args.adapter is not None:  # merged into float weights; beside quantized ones
         from attnlab.train.lora import load_adapter
 
@@ -244,10 +220,7 @@ def run(args) -> int:
     if args.seed < 0:
         raise CLIError(f"--seed must be a non-negative integer, got {args.seed}")
     path = None if args.checkpoint is None else Path(args.checkpoint)
-    if args.quantized and path is not None and path.suffix.lower() != ".gguf":
-        raise CLIError(f"--quantized needs a .gguf file (or no --checkpoint: the bundled SmolLM2), got {path}")
-    if args.activations != "float32" and not args.quantized:
-        raise CLIError(f"--activations {args.activations} needs --quantized (the products it rounds the inputs of)")
+    check_quantized_flags(args, path, what="--checkpoint")
     sampling = {"temperature": args.temperature, "top_k": args.top_k, "rng": np.random.default_rng(args.seed)}
     try:
         family = None

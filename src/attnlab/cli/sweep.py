@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from attnlab.cli._common import CLIError
+from attnlab.cli._common import CLIError, add_quantized_flags, check_quantized_flags, load_decoder
 
 
 def register(sub) -> None:
@@ -35,6 +35,7 @@ def register(sub) -> None:
         epilog="examples:\n"
         "  attnlab sweep prompts.jsonl out/ --method logit_lens_top --option k=5 --option position=-1\n"
         "  attnlab sweep prompts.jsonl out/ --engine processes --workers 2\n"
+        "  attnlab sweep prompts.jsonl out/ --quantized --engine processes  # workers map the 4-bit codes\n"
         "  attnlab sweep prompts.jsonl out/ --method cache --option 'hooks=[\"blocks.5.hook_resid_post\"]'\n"
         "  attnlab sweep prompts.jsonl out/ --engine ray --address 127.0.0.1:6379",
     )
@@ -42,6 +43,7 @@ def register(sub) -> None:
     p.add_argument("out", metavar="OUT", help="the sweep's folder (created; give the same one to resume)")
     p.add_argument("--model", metavar="PATH", default="smollm2",
                    help="a model folder, a .gguf file or an attnlab checkpoint (default: the bundled SmolLM2)")
+    add_quantized_flags(p, what="--model")
     p.add_argument("--method", default="logit_lens_top", metavar="NAME",
                    help="logit_lens_top (default), cache, detect_heads, activation_patching, generate")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
@@ -125,10 +127,15 @@ def run(args) -> int:
             raise CLIError(f"{flag} must be a positive integer, got {value}")
     if args.address is not None and args.engine != "ray":
         raise CLIError("--address is for --engine ray")
+    path = None if str(args.model).lower() == "smollm2" else Path(args.model)
+    check_quantized_flags(args, path, what="--model")
     options = _options(args.option, args.field)
     bar = None if args.quiet else _Bar()
     try:
-        report = sweep(args.model, args.data, args.out, method=args.method, options=options, engine=args.engine,
+        t0 = time.perf_counter()  # a model loaded here counts in the load time the summary gives
+        model = load_decoder(path, quantized=True, activations=args.activations) if args.quantized else args.model
+        loaded = time.perf_counter() - t0
+        report = sweep(model, args.data, args.out, method=args.method, options=options, engine=args.engine,
                        workers=args.workers, threads=args.threads, batch_size=args.batch_size,
                        max_batch_tokens=args.max_batch_tokens, on_error="raise" if args.stop_on_error else "record",
                        retry_failed=args.retry_failed, address=args.address, progress=bar)
@@ -139,6 +146,7 @@ def run(args) -> int:
     if bar is not None:
         bar.end()
     print(f"{report.out}: {report.computed} items computed in {report.seconds:.1f} s ({report.rate:.2f} items/s; "
-          f"model loaded in {report.load_seconds:.1f} s), {report.skipped} already done, {report.failed} failed; "
+          f"model loaded in {loaded + report.load_seconds:.1f} s), {report.skipped} already done, "
+          f"{report.failed} failed; "
           f"read with attnlab.sweep.read_results({str(report.out)!r})")
     return 0

@@ -211,7 +211,7 @@ def sweep(
             folder = cleanup.enter_context(store.worker_weights())
             recipe.path = str(_write_shared_weights(model, folder, store))
             if given is not model:  # loaded here: the driver maps the shared file too, its own copy freed
-                adopt(model, map_weights(recipe.path))
+                adopt(model, map_weights(recipe.path, recipe.quantized))
         return _run(store, model, method, data, plan, engine, threads, workers, recipe, address, retry_failed,
                     on_error, total, progress, t0)
 
