@@ -154,7 +154,8 @@ def sweep(
             :class:`Method`, or a function ``(model, batch) -> dict of arrays``.
         options: the method's options (e.g. ``{"hooks": [...], "position": -1}`` for
             ``"cache"``, ``{"k": 5}`` for ``"logit_lens_top"``, ``{"field": "prompt"}``).
-        engine: ``"serial"``, ``"processes"`` or ``"ray"``: the same results, bit for bit.
+        engine: ``"serial"``, ``"processes"`` or ``"ray"``: the same results, bit for bit (but for
+            the first run after the compiled kernels are built: see the how-to's "Engines").
         workers: worker processes or actors (default: the usable CPUs divided by ``threads``).
         threads: threads each batch computes with (BLAS and attnlab's pools), in every engine.
         batch_size: most items in a batch.
