@@ -397,3 +397,30 @@ def test_without_the_compiled_kernels_a_quantized_load_is_float32_with_one_warni
         np.testing.assert_array_equal(m.layers[0].attn.in_proj_weight.data, ref.layers[0].attn.in_proj_weight.data)
     ids = np.array([[5, 9, 77, 3, 120, 8]])
     np.testing.assert_array_equal(model.generate(ids, 4), ref.generate(ids, 4))
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_state_dict_of_a_quantized_model_round_trips_as_copies(activations):
+    from attnlab.models import Llama, LlamaConfig
+    from attnlab.quant import quantize_activations
+
+    cfg = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = Llama(cfg, rng=np.random.default_rng(5))
+    for i, (name, p) in enumerate(model.named_parameters()):
+        if name.startswith("blocks.") and p.data.ndim == 2:
+            p.data = QuantizedTensor.quantize(p.data, ("Q8_0", "Q4_0", "Q4_1")[i % 3], name=name)
+    if activations == "int8":
+        quantize_activations(model)
+    state = model.state_dict()
+    w = model.layers[0].attn.in_proj_weight.data
+    got = state["blocks.0.attn.in_proj_weight"]
+    assert isinstance(got, QuantizedTensor) and (got.kind, got.activations) == (w.kind, activations)
+    assert got.codes is not w.codes and not np.shares_memory(got.codes, w.codes)
+    got.codes[...] = 0  # a copy: the model's weight is untouched
+    assert w.codes.any()
+    state = model.state_dict()
+    other = Llama(cfg, rng=np.random.default_rng(6))
+    other.load_state_dict(state)
+    ids = np.array([[1, 5, 9, 2, 7]])
+    assert np.array_equal(other(ids), model(ids))

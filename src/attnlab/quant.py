@@ -228,6 +228,17 @@ class QuantizedTensor:
         return QuantizedTensor(self.kind, self.shape, self.codes, self.scales, self.mins, name=self.name,
                                activations=activations)
 
+    def copy(self) -> QuantizedTensor:
+        """The same weight with arrays of its own (NumPy's ``copy``: writable, C-contiguous).
+
+        >>> w = QuantizedTensor.quantize(np.ones((2, 32), dtype=np.float32), "Q4_1")
+        >>> c = w.copy(); c.codes is w.codes, np.array_equal(c.dequantize(), w.dequantize())
+        (False, True)
+        """
+        return QuantizedTensor(self.kind, self.shape, self.codes.copy(), self.scales.copy(),
+                               None if self.mins is None else self.mins.copy(), name=self.name,
+                               activations=self.activations)
+
     def __array__(self, dtype=None, copy=None):
         raise TypeError(f"{self!r} ({self.name}) is not an array: call .dequantize() for its float32 values "
                         "(quantized weights are multiplied through attnlab.nn.functional.linear)")

@@ -233,8 +233,11 @@ class Module:
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """A NumPy copy of every parameter, keyed by torch-style dotted names (weights of
-        another library, see :meth:`to`, are copied to the host)."""
-        return {name: to_host(p.data).copy() for name, p in self.named_parameters()}
+        another library, see :meth:`to`, are copied to the host; a weight kept quantized is a
+        copy of its :class:`~attnlab.quant.QuantizedTensor`, which :meth:`load_state_dict`
+        takes back as it is)."""
+        return {name: p.data.copy() if is_quantized(p.data) else to_host(p.data).copy()
+                for name, p in self.named_parameters()}
 
     def load_state_dict(self, state_dict: Mapping[str, object], strict: bool = True, assign: bool = False) -> None:
         """Copy arrays into the parameters (cast to each parameter's dtype).
