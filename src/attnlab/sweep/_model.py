@@ -54,10 +54,9 @@ def fingerprint(model) -> str:
     h = hashlib.blake2b(digest_size=12)
     for name, p in model.named_parameters():
         w = p.data
-        parts = _quantized_parts(w) if is_quantized(w) else {"": np.asarray(w)}
         if is_quantized(w):
             h.update(f"{name}{w.shape}{w.kind}{w.activations}".encode())
-        for label, a in parts.items():
+        for label, a in (_quantized_parts(w) if is_quantized(w) else {"": np.asarray(w)}).items():
             h.update(f"{name}{label}{a.shape}{a.dtype}".encode())
             flat = a.reshape(-1)
             h.update(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]).tobytes())
@@ -80,10 +79,17 @@ def _describe(model) -> tuple[dict, dict]:
 
     names, quantized = {}, {}
     for n, p in model.named_parameters():
-        names[n] = (tuple(p.shape), str(np.dtype(p.data.dtype)))
+        names[n] = (tuple(p.shape), str(_dtype(p.data)))
         if is_quantized(p.data):
             quantized[n] = (p.data.kind, p.data.activations)
     return names, quantized
+
+
+def _dtype(w) -> np.dtype:
+    """The dtype of a parameter's array (a quantized weight's: float32, its products')."""
+    from attnlab.quant import is_quantized
+
+    return w.dtype if is_quantized(w) else np.asarray(w).dtype
 
 
 def model_identity(model) -> dict:
@@ -165,7 +171,7 @@ def recipe_for(model, folder: str | os.PathLike | None = None) -> Recipe:
         raise TypeError(f"{cls.__name__} has no config: the processes and ray engines rebuild a model from "
                         "its class and config; run it with engine='serial'")
     params = inspect.signature(cls).parameters
-    kwargs = {"dtype": np.dtype(next(model.parameters()).data.dtype)} if "dtype" in params else {}
+    kwargs = {"dtype": _dtype(next(model.parameters()).data)} if "dtype" in params else {}
     for attr in params:  # what a loaded model holds beside its weights: its tokenizer, chat template, ...
         if attr not in _NOT_CARRIED and getattr(model, attr, None) is not None:
             kwargs[attr] = getattr(model, attr)
@@ -251,7 +257,7 @@ def adopt(model, arrays: Mapping[str, np.ndarray], names: Mapping[str, tuple] | 
     own = dict(model.named_parameters())
     for name, p in own.items():
         a = arrays.get(name)
-        if a is None or tuple(a.shape) != tuple(p.shape) or (names and str(np.dtype(a.dtype)) != names[name][1]):
+        if a is None or tuple(a.shape) != tuple(p.shape) or (names and str(_dtype(a)) != names[name][1]):
             raise ValueError(f"the shared weights do not fit the model's parameter {name!r}")
     for name, p in own.items():
         p.data = arrays[name].view(np.ndarray) if isinstance(arrays[name], np.memmap) else arrays[name]
