@@ -466,8 +466,8 @@ def test_quantized_weights_reach_the_workers_as_maps_of_their_codes(tmp_path, ac
 
     model = tiny_quantized_llama(activations)
     recipe = recipe_for(model, tmp_path)
-    assert recipe.quantized["blocks.0.attn.in_proj_weight"] == ("Q4_1", activations)
-    assert recipe.quantized["blocks.1.mlp.down_proj.weight"] == ("Q8_0", activations)
+    assert recipe.quantized["blocks.0.attn.in_proj_weight"] == ("Q4_1", (128, 64), activations)
+    assert recipe.quantized["blocks.1.mlp.down_proj.weight"] == ("Q8_0", (64, 128), activations)
     rebuilt = recipe.build()
     for (name, p), (_, q) in zip(model.named_parameters(), rebuilt.named_parameters(), strict=True):
         if not isinstance(p.data, QuantizedTensor):

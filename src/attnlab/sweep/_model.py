@@ -56,7 +56,10 @@ def fingerprint(model) -> str:
         w = p.data
         if is_quantized(w):
             h.update(f"{name}{w.shape}{w.kind}{w.activations}".encode())
-        for label, a in (_quantized_parts(w) if is_quantized(w) else {"": np.asarray(w)}).items():
+            parts = _quantized_parts(w)
+        else:
+            parts = {"": np.asarray(w)}
+        for label, a in parts.items():
             h.update(f"{name}{label}{a.shape}{a.dtype}".encode())
             flat = a.reshape(-1)
             h.update(np.ascontiguousarray(flat[:: max(1, flat.size // 4096)]).tobytes())
@@ -73,7 +76,7 @@ def _quantized_parts(w) -> dict[str, np.ndarray]:
 
 def _describe(model) -> tuple[dict, dict]:
     """``(names, quantized)`` of a :class:`Recipe`: every parameter's ``(shape, dtype)`` (a
-    quantized weight's products are float32), and each quantized one's ``(kind,
+    quantized weight's products are float32), and each quantized one's ``(kind, shape,
     activations)``."""
     from attnlab.quant import is_quantized
 
@@ -81,7 +84,7 @@ def _describe(model) -> tuple[dict, dict]:
     for n, p in model.named_parameters():
         names[n] = (tuple(p.shape), str(_dtype(p.data)))
         if is_quantized(p.data):
-            quantized[n] = (p.data.kind, p.data.activations)
+            quantized[n] = (p.data.kind, tuple(p.data.shape), p.data.activations)
     return names, quantized
 
 
@@ -131,7 +134,7 @@ class Recipe:
         path: the safetensors file to map (``processes``), or None.
         arrays: the arrays themselves (Ray: read-only views of its object store; a quantized
             weight as its :class:`~attnlab.quant.QuantizedTensor`), or None.
-        quantized: parameter name -> ``(kind, activations)`` of each weight kept quantized.
+        quantized: parameter name -> ``(kind, shape, activations)`` of each weight kept quantized.
     """
 
     cls: type
@@ -176,13 +179,13 @@ def recipe_for(model, folder: str | os.PathLike | None = None) -> Recipe:
         if attr not in _NOT_CARRIED and getattr(model, attr, None) is not None:
             kwargs[attr] = getattr(model, attr)
     if "attention_fn" in params:
+        from attnlab.core.dispatch import scaled_dot_product_attention
+
         fns = {id(m.attention_fn): m.attention_fn for _, m in model.named_modules() if hasattr(m, "attention_fn")}
         if len(fns) > 1:
             raise TypeError(f"this {cls.__name__}'s layers use {len(fns)} different attention functions: the "
                             "processes and ray engines rebuild a model with one; run it with engine='serial'")
         fn = next(iter(fns.values()), None)
-        from attnlab.core.dispatch import scaled_dot_product_attention
-
         if fn is not None and fn is not scaled_dot_product_attention:
             kwargs["attention_fn"] = fn  # a module-level function: pickled by name
     names, quantized = _describe(model)
@@ -227,7 +230,7 @@ def write_weights(model, folder: str | os.PathLike) -> Path:
 
 def map_weights(path: str, quantized: Mapping[str, tuple] | None = None) -> dict:
     """Every tensor of a safetensors file as a read-only memory map (no bytes read yet); the
-    weights named in ``quantized`` (name -> ``(kind, activations)``, :attr:`Recipe.quantized`)
+    weights named in ``quantized`` (name -> ``(kind, shape, activations)``, :attr:`Recipe.quantized`)
     as a :class:`~attnlab.quant.QuantizedTensor` over their mapped codes, scales and mins."""
     from attnlab.io.safetensors import DTYPES, read_header
 
@@ -238,16 +241,14 @@ def map_weights(path: str, quantized: Mapping[str, tuple] | None = None) -> dict
             out[name] = np.zeros(info.shape, DTYPES[info.dtype])
             continue
         out[name] = np.memmap(path, dtype=DTYPES[info.dtype], mode="r", offset=info.begin, shape=info.shape)
-    for name, (kind, activations) in (quantized or {}).items():
+    for name, (kind, shape, activations) in (quantized or {}).items():
         from attnlab.quant import QuantizedTensor
 
         parts = {label: out.pop(name + label, None) for label in (":codes", ":scales", ":mins")}
         if parts[":codes"] is None or parts[":scales"] is None:
             raise ValueError(f"the shared weights do not hold the quantized parameter {name!r}")
         codes, scales, mins = (None if a is None else a.view(np.ndarray) for a in parts.values())
-        R = scales.shape[0]
-        K = codes.shape[1] * (1 if kind == "Q8_0" else 2)
-        out[name] = QuantizedTensor(kind, (R, K), codes, scales, mins, name=name, activations=activations)
+        out[name] = QuantizedTensor(kind, shape, codes, scales, mins, name=name, activations=activations)
     return out
 
 
